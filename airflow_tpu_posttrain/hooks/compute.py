@@ -1,0 +1,177 @@
+"""Compute Engine I/O for TPU VMs, through Google's official ``google-cloud-compute`` client.
+
+Credentials come from a ``google_cloud_platform`` connection (providers-google's base hook). The API
+endpoint can be overridden (hook argument, or the connection extra ``compute_api_endpoint``) so the same
+code talks to a local Compute emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from functools import cached_property
+from typing import Any
+
+from airflow.providers.google.common.hooks.base_google import GoogleBaseAsyncHook, GoogleBaseHook
+
+# Errors a retry can fix: rate limits and server-side hiccups.
+_TRANSIENT_NAMES = ("TooManyRequests", "ServiceUnavailable", "InternalServerError", "BadGateway", "GatewayTimeout")
+
+
+def _message_to_dict(message: Any) -> dict:
+    """A proto-plus message as the REST JSON the API documents (camelCase keys)."""
+    return json.loads(type(message).to_json(message, use_integers_for_enums=False))
+
+
+class TpuVmHook(GoogleBaseHook):
+    """Create, inspect and delete TPU VM instances, firewall rules and their operations."""
+
+    conn_name_attr = "gcp_conn_id"
+    default_conn_name = "google_cloud_default"
+    conn_type = "google_cloud_platform"
+    hook_name = "Google Cloud (TPU VMs)"
+
+    def __init__(
+        self,
+        gcp_conn_id: str = default_conn_name,
+        api_endpoint: str | None = None,
+        impersonation_chain: str | list[str] | None = None,
+        retry_initial_delay: float = 1.0,
+        retry_deadline: float = 300.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(gcp_conn_id=gcp_conn_id, impersonation_chain=impersonation_chain, **kwargs)
+        self._api_endpoint = api_endpoint
+        self.retry_initial_delay = retry_initial_delay
+        self.retry_deadline = retry_deadline
+
+    @cached_property
+    def api_endpoint(self) -> str | None:
+        return self._api_endpoint or self._get_field("compute_api_endpoint") or None
+
+    def _client(self, name: str) -> Any:
+        from google.cloud import compute_v1
+
+        options = {"api_endpoint": self.api_endpoint} if self.api_endpoint else None
+        return getattr(compute_v1, name)(
+            transport="rest", credentials=self.get_credentials(), client_options=options
+        )
+
+    @cached_property
+    def instances(self) -> Any:
+        return self._client("InstancesClient")
+
+    @cached_property
+    def zone_operations(self) -> Any:
+        return self._client("ZoneOperationsClient")
+
+    @cached_property
+    def firewalls(self) -> Any:
+        return self._client("FirewallsClient")
+
+    @cached_property
+    def global_operations(self) -> Any:
+        return self._client("GlobalOperationsClient")
+
+    @cached_property
+    def retry(self) -> Any:
+        """Backoff on 429/5xx. Inserts and deletes are safe to repeat because they carry a requestId."""
+        from google.api_core import exceptions
+        from google.api_core.retry import Retry, if_exception_type
+
+        transient = tuple(getattr(exceptions, name) for name in _TRANSIENT_NAMES)
+        return Retry(
+            predicate=if_exception_type(*transient),
+            initial=self.retry_initial_delay,
+            maximum=max(self.retry_initial_delay, 30.0),
+            multiplier=2.0,
+            timeout=self.retry_deadline,
+        )
+
+    def get_instance(self, project: str, zone: str, name: str) -> dict | None:
+        """The instance as REST JSON, or None when it does not exist."""
+        from google.api_core.exceptions import NotFound
+
+        try:
+            return _message_to_dict(self.instances.get(project=project, zone=zone, instance=name, retry=self.retry))
+        except NotFound:
+            return None
+
+    def list_instances(self, project: str, zone: str, label_filter: str) -> list[dict]:
+        pages = self.instances.list(project=project, zone=zone, filter=label_filter, retry=self.retry)
+        return [_message_to_dict(instance) for instance in pages]
+
+    def insert_instance(self, project: str, zone: str, body: dict, request_id: str) -> str | None:
+        """Start an insert; the operation name, or None when an instance of that name already exists."""
+        from google.api_core.exceptions import Conflict
+        from google.cloud import compute_v1
+
+        resource = compute_v1.Instance.from_json(json.dumps(body))
+        try:
+            operation = self.instances.insert(
+                request={"project": project, "zone": zone, "instance_resource": resource, "request_id": request_id},
+                retry=self.retry,
+            )
+        except Conflict:
+            return None
+        return operation.name
+
+    def delete_instance(self, project: str, zone: str, name: str, request_id: str) -> str | None:
+        """Start a delete; the operation name, or None when there is nothing to delete."""
+        from google.api_core.exceptions import NotFound
+
+        try:
+            operation = self.instances.delete(
+                request={"project": project, "zone": zone, "instance": name, "request_id": request_id},
+                retry=self.retry,
+            )
+        except NotFound:
+            return None
+        return operation.name
+
+    def get_operation(self, project: str, operation: str, zone: str | None = None) -> dict:
+        """A zonal operation (``zone`` given) or a global one (firewalls)."""
+        if zone:
+            message = self.zone_operations.get(project=project, zone=zone, operation=operation, retry=self.retry)
+        else:
+            message = self.global_operations.get(project=project, operation=operation, retry=self.retry)
+        return _message_to_dict(message)
+
+    def insert_firewall(self, project: str, body: dict, request_id: str) -> str | None:
+        from google.api_core.exceptions import Conflict
+        from google.cloud import compute_v1
+
+        resource = compute_v1.Firewall.from_json(json.dumps(body))
+        try:
+            operation = self.firewalls.insert(
+                request={"project": project, "firewall_resource": resource, "request_id": request_id},
+                retry=self.retry,
+            )
+        except Conflict:
+            return None
+        return operation.name
+
+    def delete_firewall(self, project: str, name: str, request_id: str) -> str | None:
+        from google.api_core.exceptions import NotFound
+
+        try:
+            operation = self.firewalls.delete(
+                request={"project": project, "firewall": name, "request_id": request_id}, retry=self.retry
+            )
+        except NotFound:
+            return None
+        return operation.name
+
+
+class TpuVmAsyncHook(GoogleBaseAsyncHook):
+    """The triggerer's view: the sync client's calls run in a thread so the event loop never blocks."""
+
+    sync_hook_class = TpuVmHook
+
+    async def get_operation(self, project: str, operation: str, zone: str | None = None) -> dict:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_operation, project, operation, zone)
+
+    async def get_instance(self, project: str, zone: str, name: str) -> dict | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_instance, project, zone, name)

@@ -1,0 +1,718 @@
+"""A local Compute Engine v1 REST emulator for tests that cannot reach Google.
+
+It serves the subset of the API that the provider uses (zonal instances, zone and global
+operations, global firewalls) with the real JSON shapes, so that ``google-cloud-compute``
+(REST transport) and the discovery-based ``ComputeEngineHook`` can talk to it via
+``client_options={"api_endpoint": emulator.url}``. Paths are accepted with and without the
+``/compute/v1`` prefix. Note that ``ExtendedOperation.result()`` of google-cloud-compute polls
+``compute.googleapis.com`` whatever the endpoint; wait with a ``ZoneOperationsClient`` built with
+the same client options instead.
+
+Operations finish after ``operation_seconds``: PENDING for the first half (at most a second),
+then RUNNING, then DONE; an inserted instance goes PROVISIONING -> STAGING -> RUNNING alongside.
+State is advanced lazily from the clock whenever the emulator is asked anything, so no timer
+threads are needed.
+
+Faults (stock-outs, quota, missing reservations, transient 503/429, failing deletes) can be
+set from Python with :meth:`ComputeEmulator.set_faults` or over HTTP under ``/_emulator/``.
+
+Standard library only; run it standalone with
+``python -m airflow_tpu_posttrain.local.compute_emulator --port 8930``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import re
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, NamedTuple, Self
+from urllib.parse import parse_qsl, urlsplit
+
+API_ROOT = "https://www.googleapis.com/compute/v1"
+WAIT_TIMEOUT_SECONDS = 2.0
+"""How long ``operations/{op}/wait`` blocks before returning a not-yet-DONE operation."""
+MAX_PENDING_SECONDS = 1.0
+"""An operation is PENDING for half its time, but at most this long, then RUNNING until DONE."""
+
+TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
+
+
+@dataclasses.dataclass
+class Faults:
+    """Failure injection settings; every field can be changed with ``set_faults``."""
+
+    stockout_zones: list[str] = dataclasses.field(default_factory=list)
+    quota_exceeded_zones: list[str] = dataclasses.field(default_factory=list)
+    missing_reservations: list[str] = dataclasses.field(default_factory=list)
+    transient_errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per request kind (see ``TRANSIENT_KINDS``), how many instance/operation requests fail next."""
+    fail_deletes: bool = False
+    operation_seconds: float = 0.2
+    max_run_duration_scale: float = 1.0
+
+
+class _ApiError(Exception):
+    """An HTTP error answered with Google's JSON error body."""
+
+    def __init__(self, status: int, reason: str, message: str, domain: str = "global"):
+        super().__init__(message)
+        self.status = status
+        self.body = {
+            "error": {
+                "code": status,
+                "message": message,
+                "errors": [{"message": message, "domain": domain, "reason": reason}],
+            }
+        }
+
+
+class _OperationError(NamedTuple):
+    """Why an operation ends DONE with an ``error`` (the request itself was accepted)."""
+
+    code: str
+    message: str
+    http_status: int
+    http_message: str
+
+
+@dataclasses.dataclass
+class _Operation:
+    resource: dict[str, Any]
+    start_at: float
+    done_at: float
+    failure: _OperationError | None
+    on_running: Callable[[], None]
+    on_done: Callable[[bool], None]
+    """Applies the operation's effect; receives whether the operation failed."""
+
+
+def _timestamp(epoch_seconds: float) -> str:
+    return datetime.fromtimestamp(epoch_seconds, UTC).isoformat(timespec="milliseconds")
+
+
+def _numeric_id() -> str:
+    """A uint64 resource id; proto3 JSON encodes 64-bit integers as strings."""
+    return str(secrets.randbits(63))
+
+
+def _resource_path(project: str, zone: str | None, collection: str, name: str) -> str:
+    scope = f"zones/{zone}" if zone else "global"
+    return f"projects/{project}/{scope}/{collection}/{name}"
+
+
+def _not_found(path: str) -> _ApiError:
+    return _ApiError(404, "notFound", f"The resource '{path}' was not found")
+
+
+def _already_exists(path: str) -> _ApiError:
+    return _ApiError(409, "alreadyExists", f"The resource '{path}' already exists")
+
+
+_FILTER_TERM = re.compile(r'\s*\(?\s*(?P<field>[\w.-]+)\s*(?P<op>!=|=|:)\s*(?P<value>"[^"]*"|[^\s()]+)\s*\)?')
+_FILTER_AND = re.compile(r"\s*(?:AND\s+)?")
+
+
+def _parse_filter(expression: str) -> list[tuple[str, str, str]]:
+    """Parse ``field = value``, ``field != value`` and ``field:value`` terms joined by AND or spaces."""
+    terms = []
+    position = 0
+    expression = expression.strip()
+    while position < len(expression):
+        match = _FILTER_TERM.match(expression, position)
+        if not match:
+            message = f"Invalid value for field 'filter': '{expression}'. Invalid list filter expression."
+            raise _ApiError(400, "invalid", message)
+        terms.append((match["field"], match["op"], match["value"].strip('"')))
+        position = _FILTER_AND.match(expression, match.end()).end()
+    return terms
+
+
+def _matches(resource: dict[str, Any], terms: list[tuple[str, str, str]]) -> bool:
+    for field, op, expected in terms:
+        actual: Any = resource
+        for part in field.split("."):
+            actual = actual.get(part) if isinstance(actual, dict) else None
+        if actual is not None and not isinstance(actual, str):
+            actual = json.dumps(actual)  # so that booleans compare as "true"/"false"
+        if op == ":" and expected == "*":
+            matched = actual is not None
+        elif op == "!=":
+            matched = actual != expected
+        else:
+            matched = actual == expected
+        if not matched:
+            return False
+    return True
+
+
+class ComputeEmulator:
+    """In-process Compute Engine emulator serving HTTP from a daemon thread.
+
+    Usable as a context manager or via :meth:`start` / :meth:`stop`. All public methods are
+    thread-safe.
+    """
+
+    def __init__(
+        self,
+        port: int = 0,
+        operation_seconds: float = 0.2,
+        instance_ip: str = "127.0.0.1",
+        max_run_duration_scale: float = 1.0,
+    ):
+        self._port = port
+        self._instance_ip = instance_ip
+        self._initial_faults = Faults(
+            operation_seconds=operation_seconds, max_run_duration_scale=max_run_duration_scale
+        )
+        self._lock = threading.RLock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        zonal = r"/projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)"
+        global_ = r"/projects/(?P<project>[^/]+)/global"
+        # path pattern -> {HTTP method: (handler, kind of request for transient_errors)}
+        routes = {
+            f"{zonal}/instances": {
+                "GET": (self._list_instances, "list"),
+                "POST": (self._insert_instance, "insert"),
+            },
+            f"{zonal}/instances/(?P<name>[^/]+)": {
+                "GET": (self._get_instance, "get"),
+                "DELETE": (self._delete_instance, "delete"),
+            },
+            f"{zonal}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
+            f"{zonal}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
+            f"{global_}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
+            f"{global_}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
+            f"{global_}/firewalls": {"POST": (self._insert_firewall, None)},
+            f"{global_}/firewalls/(?P<name>[^/]+)": {
+                "GET": (self._get_firewall, None),
+                "DELETE": (self._delete_firewall, None),
+            },
+        }
+        self._routes = [(re.compile(pattern), methods) for pattern, methods in routes.items()]
+        self.reset()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> Self:
+        server = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        server.daemon_threads = True
+        server.emulator = self
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="compute-emulator", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+        self._server = self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("the emulator is not started")
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # ---------------------------------------------------------------- test API
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """Every API request received (admin requests excluded): method, path, query, body."""
+        with self._lock:
+            return copy.deepcopy(self._requests)
+
+    def instances(self) -> list[dict[str, Any]]:
+        with self._lock:
+            self._advance()
+            return copy.deepcopy(list(self._instances.values()))
+
+    def firewalls(self) -> list[dict[str, Any]]:
+        with self._lock:
+            self._advance()
+            return copy.deepcopy(list(self._firewalls.values()))
+
+    @property
+    def faults(self) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(dataclasses.asdict(self._faults))
+
+    def set_faults(self, **faults: Any) -> None:
+        """Change the given ``Faults`` fields; ``transient_errors`` counts are set per kind."""
+        unknown = set(faults) - {field.name for field in dataclasses.fields(Faults)}
+        if unknown:
+            raise TypeError(f"unknown fault fields: {sorted(unknown)}")
+        unknown_kinds = set(faults.get("transient_errors", {})) - set(TRANSIENT_KINDS)
+        if unknown_kinds:
+            raise ValueError(f"unknown transient error kinds {sorted(unknown_kinds)}; use {TRANSIENT_KINDS}")
+        with self._lock:
+            for name, value in faults.items():
+                if name == "transient_errors":
+                    self._faults.transient_errors.update(value)
+                    for kind in value:
+                        self._transient_served[kind] = 0
+                else:
+                    setattr(self._faults, name, copy.deepcopy(value))
+
+    def set_instance_status(self, zone: str, name: str, status: str, project: str | None = None) -> None:
+        """Force an instance's status, e.g. TERMINATED after a host error or preemption."""
+        with self._lock:
+            self._advance()
+            keys = [key for key in self._instances if key[1:] == (zone, name) and project in (None, key[0])]
+            if not keys:
+                raise KeyError(f"no instance {name!r} in zone {zone!r}")
+            for key in keys:
+                self._instances[key]["status"] = status
+                if status != "RUNNING":
+                    self._run_deadlines.pop(key, None)
+
+    def reset(self) -> None:
+        """Forget all resources, operations, recorded requests and faults."""
+        with self._lock:
+            self._faults = copy.deepcopy(self._initial_faults)
+            self._transient_served: dict[str, int] = {}
+            self._requests: list[dict[str, Any]] = []
+            self._instances: dict[tuple[str, str, str], dict[str, Any]] = {}
+            self._firewalls: dict[tuple[str, str], dict[str, Any]] = {}
+            self._operations: dict[tuple[str, str | None, str], _Operation] = {}
+            self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
+            # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
+            self._run_deadlines: dict[tuple[str, str, str], tuple[float, str]] = {}
+
+    # ---------------------------------------------------------------- dispatch
+
+    def handle(self, method: str, path: str, query: dict[str, str], body: Any) -> tuple[int, Any]:
+        """Answer one HTTP request; returns (status, JSON payload)."""
+        try:
+            if path.startswith("/_emulator/"):
+                return self._handle_admin(method, path, body)
+            return self._handle_api(method, path, query, body)
+        except _ApiError as error:
+            return error.status, error.body
+
+    def _handle_api(self, method: str, path: str, query: dict[str, str], body: Any) -> tuple[int, Any]:
+        with self._lock:
+            self._requests.append({"method": method, "path": path, "query": query, "body": body})
+        api_path = path.removeprefix("/compute/v1")
+        for pattern, methods in self._routes:
+            match = pattern.fullmatch(api_path)
+            if not match:
+                continue
+            if method not in methods:
+                raise _ApiError(405, "httpMethodNotAllowed", f"Method {method} not allowed on {path}")
+            handler, transient_kind = methods[method]
+            if transient_kind:
+                self._maybe_fail_transiently(transient_kind)
+            return handler(query, body or {}, **match.groupdict())
+        raise _ApiError(404, "notFound", f"No such API path: {path}")
+
+    def _maybe_fail_transiently(self, kind: str) -> None:
+        """Raise 503 backendError and 429 rateLimitExceeded alternately while the kind's count lasts."""
+        with self._lock:
+            if self._faults.transient_errors.get(kind, 0) <= 0:
+                return
+            self._faults.transient_errors[kind] -= 1
+            served = self._transient_served.get(kind, 0)
+            self._transient_served[kind] = served + 1
+        if served % 2 == 0:
+            raise _ApiError(503, "backendError", "Backend Error")
+        raise _ApiError(429, "rateLimitExceeded", "Rate Limit Exceeded", domain="usageLimits")
+
+    def _handle_admin(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        if (method, path) == ("GET", "/_emulator/requests"):
+            return 200, self.requests
+        if (method, path) == ("GET", "/_emulator/instances"):
+            return 200, self.instances()
+        if (method, path) == ("GET", "/_emulator/faults"):
+            return 200, self.faults
+        if (method, path) == ("POST", "/_emulator/faults"):
+            try:
+                self.set_faults(**(body or {}))
+            except (TypeError, ValueError) as error:
+                raise _ApiError(400, "invalid", str(error)) from error
+            return 200, self.faults
+        if (method, path) == ("POST", "/_emulator/reset"):
+            self.reset()
+            return 200, {}
+        match = re.fullmatch(r"/_emulator/instances/([^/]+)/([^/]+)/status", path)
+        if method == "POST" and match:
+            body = body or {}
+            if "status" not in body:
+                raise _ApiError(400, "required", 'Send {"status": "TERMINATED"} (optionally with "project")')
+            try:
+                self.set_instance_status(*match.groups(), body["status"], project=body.get("project"))
+            except KeyError as error:
+                raise _ApiError(404, "notFound", str(error)) from error
+            return 200, {}
+        raise _ApiError(404, "notFound", f"No such emulator endpoint: {method} {path}")
+
+    # ------------------------------------------------------------- operations
+
+    def _start_operation(
+        self,
+        project: str,
+        zone: str | None,
+        operation_type: str,
+        target: dict[str, Any],
+        query: dict[str, str],
+        failure: _OperationError | None = None,
+        on_running: Callable[[], None] = lambda: None,
+        on_done: Callable[[bool], None] = lambda failed: None,
+    ) -> dict[str, Any]:
+        """Start an operation on ``target`` (call with the lock held); ``on_*`` apply its effects."""
+        now = time.time()
+        name = f"operation-{int(now * 1000)}-{secrets.token_hex(6)}"
+        path = _resource_path(project, zone, "operations", name)
+        resource = {
+            "kind": "compute#operation",
+            "id": _numeric_id(),
+            "name": name,
+            "operationType": operation_type,
+            "targetLink": target["selfLink"],
+            "targetId": target["id"],
+            "status": "PENDING",
+            "user": "emulator@example.com",
+            "progress": 0,
+            "insertTime": _timestamp(now),
+            "selfLink": f"{API_ROOT}/{path}",
+        }
+        if zone:
+            resource["zone"] = f"{API_ROOT}/projects/{project}/zones/{zone}"
+        seconds = self._faults.operation_seconds
+        start_at = now + min(seconds / 2, MAX_PENDING_SECONDS)
+        operation = _Operation(resource, start_at, now + seconds, failure, on_running, on_done)
+        self._operations[(project, zone, name)] = operation
+        if "requestId" in query:
+            self._operations_by_request_id[(project, query["requestId"])] = operation
+        self._advance()
+        return copy.deepcopy(resource)
+
+    def _replayed_operation(self, project: str, query: dict[str, str]) -> dict[str, Any] | None:
+        """The operation an earlier request with the same ``requestId`` started, as the real API does."""
+        operation = self._operations_by_request_id.get((project, query.get("requestId", "")))
+        return copy.deepcopy(operation.resource) if operation else None
+
+    def _advance(self) -> None:
+        """Bring operations and instances up to the current time (call with the lock held)."""
+        now = time.time()
+        for operation in self._operations.values():
+            resource = operation.resource
+            if resource["status"] == "DONE":
+                continue
+            if now >= operation.start_at and resource["status"] == "PENDING":
+                resource.update(status="RUNNING", progress=50, startTime=_timestamp(now))
+                operation.on_running()
+            if now >= operation.done_at:
+                resource.update(status="DONE", progress=100, endTime=_timestamp(now))
+                if operation.failure:
+                    failure = operation.failure
+                    resource["error"] = {"errors": [{"code": failure.code, "message": failure.message}]}
+                    resource["httpErrorStatusCode"] = failure.http_status
+                    resource["httpErrorMessage"] = failure.http_message
+                operation.on_done(operation.failure is not None)
+        for key, (deadline, termination_action) in list(self._run_deadlines.items()):
+            if now >= deadline:
+                if termination_action == "STOP":
+                    self._instances[key]["status"] = "TERMINATED"
+                    del self._run_deadlines[key]
+                else:
+                    self._remove_instance(key)
+
+    def _get_operation(self, query: dict, body: dict, project: str, name: str, zone: str | None = None):
+        with self._lock:
+            self._advance()
+            operation = self._operations.get((project, zone, name))
+            if operation is None:
+                raise _not_found(_resource_path(project, zone, "operations", name))
+            return 200, copy.deepcopy(operation.resource)
+
+    def _wait_operation(self, query: dict, body: dict, project: str, name: str, zone: str | None = None):
+        """Block until the operation is DONE or ``WAIT_TIMEOUT_SECONDS`` pass, like the real ``wait``."""
+        give_up_at = time.time() + WAIT_TIMEOUT_SECONDS
+        while True:
+            status, resource = self._get_operation(query, body, project, name, zone)
+            remaining = give_up_at - time.time()
+            if resource["status"] == "DONE" or remaining <= 0:
+                return status, resource
+            time.sleep(min(remaining, 0.02))
+
+    # -------------------------------------------------------------- instances
+
+    def _insert_instance(self, query: dict, body: dict, project: str, zone: str):
+        with self._lock:
+            self._advance()
+            replayed = self._replayed_operation(project, query)
+            if replayed:
+                return 200, replayed
+            name = body.get("name")
+            if not name:
+                raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+            key = (project, zone, name)
+            path = _resource_path(project, zone, "instances", name)
+            if key in self._instances:
+                raise _already_exists(path)
+            instance = self._new_instance(project, zone, path, body)
+            self._instances[key] = instance
+
+            def on_running() -> None:
+                if instance["status"] == "PROVISIONING":
+                    instance["status"] = "STAGING"
+
+            def on_done(failed: bool) -> None:
+                if self._instances.get(key) is not instance:
+                    return  # deleted meanwhile
+                if failed:
+                    self._remove_instance(key)
+                elif instance["status"] in ("PROVISIONING", "STAGING"):
+                    instance["status"] = "RUNNING"
+                    self._schedule_max_run_duration(key, instance)
+
+            failure = self._insert_failure(project, zone, body)
+            return 200, self._start_operation(
+                project, zone, "insert", instance, query, failure, on_running=on_running, on_done=on_done
+            )
+
+    def _new_instance(self, project: str, zone: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        instance = copy.deepcopy(body)
+        instance.update(
+            kind="compute#instance",
+            id=_numeric_id(),
+            selfLink=f"{API_ROOT}/{path}",
+            zone=f"{API_ROOT}/projects/{project}/zones/{zone}",
+            status="PROVISIONING",
+            creationTimestamp=_timestamp(time.time()),
+        )
+        interfaces = instance.setdefault("networkInterfaces", [{}])
+        interfaces[0].update(networkIP=self._instance_ip, name="nic0")
+        # Like the real API, only an interface that asked for an access config gets an external IP.
+        for access_config in interfaces[0].get("accessConfigs", []):
+            access_config.update(natIP=self._instance_ip, kind="compute#accessConfig")
+        return instance
+
+    def _insert_failure(self, project: str, zone: str, body: dict[str, Any]) -> _OperationError | None:
+        faults = self._faults
+        if zone in faults.quota_exceeded_zones:
+            region = zone.rsplit("-", 1)[0]
+            return _OperationError(
+                code="QUOTA_EXCEEDED",
+                message=f"Quota 'TPU_V6E_CHIPS' exceeded.  Limit: 0.0 in region {region}.",
+                http_status=403,
+                http_message="FORBIDDEN",
+            )
+        affinity = body.get("reservationAffinity", {})
+        if affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION":
+            for reservation in affinity.get("values", []):
+                reservation_name = reservation.rsplit("/", 1)[-1]  # a name or a full resource path
+                if reservation_name in faults.missing_reservations:
+                    path = _resource_path(project, zone, "reservations", reservation_name)
+                    return _OperationError(
+                        code="RESERVATION_NOT_FOUND",
+                        message=f"The reservation '{path}' was not found.",
+                        http_status=400,
+                        http_message="BAD REQUEST",
+                    )
+        if zone in faults.stockout_zones:
+            return _OperationError(
+                code="ZONE_RESOURCE_POOL_EXHAUSTED",
+                message=f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
+                "available to fulfill the request. Try a different zone, or try again later.",
+                http_status=503,
+                http_message="SERVICE UNAVAILABLE",
+            )
+        return None
+
+    def _schedule_max_run_duration(self, key: tuple[str, str, str], instance: dict[str, Any]) -> None:
+        """Arm the cloud-side backstop of ``scheduling.maxRunDuration``."""
+        scheduling = instance.get("scheduling", {})
+        duration = scheduling.get("maxRunDuration")
+        if not duration:
+            return
+        seconds = float(duration.get("seconds", 0)) + duration.get("nanos", 0) / 1e9
+        deadline = time.time() + seconds * self._faults.max_run_duration_scale
+        self._run_deadlines[key] = (deadline, scheduling.get("instanceTerminationAction", "DELETE"))
+
+    def _remove_instance(self, key: tuple[str, str, str]) -> None:
+        del self._instances[key]
+        self._run_deadlines.pop(key, None)
+
+    def _list_instances(self, query: dict, body: dict, project: str, zone: str):
+        terms = _parse_filter(query.get("filter", ""))
+        with self._lock:
+            self._advance()
+            items = [
+                copy.deepcopy(instance)
+                for (instance_project, instance_zone, _), instance in self._instances.items()
+                if (instance_project, instance_zone) == (project, zone) and _matches(instance, terms)
+            ]
+        listing = {
+            "kind": "compute#instanceList",
+            "id": f"projects/{project}/zones/{zone}/instances",
+            "selfLink": f"{API_ROOT}/projects/{project}/zones/{zone}/instances",
+        }
+        if items:  # the real API omits an empty "items"
+            listing["items"] = items
+        return 200, listing
+
+    def _get_instance(self, query: dict, body: dict, project: str, zone: str, name: str):
+        with self._lock:
+            self._advance()
+            instance = self._instances.get((project, zone, name))
+            if instance is None:
+                raise _not_found(_resource_path(project, zone, "instances", name))
+            return 200, copy.deepcopy(instance)
+
+    def _delete_instance(self, query: dict, body: dict, project: str, zone: str, name: str):
+        with self._lock:
+            self._advance()
+            replayed = self._replayed_operation(project, query)
+            if replayed:
+                return 200, replayed
+            key = (project, zone, name)
+            instance = self._instances.get(key)
+            if instance is None:
+                raise _not_found(_resource_path(project, zone, "instances", name))
+            status_before = instance["status"]
+            instance["status"] = "STOPPING"
+
+            def on_done(failed: bool) -> None:
+                if self._instances.get(key) is not instance:
+                    return
+                if failed:
+                    instance["status"] = status_before
+                else:
+                    self._remove_instance(key)
+
+            failure = None
+            if self._faults.fail_deletes:
+                failure = _OperationError(
+                    code="INTERNAL_ERROR",
+                    message="Internal error. Please try again or contact Google Support.",
+                    http_status=500,
+                    http_message="INTERNAL SERVER ERROR",
+                )
+            return 200, self._start_operation(
+                project, zone, "delete", instance, query, failure, on_done=on_done
+            )
+
+    # -------------------------------------------------------------- firewalls
+
+    def _insert_firewall(self, query: dict, body: dict, project: str):
+        with self._lock:
+            self._advance()
+            replayed = self._replayed_operation(project, query)
+            if replayed:
+                return 200, replayed
+            name = body.get("name")
+            if not name:
+                raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+            path = _resource_path(project, None, "firewalls", name)
+            if (project, name) in self._firewalls:
+                raise _already_exists(path)
+            firewall = {
+                "network": f"{API_ROOT}/projects/{project}/global/networks/default",
+                "direction": "INGRESS",
+                "priority": 1000,
+                **copy.deepcopy(body),
+                "kind": "compute#firewall",
+                "id": _numeric_id(),
+                "selfLink": f"{API_ROOT}/{path}",
+                "creationTimestamp": _timestamp(time.time()),
+            }
+            self._firewalls[(project, name)] = firewall
+            return 200, self._start_operation(project, None, "insert", firewall, query)
+
+    def _get_firewall(self, query: dict, body: dict, project: str, name: str):
+        with self._lock:
+            self._advance()
+            firewall = self._firewalls.get((project, name))
+            if firewall is None:
+                raise _not_found(_resource_path(project, None, "firewalls", name))
+            return 200, copy.deepcopy(firewall)
+
+    def _delete_firewall(self, query: dict, body: dict, project: str, name: str):
+        with self._lock:
+            self._advance()
+            replayed = self._replayed_operation(project, query)
+            if replayed:
+                return 200, replayed
+            firewall = self._firewalls.get((project, name))
+            if firewall is None:
+                raise _not_found(_resource_path(project, None, "firewalls", name))
+
+            def on_done(failed: bool) -> None:
+                if self._firewalls.get((project, name)) is firewall:
+                    del self._firewalls[(project, name)]
+
+            return 200, self._start_operation(project, None, "delete", firewall, query, on_done=on_done)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the google clients expect
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        raw_body = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw_body) if raw_body else None
+        except json.JSONDecodeError:
+            status, payload = 400, _ApiError(400, "parseError", "Parse Error").body
+        else:
+            status, payload = self.server.emulator.handle(method, url.path, dict(parse_qsl(url.query)), body)
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silence the per-request access log; requests are recorded in ``ComputeEmulator.requests``."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run a local Compute Engine API emulator.")
+    parser.add_argument("--port", type=int, default=8930)
+    parser.add_argument("--operation-seconds", type=float, default=0.2)
+    parser.add_argument("--instance-ip", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    stop_requested = threading.Event()
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal_number, lambda *_: stop_requested.set())
+    with ComputeEmulator(args.port, args.operation_seconds, args.instance_ip) as emulator:
+        print(f"compute emulator listening on {emulator.url}", flush=True)
+        stop_requested.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Accelerator types: the Compute Engine machine type and the TPU environment the trainers need."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from airflow_tpu_posttrain.recipes.shell import EnvValue, ShellExpansion
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+# What makes JAX use the host CPU; libtpu, when installed, otherwise probes for a TPU first.
+CPU_JAX_ENV: Mapping[str, str] = MappingProxyType({"JAX_PLATFORMS": "cpu"})
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One single-host machine shape. The TPU fields are ``None`` for the CPU pseudo-accelerator."""
+
+    type: str
+    machine_type: str
+    chips: int
+    topology: str | None = None
+    chips_per_host_bounds: str | None = None
+    host_bounds: str | None = None
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.topology is not None
+
+
+def _v6e(chips: int, machine_type: str, topology: str, chips_per_host_bounds: str) -> Accelerator:
+    return Accelerator(f"v6e-{chips}", machine_type, chips, topology, chips_per_host_bounds, "1,1,1")
+
+
+ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType(
+    {
+        acc.type: acc
+        for acc in (
+            _v6e(1, "ct6e-standard-1t", "1x1", "1,1,1"),
+            _v6e(4, "ct6e-standard-4t", "2x2", "2,2,1"),
+            _v6e(8, "ct6e-standard-8t", "2x4", "2,4,1"),
+            # The local "VM" (this machine over SSH) runs the tiny model on its CPU. e2-standard-2 (2 vCPUs,
+            # 8 GB) is the smallest general-purpose shape the tiny pipeline was seen to fit (peak < 1.1 GB
+            # on 2 cores); the local Compute emulator records it, and a real e2-standard-2 could run it too.
+            # chips=1 because MaxText sees one CPU device (train_rl's chips_per_vm).
+            Accelerator("cpu", "e2-standard-2", 1),
+        )
+    }
+)
+
+
+def accelerator(accelerator_type: str) -> Accelerator:
+    try:
+        return ACCELERATORS[accelerator_type]
+    except (KeyError, TypeError):
+        raise SpecError(
+            "accelerator_type",
+            accelerator_type,
+            "is not a supported accelerator",
+            f"use one of: {', '.join(ACCELERATORS)}",
+        ) from None
+
+
+def tpu_env(acc: Accelerator) -> dict[str, EnvValue]:
+    """The environment the tutorials export before training, in their order; for ``cpu``, JAX's CPU switch.
+
+    ``TPU_NAME`` is the VM's own hostname, computed on the VM as in the tutorials (``$(hostname)``).
+    """
+    if acc.topology is None or acc.chips_per_host_bounds is None or acc.host_bounds is None:
+        return dict(CPU_JAX_ENV)
+    return {
+        "TPU_ACCELERATOR_TYPE": acc.type,
+        "TPU_WORKER_ID": "0",
+        "TPU_NAME": ShellExpansion.HOSTNAME,
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_TOPOLOGY": acc.topology,
+        "TPU_CHIPS_PER_HOST_BOUNDS": acc.chips_per_host_bounds,
+        "TPU_HOST_BOUNDS": acc.host_bounds,
+    }

@@ -1,0 +1,86 @@
+"""Where a run's files live on the VM, following the tutorials' /dev/shm layout.
+
+Every path derives from (model, run name, root), so any task of a DAG run, or a retry of one, computes the
+same paths without asking the VM. The converted checkpoint is per model (a later run on the same machine may
+reuse it), training output is per run. Runs that may share a machine at the same time (the local "VM") need
+different roots: two conversions or exports of one model would otherwise write the same directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+RUN_NAME_MAX_LEN = 64
+_DAG_SLUG_MAX_LEN = 32
+_HASH_LEN = 10
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    model_key: str
+    run_name: str
+    root: str = ""  # default: /dev/shm/<model_key>, as in the tutorials
+
+    def __post_init__(self) -> None:
+        validation.safe_name("model", self.model_key)
+        validation.safe_name("run_name", self.run_name, max_len=RUN_NAME_MAX_LEN)
+        root = validation.safe_absolute_path("root", self.root or f"/dev/shm/{self.model_key}")
+        object.__setattr__(self, "root", root)  # normalised (no trailing '/'), so paths join cleanly
+
+    @property
+    def converted_dir(self) -> str:
+        """to_maxtext's output (the tutorials' MODEL_CHECKPOINT_DIRECTORY)."""
+        return f"{self.root}/mt-format"
+
+    @property
+    def converted_params(self) -> str:
+        """The converted parameters the trainers load (MAXTEXT_CKPT_PATH)."""
+        return f"{self.converted_dir}/0/items"
+
+    @property
+    def post_train_dir(self) -> str:
+        """The trainers' base_output_directory (BASE_OUTPUT_DIRECTORY); a run writes ``<it>/<run_name>``."""
+        return f"{self.root}/post-train"
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return f"{self.post_train_dir}/{self.run_name}/checkpoints"
+
+    def sft_params(self, step: int) -> str:
+        """The SFT parameters saved at ``step`` (the SFT tutorial's POST_TRAIN_PATH with step = STEPS)."""
+        return f"{self.checkpoints_dir}/{validation.positive_int('steps', step)}/model_params"
+
+    def rl_params(self, step: int) -> str:
+        """The GRPO policy saved at ``step`` (the RL tutorial's POST_TRAIN_PATH with step = NUM_BATCHES)."""
+        return f"{self.checkpoints_dir}/actor/{validation.positive_int('num_batches', step)}/model_params"
+
+    @property
+    def export_dir(self) -> str:
+        """to_huggingface's output (HF_EXPORT)."""
+        return f"{self.root}/hf-trained"
+
+
+def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None) -> str:
+    """A MaxText run name for one DAG run: ``<dag>[-<logical date, UTC>]-<hash of dag_id and run_id>``.
+
+    Deterministic, so a retried task resumes the same run directory; the hash keeps different runs apart even
+    when the DAG id is cut short or two runs share a logical date. The date is written as the tutorials'
+    ``$(date +%Y-%m-%d-%H-%M-%S)`` run names, so a backfill's runs are readable; a naive date is taken
+    as UTC. At most 64 characters.
+    """
+    for field, value in (("dag_id", dag_id), ("run_id", run_id)):
+        if not isinstance(value, str) or not value:
+            raise SpecError(field, value, "must be a non-empty string", "pass the DAG run's own value")
+    slug = re.sub(r"[^a-z0-9]+", "-", dag_id.lower())[:_DAG_SLUG_MAX_LEN].strip("-") or "run"
+    parts = [slug]
+    if logical_date is not None:
+        utc = logical_date.astimezone(UTC) if logical_date.tzinfo else logical_date
+        parts.append(utc.strftime("%Y-%m-%d-%H-%M-%S"))
+    parts.append(hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:_HASH_LEN])
+    return "-".join(parts)

@@ -1,0 +1,188 @@
+"""The MaxText commands of the tutorials, as typed values that render to inert bash scripts.
+
+With a seed's inputs each builder returns the tutorial's command, arguments in the tutorial's order; what the
+pipeline adds (dataset files, checkpoint period, model shape, runtime adaptations, user overrides) follows.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.recipes.accelerators import Accelerator, tpu_env
+from airflow_tpu_posttrain.recipes.layout import RunLayout
+from airflow_tpu_posttrain.recipes.models import ModelProfile, RlDataset, SftDataset
+from airflow_tpu_posttrain.recipes.runtime import Runtime, Step
+from airflow_tpu_posttrain.recipes.shell import EnvValue, export_line, remote_path
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+# The tutorials save SFT checkpoints only at step 1 and at the last step (MaxText's default period is
+# 10,000), so a retried run would restart from scratch. Every 200 steps, a retry of the 1,000-step seed
+# (~10 min on a v6e-8) loses at most ~2 minutes. Checkpoints live in /dev/shm, i.e. RAM: about 50 GB each for
+# Gemma 3 4B with its float32 optimizer state; on a smaller host pass a larger period, or override
+# max_num_checkpoints_to_keep.
+DEFAULT_SFT_CHECKPOINT_PERIOD = 200
+PROFILERS = ("xplane", "nsys", "")
+
+
+@dataclass(frozen=True)
+class RemoteCommand:
+    argv: tuple[str, ...]
+    env: Mapping[str, EnvValue] = field(default_factory=dict)
+    venv: str | None = None  # activated before running, as in the tutorials
+
+    def script(self) -> str:
+        """A bash script that runs ``argv`` with ``env``; every value is a single quoted shell word."""
+        lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
+        if self.venv is not None:
+            lines.append(f"source {remote_path(f'{self.venv}/bin/activate')}")
+        lines += [export_line(name, value) for name, value in self.env.items()]
+        lines.append(f"exec {shlex.join(self.argv)}")
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every step of one DAG run shares: which model, on what, where MaxText runs, where files go."""
+
+    model: ModelProfile
+    accelerator: Accelerator
+    runtime: Runtime
+    layout: RunLayout
+
+    def __post_init__(self) -> None:
+        self.runtime.check(self.accelerator, self.model)
+        if self.layout.model_key != self.model.key:
+            raise SpecError(
+                "model",
+                self.layout.model_key,
+                f"differs from the profile's {self.model.key!r}",
+                "build the layout from the same model",
+            )
+
+
+def _command(
+    spec: RunSpec, step: Step, seed_args: Mapping[str, str], *, training: bool, overrides: Sequence[str] = ()
+) -> RemoteCommand:
+    """``seed_args`` (the tutorial's, in order), then the model's shape and the runtime's adaptations
+    (replacing a seed value in place where they share a key), then the user's overrides, which may not touch
+    any key set before them."""
+    args = {**seed_args, **spec.model.maxtext_overrides, **spec.runtime.step_args(step, spec.model)}
+    for pair in validation.override_pairs("overrides", overrides, reserved=frozenset(args)):
+        key, value = pair.split("=", 1)
+        args[key] = value
+    env = {**tpu_env(spec.accelerator), **spec.runtime.env} if training else spec.runtime.env
+    argv = spec.runtime.entry_point(step) + tuple(f"{key}={value}" for key, value in args.items())
+    return RemoteCommand(argv=argv, env=env, venv=spec.runtime.venv)
+
+
+def _count(field: str, value: int | None, default: int) -> str:
+    return str(validation.positive_int(field, default if value is None else value))
+
+
+def to_maxtext(
+    spec: RunSpec, *, use_pathways: bool = False, lazy_load_tensors: bool = False
+) -> RemoteCommand:
+    """Converts the Hugging Face checkpoint to MaxText's format, into ``layout.converted_dir``.
+
+    Deviation from the tutorials: no ``hf_access_token=$HF_TOKEN`` argument, which would put the token in the
+    process list. MaxText reads ``HF_TOKEN`` from the environment when the argument is absent, so the job
+    wrapper exports it (from a 0600 file) instead.
+    """
+    storage_flag = str(1 - int(use_pathways))  # the tutorials' $((1 - USE_PATHWAYS))
+    return _command(
+        spec,
+        Step.TO_MAXTEXT,
+        {
+            "model_name": spec.model.maxtext_model_name,
+            "base_output_directory": spec.layout.converted_dir,
+            "scan_layers": "True",
+            "use_multimodal": "False",
+            "hardware": "cpu",
+            "skip_jax_distributed_system": "true",
+            "checkpoint_storage_use_zarr3": storage_flag,
+            "checkpoint_storage_use_ocdbt": storage_flag,
+            "--lazy_load_tensors": str(lazy_load_tensors),
+        },
+        training=False,
+    )
+
+
+def train_sft(
+    spec: RunSpec,
+    *,
+    steps: int | None = None,
+    per_device_batch_size: int = 1,
+    dataset: SftDataset | None = None,
+    checkpoint_period: int = DEFAULT_SFT_CHECKPOINT_PERIOD,
+    profiler: str = "xplane",
+    overrides: Sequence[str] = (),
+) -> RemoteCommand:
+    """Supervised fine-tuning from the converted checkpoint; steps and dataset default to the model's."""
+    data = dataset or spec.model.sft_dataset
+    args = {
+        "run_name": spec.layout.run_name,
+        "base_output_directory": spec.layout.post_train_dir,
+        "model_name": spec.model.maxtext_model_name,
+        "load_parameters_path": spec.layout.converted_params,
+        "per_device_batch_size": str(validation.positive_int("per_device_batch_size", per_device_batch_size)),
+        "steps": _count("steps", steps, spec.model.sft_steps),
+        "hf_path": data.hf_path,
+        "train_split": data.train_split,
+        "train_data_columns": data.train_data_columns,
+        "profiler": validation.one_of("profiler", profiler, PROFILERS),
+    }
+    if data.train_files is not None:
+        args["hf_train_files"] = data.train_files
+    if data.eval_split is not None:
+        args["hf_eval_split"] = data.eval_split
+    args["checkpoint_period"] = str(validation.positive_int("checkpoint_period", checkpoint_period))
+    return _command(spec, Step.TRAIN_SFT, args, training=True, overrides=overrides)
+
+
+def train_rl(
+    spec: RunSpec,
+    *,
+    num_batches: int | None = None,
+    num_test_batches: int | None = None,
+    dataset: RlDataset | None = None,
+    overrides: Sequence[str] = (),
+) -> RemoteCommand:
+    """GRPO from the converted checkpoint; the batch counts and dataset default to the model's."""
+    data = dataset or spec.model.rl_dataset
+    args = {
+        "model_name": spec.model.maxtext_model_name,
+        "load_parameters_path": spec.layout.converted_params,
+        "run_name": spec.layout.run_name,
+        "base_output_directory": spec.layout.post_train_dir,
+        "chips_per_vm": str(spec.accelerator.chips),
+        "num_batches": _count("num_batches", num_batches, spec.model.rl_num_batches),
+        "num_test_batches": _count("num_test_batches", num_test_batches, spec.model.rl_num_test_batches),
+        "rollout_data_parallelism": "1",
+        "rollout_tensor_parallelism": "-1",  # -1: inferred from the rollout's chips
+    }
+    if data.train_files is not None:
+        args["hf_train_files"] = data.train_files
+    if data.eval_files is not None:
+        args["hf_eval_files"] = data.eval_files
+    return _command(spec, Step.TRAIN_RL, args, training=True, overrides=overrides)
+
+
+def to_huggingface(spec: RunSpec, trained_params: str) -> RemoteCommand:
+    """Exports trained parameters (``layout.sft_params(...)`` or ``layout.rl_params(...)``) to
+    ``layout.export_dir`` in Hugging Face format."""
+    return _command(
+        spec,
+        Step.TO_HUGGINGFACE,
+        {
+            "model_name": spec.model.hf_export_name,
+            "load_parameters_path": validation.safe_absolute_path("trained_params", trained_params),
+            "base_output_directory": spec.layout.export_dir,
+            "scan_layers": "True",
+            "use_multimodal": "False",
+            "weight_dtype": "bfloat16",
+        },
+        training=False,
+    )

@@ -1,0 +1,202 @@
+"""Validation of user-supplied values before anything reaches a cloud API or a shell.
+
+Every check raises :class:`SpecError`, which names the field, shows the rejected value and says how to fix
+it. Values that pass are still shell-quoted where they are used; these checks are the first line, quoting
+the second.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+# Characters that let a value escape a shell word or start a second command.
+_SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+_OVERRIDE_KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
+_OVERRIDE_VALUE = re.compile(r"^[A-Za-z0-9_.,:/+@=' \[\]-]*$")
+_GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[A-Za-z0-9._=-]+)*/?$")
+
+
+class SpecError(ValueError):
+    """A user-supplied value is invalid; the message names the field and the fix."""
+
+    def __init__(self, field: str, value: object, problem: str, fix: str) -> None:
+        self.field = field
+        super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
+
+
+def _no_shell_meta(field: str, value: str) -> None:
+    bad = _SHELL_META.search(value)
+    if bad:
+        raise SpecError(
+            field, value, f"contains the shell metacharacter {bad.group()!r}", "remove it; this value is never a command"
+        )
+
+
+def safe_name(field: str, value: str, max_len: int = 128) -> str:
+    """A single path segment or identifier: letters, digits, '.', '_' and '-', not starting with '.'."""
+    if not isinstance(value, str) or not value:
+        raise SpecError(field, value, "must be a non-empty string", "give a name such as 'gemma3-4b'")
+    _no_shell_meta(field, value)
+    if ".." in value or "/" in value:
+        raise SpecError(field, value, "is a path, not a name", "use a plain name without '/' or '..'")
+    if len(value) > max_len or not _SAFE_NAME.match(value):
+        raise SpecError(
+            field, value, f"is not a plain name (max {max_len} chars)", "use letters, digits, '.', '_' and '-' only"
+        )
+    return value
+
+
+def _path_segments(field: str, value: str) -> list[str]:
+    segments = [s for s in value.split("/") if s]
+    if not segments:
+        raise SpecError(field, value, "has no path segments", "give a path such as '/dev/shm/run'")
+    for segment in segments:
+        if segment in (".", ".."):
+            raise SpecError(field, value, "contains '.' or '..'", "give a normalised path without '..'")
+        safe_name(field, segment, max_len=255)
+    return segments
+
+
+def safe_absolute_path(field: str, value: str) -> str:
+    """An absolute POSIX path made of plain segments (no '..', no shell characters)."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise SpecError(field, value, "must be an absolute path", "start it with '/'")
+    _no_shell_meta(field, value)
+    return "/" + "/".join(_path_segments(field, value))
+
+
+def safe_relative_path(field: str, value: str) -> str:
+    """A relative path of plain segments, e.g. a Hub dataset id 'HuggingFaceH4/ultrachat_200k'."""
+    if not isinstance(value, str) or not value:
+        raise SpecError(field, value, "must be a non-empty string", "give a relative name such as 'owner/name'")
+    if value.startswith("/"):
+        raise SpecError(field, value, "is an absolute path where a name is expected", "give a relative name")
+    _no_shell_meta(field, value)
+    return "/".join(_path_segments(field, value))
+
+
+def hf_repo_id(field: str, value: str) -> str:
+    """A Hugging Face repo id 'owner/name'."""
+    name = safe_relative_path(field, value)
+    if name.count("/") != 1 or len(name) > 96:
+        raise SpecError(field, value, "is not a Hub repo id", "use 'owner/name' (at most 96 characters)")
+    return name
+
+
+def storage_uri(field: str, value: str) -> str:
+    """Where a model is kept: 'gs://bucket/prefix', 'file:///abs/dir' or an absolute local directory."""
+    if isinstance(value, str) and value.startswith("gs://"):
+        if not _GCS_URI.match(value) or ".." in value:
+            raise SpecError(field, value, "is not a valid gs:// URI", "use gs://<bucket>/<prefix>")
+        return value.rstrip("/")
+    if isinstance(value, str) and value.startswith("file://"):
+        return "file://" + safe_absolute_path(field, value[len("file://") :])
+    return safe_absolute_path(field, value)
+
+
+def zone(field: str, value: str) -> str:
+    if not isinstance(value, str) or not _ZONE.match(value):
+        raise SpecError(field, value, "is not a Compute Engine zone", "use a zone such as 'us-east5-b'")
+    return value
+
+
+def gce_name(field: str, value: str) -> str:
+    if not isinstance(value, str) or not _GCE_NAME.match(value):
+        raise SpecError(
+            field,
+            value,
+            "is not a valid Compute Engine name",
+            "use 1-63 lowercase letters, digits and '-', starting with a letter and not ending with '-'",
+        )
+    return value
+
+
+def labels(field: str, value: dict[str, str]) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise SpecError(field, value, "must be a mapping", "give a dict of label key to value")
+    if len(value) > 64:
+        raise SpecError(field, len(value), "has more than 64 labels", "drop some labels")
+    for key, val in value.items():
+        if not isinstance(key, str) or not _LABEL_KEY.match(key):
+            raise SpecError(
+                f"{field}.{key}", key, "is not a valid label key", "use lowercase letters, digits, '_' and '-'"
+            )
+        if not isinstance(val, str) or not _LABEL_VALUE.match(val):
+            raise SpecError(
+                f"{field}.{key}", val, "is not a valid label value", "use <=63 lowercase letters, digits, '_', '-'"
+            )
+    return dict(value)
+
+
+def override_pairs(field: str, pairs: Sequence[str], reserved: frozenset[str] = frozenset()) -> list[str]:
+    """Free-form MaxText overrides, each a validated 'key=value'; keys the pipeline owns are refused."""
+    if not isinstance(pairs, (list, tuple)):
+        raise SpecError(field, pairs, "must be a list of 'key=value' strings", "e.g. ['learning_rate=1e-5']")
+    for i, pair in enumerate(pairs):
+        where = f"{field}[{i}]"
+        if not isinstance(pair, str) or "=" not in pair:
+            raise SpecError(where, pair, "is not a 'key=value' pair", "write it as key=value")
+        key, val = pair.split("=", 1)
+        if not _OVERRIDE_KEY.match(key):
+            raise SpecError(where, pair, f"has an invalid key {key!r}", "use a MaxText config key (lowercase, '_')")
+        if key in reserved:
+            raise SpecError(where, pair, f"overrides {key!r}, which the pipeline sets", f"use the {key} parameter")
+        _no_shell_meta(where, val)
+        if not _OVERRIDE_VALUE.match(val) or ".." in val:
+            raise SpecError(
+                where, pair, "has characters a MaxText value does not need", "use letters, digits and . , : / + - [ ] '"
+            )
+    return list(pairs)
+
+
+_VERSION = re.compile(r"\d+\.\d+\.\d+")
+_COLUMN_LIST = re.compile(r"\['[A-Za-z0-9_]+'(, ?'[A-Za-z0-9_]+')*\]")
+
+
+def positive_int(field: str, value: int) -> int:
+    """A count such as steps or batches: an int >= 1 (bools are refused, though Python counts them as ints)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(field, value, "must be a whole number >= 1", "give a positive integer such as 100")
+    return value
+
+
+def one_of(field: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise SpecError(field, value, "is not a supported value", f"use one of: {', '.join(map(repr, choices))}")
+    return value
+
+
+def package_version(field: str, value: str) -> str:
+    """An exact release 'X.Y.Z', as pinned with '==' in an install command."""
+    if not isinstance(value, str) or not _VERSION.fullmatch(value):
+        raise SpecError(field, value, "is not an exact release version", "use X.Y.Z, e.g. '0.2.3'")
+    return value
+
+
+def safe_path(field: str, value: str) -> str:
+    """A directory or file on the VM: absolute, or relative to the remote user's home.
+
+    Unlike :func:`safe_absolute_path`, hidden segments such as ``.local`` are allowed (never '.' or '..').
+    """
+    if not isinstance(value, str) or not value:
+        raise SpecError(field, value, "must be a non-empty path", "give a path such as 'maxtext_venv'")
+    _no_shell_meta(field, value)
+    segments = [s for s in value.split("/") if s]
+    if not segments:
+        raise SpecError(field, value, "has no path segments", "give a path such as 'maxtext_venv'")
+    for segment in segments:
+        safe_name(field, segment[1:] if segment.startswith(".") else segment, max_len=255)
+    return ("/" if value.startswith("/") else "") + "/".join(segments)
+
+
+def column_list(field: str, value: str) -> str:
+    """A MaxText list of dataset column names, written as a Python list literal: "['messages']"."""
+    if not isinstance(value, str) or not _COLUMN_LIST.fullmatch(value):
+        raise SpecError(field, value, "is not a list of column names", "write it as \"['messages']\"")
+    return value

@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Validate an exported Hugging Face model folder, then publish it to the Hub and/or to storage.
+
+Runs ON the TPU VM: the pipeline copies this file there and runs it with the MaxText venv's python.
+It is therefore standalone: standard library, plus huggingface_hub (only with --hub-repo) and
+google-cloud-storage (only for gs:// URIs), both imported where needed.
+
+The Hub token is read from the file named by $HF_TOKEN_FILE; it never comes from argv and is never
+printed (error messages are scrubbed of it too).
+
+Re-running with unchanged files changes nothing: huggingface_hub drops files whose remote oid equals
+the local one and skips a commit that would be empty, so the branch head (and the reported
+commit sha) stays the same; storage copies whose destination already holds identical files are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+from urllib.parse import quote
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                        "num_hidden_layers")
+# Config keys that fix tensor shapes: an export must agree with the expected config on these.
+SHAPE_CONFIG_KEYS = (*REQUIRED_CONFIG_KEYS, "num_key_value_heads", "head_dim", "tie_word_embeddings")
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+               "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+MAX_LISTED_PROBLEMS = 20
+
+
+class PublishError(Exception):
+    """A failure explained to the operator; the script exits 1 with this message."""
+
+
+# ---- validation -------------------------------------------------------------------------------------
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PublishError(f"{what} not found: {path}") from None
+    except (OSError, ValueError) as error:
+        raise PublishError(f"{what} is not readable JSON: {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise PublishError(f"{what} must hold a JSON object: {path}")
+    return data
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Tensor name -> {dtype, shape, data_offsets}, checked against the file size (catches truncation)."""
+    file_size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise PublishError(f"{path.name}: too short to be a safetensors file")
+        (header_size,) = struct.unpack("<Q", prefix)
+        if header_size > file_size - 8:
+            raise PublishError(f"{path.name}: header length {header_size} exceeds the file size")
+        try:
+            header = json.loads(file.read(header_size))
+        except ValueError as error:
+            raise PublishError(f"{path.name}: unreadable safetensors header: {error}") from None
+    header.pop("__metadata__", None)
+    data_size = file_size - 8 - header_size
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            expected_bytes = math.prod(info["shape"]) * DTYPE_SIZES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise PublishError(f"{path.name}: malformed header entry for tensor {name}: {info}") from None
+        if not 0 <= begin <= end <= data_size or end - begin != expected_bytes:
+            raise PublishError(f"{path.name}: tensor {name} has data offsets {info['data_offsets']} that do "
+                               f"not fit its shape/dtype or the file ({data_size} data bytes)")
+    return header
+
+
+def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Weights a Llama/Gemma-style HF checkpoint must hold, with shapes, derived from config.json."""
+    missing_keys = [key for key in REQUIRED_CONFIG_KEYS if not isinstance(config.get(key), int)]
+    if missing_keys:
+        raise PublishError(f"config.json lacks integer values for: {', '.join(missing_keys)}")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    intermediate, vocab = config["intermediate_size"], config["vocab_size"]
+    model_type = config.get("model_type", "")
+    # transformers' defaults: Gemma ties the output head to the embeddings, Llama does not.
+    tied = config.get("tie_word_embeddings", model_type.startswith("gemma"))
+
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        shapes |= {
+            f"{prefix}self_attn.q_proj.weight": (heads * head_dim, hidden),
+            f"{prefix}self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            f"{prefix}self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            f"{prefix}self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{prefix}mlp.gate_proj.weight": (intermediate, hidden),
+            f"{prefix}mlp.up_proj.weight": (intermediate, hidden),
+            f"{prefix}mlp.down_proj.weight": (hidden, intermediate),
+            f"{prefix}input_layernorm.weight": (hidden,),
+            f"{prefix}post_attention_layernorm.weight": (hidden,),
+        }
+        if model_type in ("gemma2", "gemma3_text"):
+            shapes[f"{prefix}pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{prefix}post_feedforward_layernorm.weight"] = (hidden,)
+        if model_type == "gemma3_text":
+            shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
+    return shapes
+
+
+def list_files(folder: Path) -> list[str]:
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+
+
+def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
+    """Check that ``model_dir`` is a complete HF export; return a summary or raise listing every problem."""
+    if not model_dir.is_dir():
+        raise PublishError(f"model directory not found: {model_dir}")
+    config = read_json_file(model_dir / "config.json", "config.json")
+    problems = [f"missing tokenizer file {name}" for name in TOKENIZER_FILES
+                if not (model_dir / name).is_file()]
+
+    expected_config = config
+    if expected_config_path is not None:
+        expected_config = read_json_file(expected_config_path, "expected config")
+        problems += [f"config.json has {key}={config.get(key)!r}, expected {expected_config[key]!r}"
+                     for key in SHAPE_CONFIG_KEYS
+                     if key in expected_config and config.get(key) != expected_config[key]]
+    expected = expected_tensor_shapes(expected_config)
+
+    shard_paths = sorted(model_dir.glob("*.safetensors"))
+    if not shard_paths:
+        problems.append("no *.safetensors weight files")
+    found: dict[str, tuple[int, ...]] = {}
+    shard_of: dict[str, str] = {}
+    for shard in shard_paths:
+        for name, info in read_safetensors_header(shard).items():
+            if name in found:
+                problems.append(f"tensor {name} appears in both {shard_of[name]} and {shard.name}")
+            found[name], shard_of[name] = tuple(info["shape"]), shard.name
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        weight_map = read_json_file(index_path, "safetensors index").get("weight_map", {})
+        problems += [f"index maps {name} to {shard}, but it is in {shard_of.get(name, 'no shard')}"
+                     for name, shard in sorted(weight_map.items()) if shard_of.get(name) != shard]
+
+    problems += [f"missing tensor {name} {list(shape)}"
+                 for name, shape in expected.items() if name not in found]
+    problems += [f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
+                 for name, shape in expected.items() if name in found and found[name] != shape]
+    if problems:
+        listed = problems[:MAX_LISTED_PROBLEMS]
+        if len(problems) > len(listed):
+            listed.append(f"... and {len(problems) - len(listed)} more")
+        raise PublishError(f"export in {model_dir} is not publishable:\n  - " + "\n  - ".join(listed))
+    return {
+        "model_type": config.get("model_type"),
+        "n_tensors": len(found),
+        "params": sum(math.prod(shape) for shape in found.values()),
+        "files": list_files(model_dir),
+    }
+
+
+# ---- publishing -------------------------------------------------------------------------------------
+
+
+def read_hub_token() -> str:
+    token_file = os.environ.get("HF_TOKEN_FILE")
+    if not token_file:
+        raise PublishError("--hub-repo needs a Hub token: set HF_TOKEN_FILE to a file holding it")
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as error:
+        raise PublishError(f"cannot read the Hub token file named by HF_TOKEN_FILE: {error.strerror}"
+                           ) from None
+    if not token:
+        raise PublishError("the Hub token file named by HF_TOKEN_FILE is empty")
+    return token
+
+
+def publish_to_hub(model_dir: Path, repo_id: str, revision: str, private: bool, commit_message: str,
+                   endpoint: str | None, token: str) -> dict:
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # progress bars would flood the task log
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    # create_repo ignores `private` for an existing repo: never put a private model into a public repo.
+    if private and not api.model_info(repo_id).private:
+        raise PublishError(f"{repo_id} already exists and is public; "
+                           "refusing to publish a private model to it")
+    api.create_branch(repo_id, branch=revision, exist_ok=True)
+    commit = api.upload_folder(repo_id=repo_id, folder_path=model_dir, revision=revision,
+                               commit_message=commit_message)
+    return {"repo_id": repo_id, "revision": revision, "commit_sha": commit.oid,
+            "url": f"{api.endpoint}/{repo_id}/tree/{quote(revision, safe='')}"}
+
+
+def file_digest(path: Path, algorithm: str) -> bytes:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, algorithm).digest()
+
+
+def file_digests(folder: Path) -> dict[str, bytes]:
+    return {name: file_digest(folder / name, "sha256") for name in list_files(folder)}
+
+
+def copy_to_directory(model_dir: Path, destination: Path) -> str:
+    """Copy the folder to ``destination`` via a temp sibling and renames: readers never see half a copy."""
+    if destination.is_dir() and file_digests(destination) == file_digests(model_dir):
+        return "unchanged"
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
+    retired = destination.with_name(f".{destination.name}.old-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        shutil.copytree(model_dir, staging)
+        if destination.exists():
+            destination.rename(retired)
+        staging.rename(destination)
+    except BaseException:
+        if retired.exists() and not destination.exists():
+            retired.rename(destination)  # put the previous copy back
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(retired, ignore_errors=True)
+    return "copied"
+
+
+def upload_to_gcs(model_dir: Path, uri: str) -> str:
+    """Upload each file to gs://bucket/prefix/, skipping objects whose MD5 already matches.
+
+    Each object appears atomically, the folder as a whole does not. STORAGE_EMULATOR_HOST is honoured
+    by google-cloud-storage itself.
+    """
+    try:
+        from google.cloud import storage
+    except ImportError:
+        raise PublishError("gs:// storage needs google-cloud-storage in this python environment") from None
+    bucket_name, _, prefix = uri.removeprefix("gs://").partition("/")
+    if not bucket_name:
+        raise PublishError(f"storage URI has no bucket: {uri}")
+    bucket = storage.Client().bucket(bucket_name)
+    uploaded = 0
+    for name in list_files(model_dir):
+        object_name = f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
+        md5 = base64.b64encode(file_digest(model_dir / name, "md5")).decode()
+        existing = bucket.get_blob(object_name)
+        if existing is None or existing.md5_hash != md5:
+            bucket.blob(object_name).upload_from_filename(str(model_dir / name))
+            uploaded += 1
+    return f"uploaded {uploaded} object(s)" if uploaded else "unchanged"
+
+
+def copy_to_storage(model_dir: Path, uri: str) -> str:
+    if uri.startswith("gs://"):
+        return upload_to_gcs(model_dir, uri)
+    destination = Path(uri.removeprefix("file://"))
+    if not destination.is_absolute() or "://" in uri.removeprefix("file://"):
+        raise PublishError(f"storage URI must be gs://..., file:///abs/dir or /abs/dir, got {uri!r}")
+    return copy_to_directory(model_dir, destination)
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staging.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(staging, path)
+
+
+# ---- command line -----------------------------------------------------------------------------------
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", required=True, type=Path, help="exported Hugging Face model folder")
+    parser.add_argument("--result-file", required=True, type=Path, help="where to write the result JSON")
+    parser.add_argument("--expect-tensors-from", default="", metavar="HF_CONFIG_JSON",
+                        help="config.json to derive the expected tensors from (default: the export's own)")
+    hub = parser.add_argument_group("Hugging Face Hub (token: file named by $HF_TOKEN_FILE)")
+    hub.add_argument("--hub-repo", help="owner/name; omit to skip the Hub")
+    hub.add_argument("--hub-revision", default="main", help="branch to commit to (created if missing)")
+    hub.add_argument("--hub-private", type=parse_bool, default=True, help="true|false (default true)")
+    hub.add_argument("--commit-message", default="Upload model exported by airflow-tpu-posttrain")
+    hub.add_argument("--hub-endpoint", help="Hub URL (default: $HF_ENDPOINT, else huggingface.co)")
+    parser.add_argument("--storage-uri", help="gs://bucket/prefix, file:///abs/dir or /abs/dir")
+    args = parser.parse_args(argv)
+    if args.hub_repo is not None and args.hub_repo.count("/") != 1:
+        parser.error(f"--hub-repo must look like owner/name, got {args.hub_repo!r}")
+    return args
+
+
+def run(args: argparse.Namespace, token: str | None) -> dict:
+    expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
+    validated = validate_export(args.model_dir, expected_config)
+    hub = None
+    if args.hub_repo:
+        hub = publish_to_hub(args.model_dir, args.hub_repo, args.hub_revision, args.hub_private,
+                             args.commit_message, args.hub_endpoint, token)
+    storage_uri, storage_outcome = None, None
+    if args.storage_uri:
+        storage_uri = args.storage_uri.rstrip("/")
+        storage_outcome = copy_to_storage(args.model_dir, storage_uri)
+    result = {"validated": validated, "hub": hub, "storage_uri": storage_uri}
+    write_json_atomically(args.result_file, result)
+
+    summary = f"publish_model: validated {validated['n_tensors']} tensors, {validated['params']} params"
+    if hub:
+        summary += f"; hub {hub['repo_id']}@{hub['revision']} commit {hub['commit_sha']}"
+    if storage_uri:
+        summary += f"; storage {storage_uri} ({storage_outcome})"
+    print(summary, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.result_file.unlink(missing_ok=True)  # a failed run must not leave an earlier run's result behind
+    token = None
+    try:
+        token = read_hub_token() if args.hub_repo else None
+        run(args, token)
+    except Exception as error:  # every failure ends in one clear line, scrubbed of the token
+        message = str(error) if isinstance(error, PublishError) else f"{type(error).__name__}: {error}"
+        if token:
+            message = message.replace(token, "<redacted>")
+        print(f"publish_model: error: {message}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

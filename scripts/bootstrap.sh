@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything the local run and the tests need: Debian packages (sshd, docker-compose
+# for validating the compose file), uv, the Airflow venv (.venv) and the local "VM"'s MaxText venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "bootstrap: apt-get install ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
+
+find_python312() {
+  local candidate
+  for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      command -v "$candidate" 2>/dev/null || echo "$candidate"
+      return 0
+    fi
+  done
+  echo "bootstrap: Python 3.12 not found (install it, e.g. with pyenv)" >&2
+  return 1
+}
+PY312=$(find_python312)
+
+if [ ! -x .venv/bin/python ]; then
+  uv venv -q -p "$PY312" .venv
+fi
+uv pip install -q -p .venv/bin/python -e ".[test]"
+
+[ -x airflow_tpu_posttrain/local/setup_maxtext_cpu.sh ] && airflow_tpu_posttrain/local/setup_maxtext_cpu.sh --with-torch-check
+echo "bootstrap: ready"

@@ -1,0 +1,324 @@
+"""The Compute Engine emulator, driven by the official google-cloud-compute REST client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from google.api_core import exceptions
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import compute_v1
+
+from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
+
+PROJECT = "test-project"
+ZONE = "us-east5-b"
+DONE = compute_v1.Operation.Status.DONE
+
+
+@pytest.fixture
+def emulator():
+    with ComputeEmulator(operation_seconds=0.1) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def gce(emulator):
+    """The clients production code builds, pointed at the emulator."""
+    options = {
+        "transport": "rest",
+        "client_options": {"api_endpoint": emulator.url},
+        "credentials": AnonymousCredentials(),
+    }
+    return SimpleNamespace(
+        instances=compute_v1.InstancesClient(**options),
+        zone_operations=compute_v1.ZoneOperationsClient(**options),
+        firewalls=compute_v1.FirewallsClient(**options),
+        global_operations=compute_v1.GlobalOperationsClient(**options),
+    )
+
+
+def tpu_instance(name: str, **fields) -> compute_v1.Instance:
+    return compute_v1.Instance(
+        name=name,
+        machine_type=f"zones/{ZONE}/machineTypes/ct6e-standard-8t",
+        labels={"managed-by": "airflow-tpu-posttrain", "dag": "sft"},
+        network_interfaces=[
+            compute_v1.NetworkInterface(
+                network="global/networks/default",
+                access_configs=[compute_v1.AccessConfig(name="External NAT")],
+            )
+        ],
+        **fields,
+    )
+
+
+def insert(gce, instance: compute_v1.Instance, zone: str = ZONE, request_id: str | None = None) -> str:
+    """Insert an instance and return the operation's name."""
+    request = compute_v1.InsertInstanceRequest(
+        project=PROJECT, zone=zone, instance_resource=instance, request_id=request_id or str(uuid.uuid4())
+    )
+    return gce.instances.insert(request=request).name
+
+
+def wait(gce, operation: str, zone: str = ZONE) -> compute_v1.Operation:
+    return gce.zone_operations.wait(project=PROJECT, zone=zone, operation=operation)
+
+
+def admin(emulator, method: str, path: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{emulator.url}{path}", data=data, method=method)
+    with urllib.request.urlopen(request) as response:
+        return json.load(response)
+
+
+def test_insert_then_wait_gives_a_running_instance_with_local_ips(gce):
+    operation = insert(gce, tpu_instance("vm-1"))
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "PROVISIONING"
+
+    done = wait(gce, operation)
+
+    assert (done.status, done.operation_type, done.progress) == (DONE, "insert", 100)
+    assert done.target_link.endswith(f"/projects/{PROJECT}/zones/{ZONE}/instances/vm-1")
+    assert done.zone.endswith(f"/zones/{ZONE}") and done.end_time and not done.error.errors
+    instance = gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1")
+    assert instance.status == "RUNNING"
+    assert instance.network_interfaces[0].network_i_p == "127.0.0.1"
+    assert instance.network_interfaces[0].access_configs[0].nat_i_p == "127.0.0.1"
+    assert instance.machine_type == f"zones/{ZONE}/machineTypes/ct6e-standard-8t"
+    assert instance.labels["managed-by"] == "airflow-tpu-posttrain"
+    assert instance.id and instance.creation_timestamp
+
+
+def test_wait_returns_an_unfinished_operation_after_about_two_seconds(gce, emulator):
+    emulator.set_faults(operation_seconds=30)
+    operation = insert(gce, tpu_instance("vm-slow"))
+
+    started = time.monotonic()
+    assert wait(gce, operation).status == compute_v1.Operation.Status.RUNNING
+    assert 1.8 < time.monotonic() - started < 3
+
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-slow").status == "STAGING"
+
+
+def test_same_request_id_twice_creates_one_instance(gce, emulator):
+    request_id = str(uuid.uuid4())
+    first = insert(gce, tpu_instance("vm-1"), request_id=request_id)
+    second = insert(gce, tpu_instance("vm-1"), request_id=request_id)
+
+    assert first == second
+    assert [instance["name"] for instance in emulator.instances()] == ["vm-1"]
+
+
+def test_same_name_with_a_new_request_id_conflicts(gce):
+    insert(gce, tpu_instance("vm-1"))
+
+    with pytest.raises(exceptions.Conflict) as raised:
+        insert(gce, tpu_instance("vm-1"))
+
+    message = f"The resource 'projects/{PROJECT}/zones/{ZONE}/instances/vm-1' already exists"
+    assert message in raised.value.message
+    assert raised.value.errors == [{"message": message, "domain": "global", "reason": "alreadyExists"}]
+
+
+def test_missing_instance_is_not_found(gce):
+    with pytest.raises(exceptions.NotFound, match="instances/nope' was not found"):
+        gce.instances.get(project=PROJECT, zone=ZONE, instance="nope")
+    with pytest.raises(exceptions.NotFound):
+        gce.instances.delete(project=PROJECT, zone=ZONE, instance="nope")
+
+
+def test_stockout_ends_the_operation_with_zone_resource_pool_exhausted(gce, emulator):
+    emulator.set_faults(stockout_zones=[ZONE])
+
+    done = wait(gce, insert(gce, tpu_instance("vm-1")))
+
+    assert done.status == DONE and done.http_error_status_code == 503
+    assert done.error.errors[0].code == "ZONE_RESOURCE_POOL_EXHAUSTED"
+    assert done.error.errors[0].message.startswith(
+        f"The zone 'projects/{PROJECT}/zones/{ZONE}' does not have enough resources available"
+    )
+    assert emulator.instances() == []
+    # Another zone still has capacity.
+    assert not wait(gce, insert(gce, tpu_instance("vm-1"), zone="us-east5-a"), zone="us-east5-a").error.errors
+
+
+def test_quota_and_missing_reservation_errors(gce, emulator):
+    emulator.set_faults(quota_exceeded_zones=["us-east5-a"], missing_reservations=["my-reservation"])
+
+    quota = wait(gce, insert(gce, tpu_instance("vm-1"), zone="us-east5-a"), zone="us-east5-a")
+    affinity = compute_v1.ReservationAffinity(
+        consume_reservation_type="SPECIFIC_RESERVATION",
+        key="compute.googleapis.com/reservation-name",
+        values=["my-reservation"],
+    )
+    reservation = wait(gce, insert(gce, tpu_instance("vm-2", reservation_affinity=affinity)))
+
+    assert quota.error.errors[0].code == "QUOTA_EXCEEDED"
+    assert quota.error.errors[0].message == "Quota 'TPU_V6E_CHIPS' exceeded.  Limit: 0.0 in region us-east5."
+    assert reservation.error.errors[0].code == "RESERVATION_NOT_FOUND"
+    assert "reservations/my-reservation" in reservation.error.errors[0].message
+    assert emulator.instances() == []
+
+
+def test_transient_errors_alternate_503_and_429_then_succeed(gce, emulator):
+    emulator.set_faults(transient_errors={"insert": 3})
+
+    with pytest.raises(exceptions.ServiceUnavailable) as unavailable:
+        insert(gce, tpu_instance("vm-1"))
+    with pytest.raises(exceptions.TooManyRequests) as too_many:
+        insert(gce, tpu_instance("vm-1"))
+    with pytest.raises(exceptions.ServiceUnavailable):
+        insert(gce, tpu_instance("vm-1"))
+    wait(gce, insert(gce, tpu_instance("vm-1")))
+
+    assert unavailable.value.errors[0]["reason"] == "backendError"
+    assert too_many.value.errors[0]["reason"] == "rateLimitExceeded"
+    assert len(emulator.instances()) == 1
+
+
+def test_client_default_retry_on_get_absorbs_503_but_not_429(gce, emulator):
+    wait(gce, insert(gce, tpu_instance("vm-1")))
+    emulator.set_faults(transient_errors={"get": 1})
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "RUNNING"
+
+    emulator.set_faults(transient_errors={"get": 2})
+    with pytest.raises(exceptions.TooManyRequests):
+        gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1")
+
+    gets = [r for r in emulator.requests if r["method"] == "GET" and r["path"].endswith("/instances/vm-1")]
+    assert len(gets) == 4  # each 503 was retried once by the client
+
+
+def test_list_filters_on_labels_and_name(gce, emulator):
+    wait(gce, insert(gce, tpu_instance("vm-1")))
+    other = tpu_instance("vm-2")
+    other.labels = {"team": "x"}
+    wait(gce, insert(gce, other))
+
+    def names(expression: str) -> list[str]:
+        request = compute_v1.ListInstancesRequest(project=PROJECT, zone=ZONE, filter=expression)
+        return sorted(instance.name for instance in gce.instances.list(request=request))
+
+    assert names("") == ["vm-1", "vm-2"]
+    assert names("labels.managed-by = airflow-tpu-posttrain") == ["vm-1"]
+    assert names("labels.team:*") == ["vm-2"]
+    assert names('labels.managed-by = "airflow-tpu-posttrain" AND labels.dag = sft') == ["vm-1"]
+    assert names("(labels.dag = sft) (name = vm-2)") == []
+    assert names("name = vm-2 status = RUNNING") == ["vm-2"]
+    assert names("labels.dag != sft") == ["vm-2"]
+    assert emulator.requests[-1]["query"] == {"filter": "labels.dag != sft"}
+
+
+def test_delete_stops_then_removes_the_instance(gce, emulator):
+    wait(gce, insert(gce, tpu_instance("vm-1")))
+
+    operation = gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-1")
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "STOPPING"
+    done = wait(gce, operation.name)
+
+    assert (done.status, done.operation_type) == (DONE, "delete")
+    with pytest.raises(exceptions.NotFound):
+        gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1")
+
+
+def test_failing_deletes_keep_the_instance(gce, emulator):
+    wait(gce, insert(gce, tpu_instance("vm-1")))
+    emulator.set_faults(fail_deletes=True)
+
+    done = wait(gce, gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-1").name)
+
+    assert done.error.errors[0].code == "INTERNAL_ERROR" and done.http_error_status_code == 500
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "RUNNING"
+
+
+def test_firewall_insert_get_delete(gce, emulator):
+    firewall = compute_v1.Firewall(
+        name="allow-iap-ssh-vm-1",
+        source_ranges=["35.235.240.0/20"],
+        target_tags=["vm-1"],
+        allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+    )
+    operation = gce.firewalls.insert(project=PROJECT, firewall_resource=firewall)
+    done = gce.global_operations.wait(project=PROJECT, operation=operation.name)
+    assert done.status == DONE and not done.zone
+
+    stored = gce.firewalls.get(project=PROJECT, firewall="allow-iap-ssh-vm-1")
+    assert stored.allowed[0].ports == ["22"] and stored.direction == "INGRESS"
+    with pytest.raises(exceptions.Conflict):
+        gce.firewalls.insert(project=PROJECT, firewall_resource=firewall)
+
+    operation = gce.firewalls.delete(project=PROJECT, firewall="allow-iap-ssh-vm-1")
+    gce.global_operations.wait(project=PROJECT, operation=operation.name)
+    with pytest.raises(exceptions.NotFound):
+        gce.firewalls.get(project=PROJECT, firewall="allow-iap-ssh-vm-1")
+
+
+def test_max_run_duration_deletes_the_instance_by_itself(gce, emulator):
+    emulator.set_faults(max_run_duration_scale=0.01)  # 30 s -> 0.3 s
+    scheduling = compute_v1.Scheduling(
+        max_run_duration=compute_v1.Duration(seconds=30), instance_termination_action="DELETE"
+    )
+    wait(gce, insert(gce, tpu_instance("vm-1", scheduling=scheduling)))
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "RUNNING"
+
+    time.sleep(0.4)
+
+    assert emulator.instances() == []
+
+
+def test_admin_endpoints(gce, emulator):
+    faults = admin(emulator, "POST", "/_emulator/faults", {"stockout_zones": ["us-east5-a"]})
+    assert faults["stockout_zones"] == ["us-east5-a"]
+    wait(gce, insert(gce, tpu_instance("vm-1")))
+
+    admin(emulator, "POST", f"/_emulator/instances/{ZONE}/vm-1/status", {"status": "TERMINATED"})
+
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "TERMINATED"
+    listed = admin(emulator, "GET", "/_emulator/instances")
+    assert [instance["status"] for instance in listed] == ["TERMINATED"]
+    recorded = admin(emulator, "GET", "/_emulator/requests")
+    assert recorded[0]["method"] == "POST" and recorded[0]["body"]["name"] == "vm-1"
+    assert set(recorded[0]["query"]) == {"requestId"}
+
+    admin(emulator, "POST", "/_emulator/reset", {})
+
+    assert emulator.instances() == [] and emulator.requests == []
+    assert emulator.faults["stockout_zones"] == []
+
+
+def test_paths_without_the_compute_v1_prefix(emulator):
+    body = {"name": "vm-1", "labels": {"a": "b"}}
+    operation = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/instances?requestId=r1", body)
+    done = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/operations/{operation['name']}/wait")
+
+    assert done["status"] == "DONE"
+    instance = admin(emulator, "GET", f"/projects/{PROJECT}/zones/{ZONE}/instances/vm-1")
+    assert instance["status"] == "RUNNING" and instance["networkInterfaces"][0]["networkIP"] == "127.0.0.1"
+    # Without an access config there is no external IP, as on the real API.
+    assert "accessConfigs" not in instance["networkInterfaces"][0]
+
+
+def test_command_line_runs_until_sigterm():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "airflow_tpu_posttrain.local.compute_emulator", "--port", "0"],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("compute emulator listening on http://127.0.0.1:")
+        with urllib.request.urlopen(f"{line.split()[-1]}/_emulator/instances") as response:
+            assert json.load(response) == []
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=5) == 0

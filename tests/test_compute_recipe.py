@@ -1,0 +1,115 @@
+"""The insert body, names and labels: pure, no API."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from airflow_tpu_posttrain.recipes import compute
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+SEED = dict(project_id="my-project", zones=("us-east5-b",), reservation="my-reservation")
+
+
+def test_seed_v6e8_body_equals_gcloud_mapping_field_by_field():
+    spec = compute.TpuVmSpec(**SEED, network="my-net", tags=("my-tag",), max_run_duration_s=14400)
+    body = compute.instance_body(spec, "tpu-x", "us-east5-b", {"managed-by": "airflow-tpu-posttrain"})
+    assert body["name"] == "tpu-x"
+    # --machine-type=ct6e-standard-8t (derived from v6e-8)
+    assert body["machineType"] == "zones/us-east5-b/machineTypes/ct6e-standard-8t"
+    # --image-project/--image-family, --boot-disk-size=200GB
+    [disk] = body["disks"]
+    assert disk["boot"] is True and disk["autoDelete"] is True
+    assert disk["initializeParams"] == {
+        "sourceImage": "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+        "diskSizeGb": "200",
+    }
+    # --maintenance-policy=TERMINATE --instance-termination-action=DELETE --provisioning-model=RESERVATION_BOUND
+    assert body["scheduling"] == {
+        "onHostMaintenance": "TERMINATE",
+        "instanceTerminationAction": "DELETE",
+        "provisioningModel": "RESERVATION_BOUND",
+        "maxRunDuration": {"seconds": "14400"},
+    }
+    # --reservation-affinity=specific --reservation=R
+    assert body["reservationAffinity"] == {
+        "consumeReservationType": "SPECIFIC_RESERVATION",
+        "key": "compute.googleapis.com/reservation-name",
+        "values": ["my-reservation"],
+    }
+    # --network=N --tags=T
+    assert body["networkInterfaces"][0]["network"] == "global/networks/my-net"
+    assert body["tags"] == {"items": ["my-tag"]}
+    assert body["labels"] == {"managed-by": "airflow-tpu-posttrain"}
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "machine_type"),
+    [("v6e-1", "ct6e-standard-1t"), ("v6e-4", "ct6e-standard-4t"), ("v6e-8", "ct6e-standard-8t")],
+)
+def test_machine_type_is_derived_from_accelerator(accelerator, machine_type):
+    assert compute.TpuVmSpec(**SEED, accelerator_type=accelerator).machine_type == machine_type
+
+
+@pytest.mark.parametrize("model", ["SPOT", "FLEX_START"])
+def test_spot_and_flex_start_consume_no_reservation(model):
+    spec = compute.TpuVmSpec(project_id="my-project", zones=("us-east5-b",), provisioning_model=model, max_run_duration_s=3600)
+    body = compute.instance_body(spec, "tpu-x", "us-east5-b", {})
+    assert body["scheduling"]["provisioningModel"] == model
+    assert body["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
+
+
+def test_iap_firewall_tags_the_instance_with_its_name():
+    spec = compute.TpuVmSpec(**SEED, iap_firewall=True)
+    body = compute.instance_body(spec, "tpu-x", "us-east5-b", {})
+    rule = compute.iap_firewall_body(spec, "tpu-x")
+    assert body["tags"]["items"] == ["tpu-x"]
+    assert rule["targetTags"] == ["tpu-x"] and rule["sourceRanges"] == ["35.235.240.0/20"]
+    assert rule["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
+
+
+def test_instance_name_is_deterministic_valid_and_distinct_per_run():
+    dag_id = "posttrain_sft__Gemma3-4B.with_a_very_long_name_that_keeps_going_and_going_and_going"
+    first = compute.instance_name(dag_id, "manual__2026-11-29T10:00:00+00:00")
+    assert first == compute.instance_name(dag_id, "manual__2026-11-29T10:00:00+00:00")
+    assert first != compute.instance_name(dag_id, "manual__2026-11-29T11:00:00+00:00")
+    assert len(first) <= 63 and re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", first)
+
+
+def test_ownership_labels_are_valid_compute_labels():
+    labels = compute.ownership_labels("Posttrain.SFT", "scheduled__2026-11-29T00:00:00+00:00", "create_tpu_vm", 1_800_000_000)
+    assert labels["managed-by"] == "airflow-tpu-posttrain"
+    assert labels["expires-at"] == "1800000000"
+    for key, value in labels.items():
+        assert re.match(r"^[a-z][a-z0-9_-]{0,62}$", key) and re.match(r"^[a-z0-9_-]{0,63}$", value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"accelerator_type": "v7-8"}, "accelerator_type"),
+        ({"zones": ("us-east5",)}, "zones[0]"),
+        ({"zones": ("us-east5-b; rm -rf /",)}, "zones[0]"),
+        ({"zones": ()}, "zones"),
+        ({"reservation": None}, "reservation"),
+        ({"provisioning_model": "ON_DEMAND"}, "provisioning_model"),
+        ({"labels": {"Team": "x"}}, "labels.Team"),
+        ({"labels": {"team": "Has Spaces"}}, "labels.team"),
+        ({"network": "Bad_Net"}, "network"),
+        ({"max_run_duration_s": 10}, "max_run_duration"),
+    ],
+)
+def test_bad_input_names_the_field(overrides, field):
+    with pytest.raises(SpecError) as err:
+        compute.TpuVmSpec(**{**SEED, **overrides})
+    assert err.value.field == field
+    assert "Fix:" in str(err.value)
+
+
+def test_error_classification():
+    assert compute.classify_errors([{"code": "ZONE_RESOURCE_POOL_EXHAUSTED"}]) == compute.ErrorKind.CAPACITY
+    assert compute.classify_errors([{"code": "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}]) == compute.ErrorKind.CAPACITY
+    assert compute.classify_errors([{"code": "QUOTA_EXCEEDED", "message": "Quota 'TPU_V6E_CHIPS'"}]) == compute.ErrorKind.QUOTA
+    assert compute.classify_errors([{"code": "RESERVATION_NOT_FOUND"}]) == compute.ErrorKind.RESERVATION
+    assert compute.classify_errors([{"code": "INTERNAL_ERROR"}]) == compute.ErrorKind.OTHER

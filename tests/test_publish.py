@@ -1,0 +1,361 @@
+"""publish_model.py (the VM-side publish step) against the local Hub server and a GCS emulator.
+
+The script runs as a subprocess, as on the VM. It gets the Hub token only through HF_TOKEN_FILE; each test
+uses a unique marker token so that any leak (output, result file, request path/body, stored data) shows up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from airflow_tpu_posttrain.local.hub_server import REDACTED, HubServer
+
+SCRIPT = Path(__file__).resolve().parents[1] / "airflow_tpu_posttrain" / "vm_scripts" / "publish_model.py"
+REPO_ID = "acme/tiny-llama-sft"
+BRANCH = "run/2026-11-10"
+
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
+    "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def tiny_llama_shapes() -> dict[str, tuple[int, ...]]:
+    """Written out by hand (not derived like the script does) so that the test checks the script."""
+    hidden, q_out, kv_out, intermediate, vocab = 64, 4 * 16, 2 * 16, 128, 256
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        shapes |= {
+            prefix + "self_attn.q_proj.weight": (q_out, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_out, hidden),
+            prefix + "self_attn.v_proj.weight": (kv_out, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, q_out),
+            prefix + "mlp.gate_proj.weight": (intermediate, hidden),
+            prefix + "mlp.up_proj.weight": (intermediate, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, intermediate),
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The safetensors format by hand: u64 little-endian header length, JSON header, raw F32 data."""
+    rng = random.Random(path.name)
+    header, data, offset = {}, [], 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        data.append(rng.randbytes(size))
+        offset += size
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    path.write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + b"".join(data))
+
+
+def make_export(folder: Path, *, drop_tensor: str | None = None, reshape: dict | None = None,
+                drop_file: str | None = None) -> Path:
+    """A tiny HF-format Llama export, optionally broken in one way."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    tokenizer = {"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    shapes = tiny_llama_shapes() | (reshape or {})
+    shapes.pop(drop_tensor, None)
+    write_safetensors(folder / "model.safetensors", shapes)
+    if drop_file:
+        (folder / drop_file).unlink()
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def folder_contents(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def hub_args(hub: HubServer) -> list[str]:
+    return ["--hub-repo", REPO_ID, "--hub-revision", BRANCH, "--hub-private", "true",
+            "--commit-message", "SFT run 42", "--hub-endpoint", hub.url]
+
+
+@pytest.fixture(scope="session")
+def bytecode_cache(tmp_path_factory) -> str:
+    """Shared by all script runs: with PYTHONDONTWRITEBYTECODE set, each run would otherwise recompile
+    huggingface_hub (~1 s). Kept outside the venv, which stays untouched."""
+    return str(tmp_path_factory.mktemp("pycache"))
+
+
+@pytest.fixture
+def run_publish(tmp_path, bytecode_cache):
+    """Run publish_model.py as the VM would: a fresh process that sees only the HF_* variables given."""
+
+    def run(*args: str, token_file: Path | None = None, env: dict[str, str] | None = None):
+        child_env = {key: value for key, value in os.environ.items()
+                     if not key.startswith(("HF_", "HUGGINGFACE_")) and key != "PYTHONDONTWRITEBYTECODE"}
+        child_env |= {"HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "vm-hf-home"),
+                      "PYTHONPYCACHEPREFIX": bytecode_cache, **(env or {})}
+        if token_file is not None:
+            child_env["HF_TOKEN_FILE"] = str(token_file)
+        return subprocess.run([sys.executable, str(SCRIPT), *args], env=child_env, capture_output=True,
+                              text=True, timeout=60)
+
+    return run
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with HubServer(tmp_path / "hub") as server:
+        yield server
+
+
+@pytest.fixture
+def token() -> str:
+    return f"hf_marker_{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def token_file(tmp_path, token) -> Path:
+    path = tmp_path / "secrets" / "hf_token"
+    path.parent.mkdir()
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return path
+
+
+@pytest.fixture
+def export(tmp_path) -> Path:
+    return make_export(tmp_path / "export")
+
+
+def test_publishes_to_private_branch_and_never_leaks_the_token(
+    tmp_path, run_publish, hub, token, token_file, export
+):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    result_file = tmp_path / "result.json"
+    proc = run_publish("--model-dir", str(export), "--result-file", str(result_file),
+                       "--expect-tensors-from", str(export / "config.json"), *hub_args(hub),
+                       token_file=token_file)
+    assert proc.returncode == 0, proc.stderr
+
+    result = json.loads(result_file.read_text())
+    sha = result["hub"]["commit_sha"]
+    expected_files = sorted(p.name for p in export.iterdir())
+    assert result["validated"] == {
+        "model_type": "llama", "n_tensors": 21, "files": expected_files,
+        "params": sum(math.prod(s) for s in tiny_llama_shapes().values()),
+    }
+    assert result["hub"] == {"repo_id": REPO_ID, "revision": BRANCH, "commit_sha": sha,
+                             "url": f"{hub.url}/{REPO_ID}/tree/run%2F2026-11-10"}
+    assert result["storage_uri"] is None
+    assert f"commit {sha}" in proc.stdout
+
+    api = HfApi(endpoint=hub.url, token=token)
+    assert api.model_info(REPO_ID).private is True
+    with pytest.raises(RepositoryNotFoundError):
+        HfApi(endpoint=hub.url, token=False).model_info(REPO_ID)
+    branches = {ref.name: ref.target_commit for ref in api.list_repo_refs(REPO_ID).branches}
+    assert branches[BRANCH] == sha and branches["main"] != sha
+    assert api.list_repo_files(REPO_ID, revision=BRANCH) == sorted([".gitattributes", *expected_files])
+    for name in expected_files:
+        downloaded = api.hf_hub_download(REPO_ID, name, revision=BRANCH, cache_dir=tmp_path / "hf-cache")
+        assert Path(downloaded).read_bytes() == (export / name).read_bytes(), name
+    latest = api.list_repo_commits(REPO_ID, revision=BRANCH)[0]
+    assert (latest.commit_id, latest.title) == (sha, "SFT run 42")
+    lfs_files = {s.rfilename for s in api.model_info(REPO_ID, revision=BRANCH, files_metadata=True).siblings
+                 if s.lfs}
+    assert lfs_files == {"model.safetensors"}
+
+    # The token travelled only in Authorization headers (recorded redacted) and nowhere else.
+    assert token not in proc.stdout + proc.stderr
+    assert token not in result_file.read_text()
+    for request in hub.requests:
+        assert token not in request.path
+        assert token.encode() not in request.body and request.body_size == len(request.body)
+        assert all(token not in value for value in request.headers.values())
+    writes = [r for r in hub.requests if r.method == "POST"]
+    assert writes and all(r.headers.get("authorization") == REDACTED for r in writes)
+    for stored in (tmp_path / "hub").rglob("*"):
+        assert not stored.is_file() or token.encode() not in stored.read_bytes(), stored
+
+
+def test_rerun_is_idempotent_and_a_changed_export_makes_a_new_commit(
+    tmp_path, run_publish, hub, token, token_file, export
+):
+    from huggingface_hub import HfApi
+
+    storage = tmp_path / "bucket" / "run-42"
+    args = ["--model-dir", str(export), "--result-file", str(tmp_path / "result.json"), *hub_args(hub),
+            "--storage-uri", f"file://{storage}"]
+    first = run_publish(*args, token_file=token_file)
+    assert first.returncode == 0, first.stderr
+    first_sha = json.loads((tmp_path / "result.json").read_text())["hub"]["commit_sha"]
+    api = HfApi(endpoint=hub.url, token=token)
+    n_commits = len(api.list_repo_commits(REPO_ID, revision=BRANCH))
+
+    again = run_publish(*args, token_file=token_file)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["hub"]["commit_sha"] == first_sha
+    assert len(api.list_repo_commits(REPO_ID, revision=BRANCH)) == n_commits
+    assert f"storage file://{storage} (unchanged)" in again.stdout
+
+    (export / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 3}))
+    changed = run_publish(*args, token_file=token_file)
+    assert changed.returncode == 0, changed.stderr
+    new_sha = json.loads((tmp_path / "result.json").read_text())["hub"]["commit_sha"]
+    assert new_sha != first_sha
+    assert [c.commit_id for c in api.list_repo_commits(REPO_ID, revision=BRANCH)][:2] == [new_sha, first_sha]
+    assert folder_contents(storage) == folder_contents(export)
+    assert sorted(p.name for p in storage.parent.iterdir()) == ["run-42"]  # no staging leftovers
+
+
+def test_refuses_to_publish_a_private_model_into_an_existing_public_repo(
+    tmp_path, run_publish, hub, token, token_file, export
+):
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.url, token=token)
+    api.create_repo(REPO_ID, private=False)
+    proc = run_publish("--model-dir", str(export), "--result-file", str(tmp_path / "r.json"), *hub_args(hub),
+                       token_file=token_file)
+    assert proc.returncode == 1
+    assert f"{REPO_ID} already exists and is public" in proc.stderr
+    assert [ref.name for ref in api.list_repo_refs(REPO_ID).branches] == ["main"]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ({"drop_tensor": "model.layers.1.mlp.down_proj.weight"},
+         "missing tensor model.layers.1.mlp.down_proj.weight [64, 128]"),
+        ({"reshape": {"model.layers.0.self_attn.k_proj.weight": (64, 64)}},
+         "tensor model.layers.0.self_attn.k_proj.weight has shape [64, 64], expected [32, 64]"),
+        ({"drop_file": "tokenizer.json"}, "missing tokenizer file tokenizer.json"),
+        ({"drop_file": "model.safetensors"}, "no *.safetensors weight files"),
+    ],
+    ids=["missing-tensor", "wrong-shape", "missing-tokenizer", "no-weights"],
+)
+def test_broken_export_fails_clearly_and_publishes_nothing(
+    tmp_path, run_publish, hub, token_file, breakage, message
+):
+    export = make_export(tmp_path / "broken", **breakage)
+    result_file = tmp_path / "result.json"
+    result_file.write_text("{}")  # left by an earlier run: must not survive a failed one
+    proc = run_publish("--model-dir", str(export), "--result-file", str(result_file),
+                       *hub_args(hub), "--storage-uri", str(tmp_path / "copy"), token_file=token_file)
+    assert proc.returncode == 1
+    assert "is not publishable" in proc.stderr and message in proc.stderr
+    assert hub.requests == []
+    assert not (tmp_path / "copy").exists() and not result_file.exists()
+
+
+def test_export_must_match_the_expected_config(tmp_path, run_publish, export):
+    base_config = tmp_path / "base_config.json"
+    base_config.write_text(json.dumps(TINY_LLAMA_CONFIG | {"hidden_size": 128, "head_dim": 32}))
+    proc = run_publish("--model-dir", str(export), "--result-file", str(tmp_path / "r.json"),
+                       "--expect-tensors-from", str(base_config))
+    assert proc.returncode == 1
+    assert "config.json has hidden_size=64, expected 128" in proc.stderr
+    assert "tensor model.embed_tokens.weight has shape [256, 64], expected [256, 128]" in proc.stderr
+
+
+@pytest.mark.parametrize("token_file_content", [None, "  \n"], ids=["no-token-file", "empty-token-file"])
+def test_hub_publish_needs_a_token_file(tmp_path, run_publish, hub, export, token_file_content):
+    token_file = None
+    if token_file_content is not None:
+        token_file = tmp_path / "hf_token"
+        token_file.write_text(token_file_content)
+    proc = run_publish("--model-dir", str(export), "--result-file", str(tmp_path / "r.json"),
+                       *hub_args(hub), token_file=token_file)
+    assert proc.returncode == 1
+    assert "HF_TOKEN_FILE" in proc.stderr
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("scheme", ["file://", ""], ids=["file-uri", "plain-path"])
+def test_copies_to_a_local_directory(tmp_path, run_publish, export, scheme):
+    destination = tmp_path / "models" / "run-42"
+    result_file = tmp_path / "result.json"
+    proc = run_publish("--model-dir", str(export), "--result-file", str(result_file),
+                       "--storage-uri", f"{scheme}{destination}/")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(result_file.read_text())
+    assert result["hub"] is None and result["storage_uri"] == f"{scheme}{destination}"
+    assert folder_contents(destination) == folder_contents(export)
+    assert "(copied)" in proc.stdout
+
+
+@pytest.fixture
+def gcs_emulator(monkeypatch):
+    from gcp_storage_emulator.server import create_server
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="models")
+    server.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+def test_uploads_to_gcs(tmp_path, run_publish, export, gcs_emulator):
+    from google.cloud import storage
+
+    args = ["--model-dir", str(export), "--result-file", str(tmp_path / "result.json"),
+            "--storage-uri", "gs://models/runs/42"]
+    emulator_env = {"STORAGE_EMULATOR_HOST": gcs_emulator}
+    proc = run_publish(*args, env=emulator_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "(uploaded 5 object(s))" in proc.stdout
+    bucket = storage.Client().bucket("models")
+    blobs = {blob.name: blob for blob in bucket.list_blobs(prefix="runs/42/")}
+    assert sorted(blobs) == [f"runs/42/{p.name}" for p in sorted(export.iterdir())]
+    for name, blob in blobs.items():
+        assert blob.download_as_bytes() == (export / name.removeprefix("runs/42/")).read_bytes()
+
+    again = run_publish(*args, env=emulator_env)
+    assert again.returncode == 0, again.stderr
+    assert "(unchanged)" in again.stdout
+
+
+def test_hub_server_rejects_writes_without_a_valid_token(tmp_path):
+    with HubServer(tmp_path / "hub", tokens=["the-token"]) as server:
+        def create(headers: dict[str, str]) -> int:
+            request = urllib.request.Request(f"{server.url}/api/repos/create", method="POST", headers=headers,
+                                             data=json.dumps({"organization": "acme", "name": "m"}).encode())
+            try:
+                with urllib.request.urlopen(request) as response:
+                    return response.status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert create({}) == 401
+        assert create({"Authorization": "Bearer wrong"}) == 401
+        assert create({"Authorization": "Bearer the-token"}) == 200
+        assert create({"Authorization": "Bearer the-token"}) == 409
+        recorded = [request.headers.get("authorization") for request in server.requests]
+        assert recorded == [None, REDACTED, REDACTED, REDACTED]

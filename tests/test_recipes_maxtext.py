@@ -1,0 +1,566 @@
+"""The recipe layer against the two tutorials (shared/reference/seed-workflows.md) and hostile input."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import shlex
+import subprocess
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from airflow_tpu_posttrain.recipes import install, maxtext
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, accelerator, tpu_env
+from airflow_tpu_posttrain.recipes.layout import RunLayout, run_name
+from airflow_tpu_posttrain.recipes.models import SftDataset, model_profile, tiny_llama_profile
+from airflow_tpu_posttrain.recipes.runtime import cpu_runtime, tpu_runtime
+from airflow_tpu_posttrain.recipes.shell import ShellExpansion
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+# The tutorials' RUN_NAME=$(date +%Y-%m-%d-%H-%M-%S), fixed.
+SEED_RUN = "2026-01-05-10-00-00"
+
+# The tutorials' commands, with their variables substituted by the values the tutorials give them
+# (MODEL_CHECKPOINT_DIRECTORY=/dev/shm/$MODEL_NAME/mt-format/, USE_PATHWAYS=0, LAZY_LOAD_TENSORS=False,
+# BASE_OUTPUT_DIRECTORY=/dev/shm/$MODEL_NAME/post-train/,
+# MAXTEXT_CKPT_PATH=$MODEL_CHECKPOINT_DIRECTORY/0/items,
+# HF_EXPORT=/dev/shm/$MODEL_NAME/hf-trained/, STEPS=1000, NUM_BATCHES=50, CHIPS_PER_VM=8).
+#
+# The tutorials' POST_TRAIN_PATH: $BASE_OUTPUT_DIRECTORY/$RUN_NAME/checkpoints/$STEPS/model_params (SFT) and
+# $BASE_OUTPUT_DIRECTORY/$RUN_NAME/checkpoints/actor/$NUM_BATCHES/model_params (RL).
+SEED_SFT_POST_TRAIN_PATH = "/dev/shm/gemma3-4b/post-train//2026-01-05-10-00-00/checkpoints/1000/model_params"
+SEED_RL_POST_TRAIN_PATH = (
+    "/dev/shm/llama3.1-8b-Instruct/post-train//2026-01-05-10-00-00/checkpoints/actor/50/model_params"
+)
+
+SEED_SFT_TO_MAXTEXT = """python3 -m maxtext.checkpoint_conversion.to_maxtext \\
+    model_name="gemma3-4b" \\
+    hf_access_token="hf_EXAMPLE" \\
+    base_output_directory="/dev/shm/gemma3-4b/mt-format/" \\
+    scan_layers=True \\
+    use_multimodal=False \\
+    hardware=cpu \\
+    skip_jax_distributed_system=true \\
+    checkpoint_storage_use_zarr3=1 \\
+    checkpoint_storage_use_ocdbt=1 \\
+    --lazy_load_tensors="False"
+"""
+SEED_SFT_TRAIN = """python3 -m maxtext.trainers.post_train.sft.train_sft \\
+       run_name="2026-01-05-10-00-00" \\
+       base_output_directory="/dev/shm/gemma3-4b/post-train/" \\
+       model_name="gemma3-4b" \\
+       load_parameters_path="/dev/shm/gemma3-4b/mt-format//0/items" \\
+       per_device_batch_size="1" \\
+       steps="1000" \\
+       hf_path="HuggingFaceH4/ultrachat_200k" \\
+       train_split="train_sft" \\
+       train_data_columns="['messages']" \\
+       profiler=xplane
+"""
+SEED_SFT_TO_HUGGINGFACE = f"""python3 -m maxtext.checkpoint_conversion.to_huggingface \\
+       model_name="gemma3-4b" \\
+       load_parameters_path="{SEED_SFT_POST_TRAIN_PATH}" \\
+       base_output_directory="/dev/shm/gemma3-4b/hf-trained/" \\
+       scan_layers=True \\
+       use_multimodal=False \\
+       weight_dtype=bfloat16
+"""
+SEED_RL_TO_MAXTEXT = SEED_SFT_TO_MAXTEXT.replace("gemma3-4b", "llama3.1-8b-Instruct")
+SEED_RL_TRAIN = """python3 -m maxtext.trainers.post_train.rl.train_rl \\
+       model_name="llama3.1-8b-Instruct" \\
+       load_parameters_path="/dev/shm/llama3.1-8b-Instruct/mt-format//0/items" \\
+       run_name="2026-01-05-10-00-00" \\
+       base_output_directory="/dev/shm/llama3.1-8b-Instruct/post-train/" \\
+       chips_per_vm="8" \\
+       num_batches="50" \\
+       num_test_batches=10 \\
+       rollout_data_parallelism=1 \\
+       rollout_tensor_parallelism=-1
+"""
+SEED_RL_TO_HUGGINGFACE = f"""python3 -m maxtext.checkpoint_conversion.to_huggingface \\
+       model_name="llama3.1-8b" \\
+       load_parameters_path="{SEED_RL_POST_TRAIN_PATH}" \\
+       base_output_directory="/dev/shm/llama3.1-8b-Instruct/hf-trained/" \\
+       scan_layers=True \\
+       use_multimodal=False \\
+       weight_dtype=bfloat16
+"""
+SEED_TRAINING_EXPORTS = """export TPU_ACCELERATOR_TYPE=v6e-8
+export TPU_WORKER_ID=0
+TPU_NAME=$(hostname)
+export TPU_NAME
+export TPU_SKIP_MDS_QUERY=1
+export TPU_WORKER_HOSTNAMES=localhost
+export TPU_TOPOLOGY=2x4
+export TPU_CHIPS_PER_HOST_BOUNDS=2,4,1
+export TPU_HOST_BOUNDS=1,1,1
+"""
+
+HOSTILE = ["a;b", "a && b", "a|b", "$(id)", "`id`", "a\nb", "a'b", 'a"b', "..", "../x", "a b"]
+
+
+def _argv(command: str) -> list[str]:
+    """A tutorial command as the shell passes it, with directory values written the one POSIX way.
+
+    The tutorials' directories end in '/', so '$DIR/0/items' contains '//'; the recipes write
+    '/dev/shm/x/mt-format' and '/dev/shm/x/mt-format/0/items'. Both name the same files; nothing else is
+    normalised.
+    """
+    tokens = shlex.split(command.replace("\\\n", " "))
+    return [_normalise_path_value(token) for token in tokens]
+
+
+def _normalise_path_value(token: str) -> str:
+    key, sep, value = token.partition("=")
+    return f"{key}={posixpath.normpath(value)}" if sep and value.startswith("/") else token
+
+
+def _without_token_argument(argv: list[str]) -> list[str]:
+    """Deliberate deviation: the token stays out of argv (MaxText reads HF_TOKEN from the environment)."""
+    return [token for token in argv if not token.startswith("hf_access_token=")]
+
+
+def _seed_spec(model_key: str) -> maxtext.RunSpec:
+    return maxtext.RunSpec(
+        model=model_profile(model_key),
+        accelerator=accelerator("v6e-8"),
+        runtime=tpu_runtime(),
+        layout=RunLayout(model_key, SEED_RUN),
+    )
+
+
+def _cpu_spec() -> maxtext.RunSpec:
+    return maxtext.RunSpec(
+        model=model_profile("tiny-llama"),
+        accelerator=accelerator("cpu"),
+        runtime=cpu_runtime("/opt/launchers", "/work/main/.local/maxtext-venv"),
+        layout=RunLayout("tiny-llama", "tiny-run"),
+    )
+
+
+def _bash(script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env, check=False
+    )
+
+
+# --- the tutorials, reproduced ------------------------------------------------------------------------------
+
+
+def test_sft_seed_commands():
+    spec = _seed_spec("gemma3-4b")
+    assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_SFT_TO_MAXTEXT))
+    sft = maxtext.train_sft(spec)
+    pipeline_extra = ["checkpoint_period=200"]
+    assert list(sft.argv) == _argv(SEED_SFT_TRAIN) + pipeline_extra
+    export = maxtext.to_huggingface(spec, spec.layout.sft_params(1000))
+    assert list(export.argv) == _argv(SEED_SFT_TO_HUGGINGFACE)
+
+
+def test_rl_seed_commands():
+    spec = _seed_spec("llama3.1-8b-Instruct")
+    assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_RL_TO_MAXTEXT))
+    assert list(maxtext.train_rl(spec).argv) == _argv(SEED_RL_TRAIN)
+    export = maxtext.to_huggingface(spec, spec.layout.rl_params(50))
+    assert list(export.argv) == _argv(SEED_RL_TO_HUGGINGFACE)
+
+
+def test_training_env_is_the_seeds_exports():
+    assert tpu_env(accelerator("v6e-8")) == {
+        "TPU_ACCELERATOR_TYPE": "v6e-8",
+        "TPU_WORKER_ID": "0",
+        "TPU_NAME": ShellExpansion.HOSTNAME,
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_TOPOLOGY": "2x4",
+        "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1",
+        "TPU_HOST_BOUNDS": "1,1,1",
+    }
+    spec = _seed_spec("gemma3-4b")
+    for command in (maxtext.train_sft(spec), maxtext.train_rl(_seed_spec("llama3.1-8b-Instruct"))):
+        assert command.env == tpu_env(accelerator("v6e-8"))
+    # The conversions run on the VM's CPU with no TPU environment, as in the tutorials.
+    assert maxtext.to_maxtext(spec).env == {}
+    assert maxtext.to_huggingface(spec, spec.layout.sft_params(1000)).env == {}
+
+
+def test_training_script_exports_what_the_seed_exports():
+    """Both export blocks, run by bash, leave the same TPU_* variables (TPU_NAME being the host's name)."""
+    show = '\nenv | grep "^TPU_" | sort'
+    script = maxtext.train_sft(_seed_spec("gemma3-4b")).script()
+    ours = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    seed_run, our_run = _bash(SEED_TRAINING_EXPORTS + show), _bash(ours + show)
+    assert our_run.returncode == 0
+    assert our_run.stdout == seed_run.stdout
+    assert f"TPU_NAME={os.uname().nodename}" in our_run.stdout
+    assert 'export TPU_NAME="$(hostname)"' in script.splitlines()
+
+
+def test_checkpoint_paths_are_the_seeds_post_train_paths():
+    sft, rl = RunLayout("gemma3-4b", SEED_RUN), RunLayout("llama3.1-8b-Instruct", SEED_RUN)
+    assert sft.sft_params(1000) == posixpath.normpath(SEED_SFT_POST_TRAIN_PATH)
+    assert rl.rl_params(50) == posixpath.normpath(SEED_RL_POST_TRAIN_PATH)
+    assert sft.converted_params == "/dev/shm/gemma3-4b/mt-format/0/items"
+    assert sft.export_dir == "/dev/shm/gemma3-4b/hf-trained"
+    assert RunLayout("gemma3-4b", SEED_RUN, root="/mnt/disk/").post_train_dir == "/mnt/disk/post-train"
+
+
+@pytest.mark.parametrize(
+    ("accelerator_type", "machine_type", "chips", "topology", "bounds"),
+    [("v6e-1", "ct6e-standard-1t", 1, "1x1", "1,1,1"), ("v6e-4", "ct6e-standard-4t", 4, "2x2", "2,2,1")],
+)
+def test_smaller_v6e_slices(accelerator_type, machine_type, chips, topology, bounds):
+    acc = accelerator(accelerator_type)
+    assert (acc.machine_type, acc.chips, acc.topology, acc.chips_per_host_bounds) == (
+        machine_type,
+        chips,
+        topology,
+        bounds,
+    )
+    assert tpu_env(acc)["TPU_TOPOLOGY"] == topology
+    assert (
+        f"chips_per_vm={chips}"
+        in maxtext.train_rl(
+            maxtext.RunSpec(
+                model_profile("llama3.1-8b-Instruct"),
+                acc,
+                tpu_runtime(),
+                RunLayout("llama3.1-8b-Instruct", "r"),
+            )
+        ).argv
+    )
+
+
+def test_seed_scripts_activate_the_venv_and_exec():
+    lines = maxtext.train_rl(_seed_spec("llama3.1-8b-Instruct")).script().splitlines()
+    assert lines[:3] == [
+        "#!/usr/bin/env bash",
+        "set -euo pipefail",
+        'source "$HOME"/maxtext_venv/bin/activate',
+    ]
+    assert lines[-1].startswith("exec python3 -m maxtext.trainers.post_train.rl.train_rl ")
+
+
+# --- the cpu runtime ----------------------------------------------------------------------------------------
+
+
+def test_cpu_runtime_commands():
+    spec = _cpu_spec()
+    model_dir = "/dev/shm/tiny-llama/source/tiny-llama"
+    dims = [f"{k}={v}" for k, v in spec.model.maxtext_overrides.items()]
+    cpu = ["hardware=cpu", "skip_jax_distributed_system=true", "attention=dot_product"]
+
+    convert = maxtext.to_maxtext(spec)
+    assert convert.argv[:2] == ("python3", "/opt/launchers/to_maxtext_cpu.py")
+    assert "--lazy_load_tensors=True" in convert.argv and "--lazy_load_tensors=False" not in convert.argv
+    assert convert.argv.count("hardware=cpu") == 1  # the seed's value, kept in its place
+    assert convert.argv[-1] == f"--hf_model_path={model_dir}"
+    assert convert.env == {"JAX_PLATFORMS": "cpu"}
+
+    sft = maxtext.train_sft(spec)
+    assert sft.argv[:3] == ("python3", "-m", "maxtext.trainers.post_train.sft.train_sft")
+    assert sft.argv[3:] == (
+        "run_name=tiny-run",
+        "base_output_directory=/dev/shm/tiny-llama/post-train",
+        "model_name=llama3.1-8b",
+        "load_parameters_path=/dev/shm/tiny-llama/mt-format/0/items",
+        "per_device_batch_size=1",
+        "steps=5",
+        "hf_path=json",
+        "train_split=train",
+        "train_data_columns=['messages']",
+        "profiler=xplane",
+        "hf_train_files=/dev/shm/tiny-llama/source/data/sft.jsonl",
+        "hf_eval_split=",
+        "checkpoint_period=200",
+        *dims,
+        *cpu,
+        f"tokenizer_path={model_dir}",
+        "max_target_length=128",
+    )
+    assert sft.env == {"JAX_PLATFORMS": "cpu"}
+
+    rl = maxtext.train_rl(spec)
+    assert rl.argv[:2] == ("python3", "/opt/launchers/train_rl_cpu.py")
+    assert rl.argv[2:] == (
+        "model_name=llama3.1-8b",
+        "load_parameters_path=/dev/shm/tiny-llama/mt-format/0/items",
+        "run_name=tiny-run",
+        "base_output_directory=/dev/shm/tiny-llama/post-train",
+        "chips_per_vm=1",
+        "num_batches=2",
+        "num_test_batches=2",
+        "rollout_data_parallelism=1",
+        "rollout_tensor_parallelism=-1",
+        "hf_train_files=/dev/shm/tiny-llama/source/data/gsm8k/train.parquet",
+        "hf_eval_files=/dev/shm/tiny-llama/source/data/gsm8k/test.parquet",
+        *dims,
+        *cpu,
+        f"tokenizer_path={model_dir}",
+        "max_prefill_predict_length=128",
+        "max_target_length=160",
+        "use_pathways=false",
+    )
+
+    export = maxtext.to_huggingface(spec, spec.layout.rl_params(2))
+    assert export.argv[:2] == ("python3", "/opt/launchers/to_huggingface_cpu.py")
+    assert export.argv[-2:] == ("--override_model_architecture=true", f"--hf_model_path={model_dir}")
+    assert export.script().splitlines()[2] == "source /work/main/.local/maxtext-venv/bin/activate"
+
+
+def test_runtime_refuses_mismatched_combinations():
+    with pytest.raises(SpecError) as err:
+        maxtext.RunSpec(
+            model_profile("tiny-llama"),
+            accelerator("v6e-8"),
+            cpu_runtime("/l", "/v"),
+            RunLayout("tiny-llama", "r"),
+        )
+    assert err.value.field == "accelerator_type"
+    with pytest.raises(SpecError) as err:
+        maxtext.RunSpec(
+            model_profile("gemma3-4b"), accelerator("cpu"), tpu_runtime(), RunLayout("gemma3-4b", "r")
+        )
+    assert err.value.field == "accelerator_type"
+    with pytest.raises(SpecError) as err:
+        maxtext.RunSpec(
+            model_profile("gemma3-4b"),
+            accelerator("cpu"),
+            cpu_runtime("/l", "/v"),
+            RunLayout("gemma3-4b", "r"),
+        )
+    assert err.value.field == "model"
+    with pytest.raises(SpecError) as err:
+        maxtext.RunSpec(
+            model_profile("gemma3-4b"), accelerator("v6e-8"), tpu_runtime(), RunLayout("tiny-llama", "r")
+        )
+    assert err.value.field == "model"
+
+
+def test_overrides_and_recipe_knobs():
+    spec = _seed_spec("gemma3-4b")
+    sft = maxtext.train_sft(
+        spec,
+        steps=20,
+        checkpoint_period=10,
+        profiler="",
+        overrides=["learning_rate=1e-5", "weight_dtype=bfloat16"],
+    )
+    assert {"steps=20", "profiler=", "checkpoint_period=10"} <= set(sft.argv)
+    assert sft.argv[-2:] == ("learning_rate=1e-5", "weight_dtype=bfloat16")
+    data = SftDataset(
+        hf_path="owner/chats", train_split="train", train_data_columns="['prompt', 'completion']"
+    )
+    assert "train_data_columns=['prompt', 'completion']" in maxtext.train_sft(spec, dataset=data).argv
+    assert "num_batches=3" in maxtext.train_rl(_seed_spec("llama3.1-8b-Instruct"), num_batches=3).argv
+
+
+# --- hostile and invalid input ------------------------------------------------------------------------------
+
+
+def _field_of(call) -> str:
+    with pytest.raises(SpecError) as err:
+        call()
+    return err.value.field
+
+
+@pytest.mark.parametrize("value", [*HOSTILE, "/abs/name", ""])
+def test_names_refuse_hostile_values(value):
+    assert _field_of(lambda: RunLayout("gemma3-4b", value)) == "run_name"
+    assert _field_of(lambda: model_profile(value)) == "model"
+    assert _field_of(lambda: accelerator(value)) == "accelerator_type"
+    assert _field_of(lambda: SftDataset(hf_path="json", train_split=value)) == "train_split"
+
+
+@pytest.mark.parametrize("value", [*HOSTILE, "/abs/dataset", ""])
+def test_dataset_id_refuses_hostile_values(value):
+    assert _field_of(lambda: SftDataset(hf_path=value, train_split="train")) == "hf_path"
+
+
+@pytest.mark.parametrize("value", [*HOSTILE, "/", "", "a/./b"])
+def test_venv_refuses_hostile_values(value):
+    assert _field_of(lambda: tpu_runtime(venv=value)) == "venv"
+
+
+@pytest.mark.parametrize("value", [*HOSTILE, "relative/dir", "/dev/shm/../etc"])
+def test_paths_refuse_hostile_values(value):
+    spec = _seed_spec("gemma3-4b")
+    assert _field_of(lambda: RunLayout("gemma3-4b", "r", root=value)) == "root"
+    assert _field_of(lambda: maxtext.to_huggingface(spec, value)) == "trained_params"
+    assert _field_of(lambda: cpu_runtime(value, "/v")) == "launcher_dir"
+    assert _field_of(lambda: tiny_llama_profile(value)) == "tiny_llama_root"
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        "steps=5",
+        "run_name=x",
+        "base_output_directory=/tmp",
+        "load_parameters_path=/x",
+        "checkpoint_period=1",
+        "x=$(id)",
+        "x=`id`",
+        "x=a;b",
+        "x=a&&b",
+        "x=a|b",
+        "x=a\nb",
+        'x="a"',
+        "x=../a",
+        "Bad=1",
+        "novalue",
+    ],
+)
+def test_overrides_refuse_reserved_keys_and_hostile_values(pair):
+    assert _field_of(lambda: maxtext.train_sft(_seed_spec("gemma3-4b"), overrides=[pair])) == "overrides[0]"
+
+
+def test_cpu_only_keys_are_reserved_on_cpu():
+    assert _field_of(lambda: maxtext.train_rl(_cpu_spec(), overrides=["use_pathways=true"])) == "overrides[0]"
+    assert _field_of(lambda: maxtext.train_sft(_cpu_spec(), overrides=["base_emb_dim=8"])) == "overrides[0]"
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda s: maxtext.train_sft(s, steps=0), "steps"),
+        (lambda s: maxtext.train_sft(s, steps=True), "steps"),
+        (lambda s: maxtext.train_sft(s, per_device_batch_size=-1), "per_device_batch_size"),
+        (lambda s: maxtext.train_sft(s, checkpoint_period=0), "checkpoint_period"),
+        (lambda s: maxtext.train_sft(s, profiler="xplane;id"), "profiler"),
+        (lambda s: maxtext.train_rl(s, num_batches=0), "num_batches"),
+        (lambda s: maxtext.train_rl(s, num_test_batches=0), "num_test_batches"),
+        (lambda s: s.layout.sft_params(0), "steps"),
+    ],
+)
+def test_counts_and_choices_are_validated(call, field):
+    assert _field_of(lambda: call(_seed_spec("gemma3-4b"))) == field
+
+
+def test_dataset_columns_are_validated():
+    assert (
+        _field_of(lambda: SftDataset("json", "train", train_data_columns="['a'];id")) == "train_data_columns"
+    )
+    assert _field_of(lambda: SftDataset("json", "train", train_files="rel.jsonl")) == "hf_train_files"
+
+
+def test_unknown_values_list_the_valid_ones():
+    with pytest.raises(SpecError, match="v6e-8") as err:
+        accelerator("v5e-8")
+    assert err.value.field == "accelerator_type"
+    assert set(ACCELERATORS) == {"v6e-1", "v6e-4", "v6e-8", "cpu"}
+    with pytest.raises(SpecError, match="gemma3-4b"):
+        model_profile("gpt-5")
+
+
+def test_script_of_hostile_values_is_inert(tmp_path):
+    """Values that would run commands if unquoted reach the program unchanged, and run nothing."""
+    canary = tmp_path / "ran"
+    hostile = [
+        f"$(touch {canary})",
+        f"`touch {canary}`",
+        f"a; touch {canary}",
+        f"a && touch {canary} || b",
+        "a'b\"c",
+        "x\ny",
+        "$HOME",
+        "*",
+        "-rf",
+        "",
+    ]
+    program = "import json, os, sys; print(json.dumps([sys.argv[1:], os.environ['HOSTILE']]))"
+    command = maxtext.RemoteCommand(argv=("python3", "-c", program, *hostile), env={"HOSTILE": hostile[0]})
+    script = command.script()
+    exec_part = script[script.index("\nexec ") + 1 :]
+    assert shlex.split(exec_part) == ["exec", *command.argv]
+    result = _bash(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == json.dumps([hostile, hostile[0]])
+    assert not canary.exists()
+
+
+def test_env_names_are_validated():
+    bad = maxtext.RemoteCommand(argv=("true",), env={"X;id": "1"})
+    assert _field_of(bad.script) == "env"
+
+
+# --- run names ----------------------------------------------------------------------------------------------
+
+
+def test_run_name_is_deterministic_short_and_distinct():
+    first = run_name("sft_gemma3", "manual__2026-01-05T10:00:00+00:00")
+    assert first == run_name("sft_gemma3", "manual__2026-01-05T10:00:00+00:00")
+    assert first != run_name("sft_gemma3", "manual__2026-01-05T10:00:01+00:00")
+    assert first.startswith("sft-gemma3-")
+    long = run_name("x" * 300 + "!$;", "r" * 500, datetime(2026, 1, 5, tzinfo=UTC))
+    assert len(long) <= 64
+    for name in (first, long, run_name("___", "r")):
+        assert RunLayout("gemma3-4b", name).run_name == name  # valid as a run name and path segment
+    # A truncated DAG id still keeps runs of different DAGs apart.
+    assert run_name("a" * 40 + "1", "r") != run_name("a" * 40 + "2", "r")
+
+
+def test_run_name_shows_the_logical_date_in_utc():
+    paris = timezone(timedelta(hours=1))
+    name = run_name("backfill_dag", "backfill__2026-01-05", datetime(2026, 1, 5, 11, 30, tzinfo=paris))
+    assert "-2026-01-05-10-30-00-" in name
+    assert _field_of(lambda: run_name("", "r")) == "dag_id"
+    assert _field_of(lambda: run_name("d", None)) == "run_id"
+
+
+# --- install ------------------------------------------------------------------------------------------------
+
+
+def test_tpu_install_follows_the_seeds():
+    script = install.install_script(tpu_runtime(), "0.2.3")
+    for seed_step in (
+        "apt update",
+        "apt upgrade -y --fix-missing",
+        "apt install -y build-essential cmake ninja-build",
+        "uv python install 3.12",
+        'uv venv --python 3.12 --seed "$venv"',
+        'source "$venv/bin/activate"',
+        "UV_TORCH_BACKEND=cpu uv pip install 'maxtext[tpu-post-train]==0.2.3' --resolution=lowest",
+        "install_tpu_post_train_extra_deps",
+    ):
+        assert seed_step in script
+    assert 'venv="$HOME"/maxtext_venv' in script.splitlines()
+    assert script.index("exit 0") < script.index("apt update")  # the guard comes first
+
+
+@pytest.mark.parametrize("version", ["0.2", "0.2.3; rm -rf /", "latest", "0.2.3\n", ""])
+def test_install_version_is_validated(version):
+    assert _field_of(lambda: install.install_script(tpu_runtime(), version)) == "maxtext_version"
+
+
+def test_install_reruns_are_noops(tmp_path):
+    """A stand-in `uv` records its calls: the first run installs and writes the marker, the second reuses."""
+    bin_dir, calls, venv = tmp_path / "bin", tmp_path / "calls", tmp_path / ".venvs" / "maxtext"
+    bin_dir.mkdir()
+    fake_uv = bin_dir / "uv"
+    fake_uv.write_text(
+        f'#!/bin/bash\necho "$*" >>{shlex.quote(str(calls))}\n'
+        f'if [[ $1 == venv ]]; then mkdir -p "${{@: -1}}/bin" && touch "${{@: -1}}/bin/python" '
+        f'&& chmod +x "${{@: -1}}/bin/python"; fi\n'
+    )
+    fake_uv.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = install.install_script(cpu_runtime("/opt/launchers", str(venv), "/usr/bin/python3.12"), "0.2.5")
+
+    first = _bash(script, env)
+    assert first.returncode == 0, first.stderr
+    assert "Installed MaxText" in first.stdout
+    recorded = calls.read_text().splitlines()
+    assert recorded[0] == f"venv --python /usr/bin/python3.12 {venv}"
+    assert recorded[1].endswith("maxtext[tpu]==0.2.5 google-tunix==0.1.7")
+    assert (venv / "overrides.txt").read_text() == "safetensors>=0.8.0\n"
+
+    second = _bash(script, env)
+    assert second.returncode == 0 and "Reusing the MaxText environment" in second.stdout
+    assert calls.read_text().splitlines() == recorded
+
+    other_version = _bash(install.install_script(cpu_runtime("/opt/launchers", str(venv)), "0.2.3"), env)
+    assert "Installed MaxText" in other_version.stdout  # a different version is not mistaken for installed
+    assert len(calls.read_text().splitlines()) == len(recorded) + 1  # the venv is reused, packages installed

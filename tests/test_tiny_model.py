@@ -1,0 +1,228 @@
+"""The tiny local model, tokenizer and data (airflow_tpu_posttrain/local/tiny_model.py) are well-formed.
+
+tiny_model.py runs in the MaxText venv ($TPU_POSTTRAIN_MAXTEXT_VENV, default .local/maxtext-venv;
+created by airflow_tpu_posttrain/local/setup_maxtext_cpu.sh), so the build and the inspection run
+there as subprocesses; the tests only compare the facts they report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.maxtext
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "airflow_tpu_posttrain" / "local" / "tiny_model.py"
+MAXTEXT_PYTHON = (
+    Path(os.environ.get("TPU_POSTTRAIN_MAXTEXT_VENV", REPO / ".local" / "maxtext-venv")) / "bin" / "python"
+)
+ARTIFACTS = [
+    "tiny-llama/config.json",
+    "tiny-llama/model.safetensors",
+    "tiny-llama/tokenizer.json",
+    "tiny-llama/tokenizer_config.json",
+    "tiny-llama/chat_template.jinja",
+    "data/sft.jsonl",
+    "data/gsm8k/train.parquet",
+    "data/gsm8k/test.parquet",
+]
+
+# Runs in the MaxText venv: loads everything the way MaxText and transformers would, prints JSON facts.
+INSPECT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import pyarrow.parquet as pq
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    sys.path.insert(0, sys.argv[2])
+    import tiny_model
+
+    out = sys.argv[1]
+    model_dir = f"{out}/tiny-llama"
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    weights = load_file(f"{model_dir}/model.safetensors")
+    chats = [json.loads(line) for line in open(f"{out}/data/sft.jsonl")]
+    messages = chats[0]["messages"]
+    full_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    prompt_ids = tokenizer.apply_chat_template(
+        messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    gsm8k = {split: pq.read_table(f"{out}/data/gsm8k/{split}.parquet").to_pylist() for split in ("train", "test")}
+    sample = "Ana has 12 apples and gets 7 more."
+    print(json.dumps({
+        "config": config.to_dict(),
+        "weight_shapes": {name: list(array.shape) for name, array in weights.items()},
+        "weight_dtypes": sorted({str(array.dtype) for array in weights.values()}),
+        "weights_finite": all(bool(np.isfinite(array).all()) for array in weights.values()),
+        "vocab_size": len(tokenizer),
+        "special_ids": {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id},
+        "encoded_sample": tokenizer.encode(sample),
+        "decoded_sample": tokenizer.decode(tokenizer.encode(sample), skip_special_tokens=True),
+        "chat_text": tokenizer.apply_chat_template(messages, tokenize=False),
+        "chat_full_ids": full_ids,
+        "chat_prompt_ids": prompt_ids,
+        # As train_rl builds its prompts: MaxText's RL template, inside the tokenizer's chat template.
+        "max_rl_prompt_tokens": max(
+            len(tokenizer.apply_chat_template(
+                [{"role": "user", "content": tiny_model.RL_PROMPT_TEXT.format(question=row["question"])}],
+                add_generation_prompt=True, tokenize=True, return_dict=True,
+            )["input_ids"])
+            for rows in gsm8k.values() for row in rows
+        ),
+        "chats": chats,
+        "gsm8k": gsm8k,
+    }))
+    """
+)
+
+
+def _maxtext_python(*args: str) -> str:
+    if not MAXTEXT_PYTHON.exists():
+        pytest.skip(f"no MaxText venv at {MAXTEXT_PYTHON.parent.parent} (run setup_maxtext_cpu.sh)")
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run(
+        [str(MAXTEXT_PYTHON), *args], check=False, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def _build(out: Path) -> str:
+    return _maxtext_python(str(TINY_MODEL), "--out", str(out))
+
+
+def _digests(out: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in ARTIFACTS}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    _build(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def facts(built) -> dict:
+    return json.loads(_maxtext_python("-c", INSPECT, str(built), str(TINY_MODEL.parent)))
+
+
+def test_build_writes_every_artifact(built):
+    missing = [name for name in ARTIFACTS if not (built / name).is_file()]
+    assert not missing
+    leftovers = [path.name for path in built.rglob(".*")]
+    assert not leftovers, "temporary build directories left behind"
+
+
+def test_rebuild_skips_existing_artifacts(built):
+    before = _digests(built)
+    output = _build(built)
+    assert "built:" not in output and output.count("exists:") == 4
+    assert _digests(built) == before
+
+
+def test_build_is_deterministic(built, tmp_path):
+    _build(tmp_path)
+    assert _digests(tmp_path) == _digests(built)
+
+
+def test_partial_output_is_completed(built, tmp_path):
+    _build(tmp_path)
+    (tmp_path / "data" / "gsm8k" / "test.parquet").unlink()
+    output = _build(tmp_path)
+    assert output.count("exists:") == 3 and "built:" in output and "test.parquet" in output
+    assert _digests(tmp_path) == _digests(built)
+
+
+def test_config_has_the_dims_maxtext_runs_use(facts):
+    config = facts["config"]
+    assert config["model_type"] == "llama"
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (64, 128, 2)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert config["vocab_size"] == 512
+    assert config["tie_word_embeddings"] is False
+    rope = config.get("rope_parameters") or {**config["rope_scaling"], "rope_theta": config["rope_theta"]}
+    assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
+    special = facts["special_ids"]
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        special["bos"],
+        special["eos"],
+        special["pad"],
+    )
+
+
+def test_weights_have_llama_names_and_shapes(facts):
+    shapes = facts["weight_shapes"]
+    assert shapes["model.embed_tokens.weight"] == [512, 64]
+    assert shapes["lm_head.weight"] == [512, 64]
+    assert shapes["model.norm.weight"] == [64]
+    for layer in range(2):
+        prefix = f"model.layers.{layer}"
+        assert shapes[f"{prefix}.self_attn.q_proj.weight"] == [4 * 16, 64]
+        assert shapes[f"{prefix}.self_attn.k_proj.weight"] == [2 * 16, 64]
+        assert shapes[f"{prefix}.self_attn.v_proj.weight"] == [2 * 16, 64]
+        assert shapes[f"{prefix}.self_attn.o_proj.weight"] == [64, 4 * 16]
+        assert shapes[f"{prefix}.mlp.gate_proj.weight"] == [128, 64]
+        assert shapes[f"{prefix}.mlp.up_proj.weight"] == [128, 64]
+        assert shapes[f"{prefix}.mlp.down_proj.weight"] == [64, 128]
+    assert len(shapes) == 3 + 2 * 9
+    assert sum(_product(shape) for shape in shapes.values()) == 139_584
+    assert facts["weight_dtypes"] == ["float32"] and facts["weights_finite"]
+
+
+def _product(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def test_tokenizer_is_byte_level_bpe_with_llama3_specials(facts):
+    assert facts["vocab_size"] == 512
+    special = facts["special_ids"]
+    assert len(set(special.values())) == 3 and all(0 <= token < 512 for token in special.values())
+    assert facts["encoded_sample"][0] == special["bos"]
+    assert facts["decoded_sample"] == "Ana has 12 apples and gets 7 more."
+
+
+def test_chat_template_is_llama3_like_and_splits_prompt_from_completion(facts):
+    text = facts["chat_text"]
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n")
+    assert text.endswith("<|eot_id|>") and text.count("<|eot_id|>") == 3
+    # MaxText's SFT masking needs the generation prompt to be a strict prefix of the whole chat.
+    full, prompt = facts["chat_full_ids"], facts["chat_prompt_ids"]
+    assert len(prompt) < len(full) and full[: len(prompt)] == prompt
+    assert full[-1] == facts["special_ids"]["eos"]
+
+
+def test_rl_prompts_fit_max_prefill_predict_length(facts):
+    assert facts["max_rl_prompt_tokens"] <= 128
+
+
+def test_sft_chats(facts):
+    chats = facts["chats"]
+    assert len(chats) >= 32
+    for chat in chats:
+        assert [message["role"] for message in chat["messages"]] == ["system", "user", "assistant"]
+        assert all(message["content"].strip() for message in chat["messages"])
+
+
+def test_gsm8k_shaped_parquet(facts):
+    train, test = facts["gsm8k"]["train"], facts["gsm8k"]["test"]
+    assert len(train) >= 8 and len(test) >= 4
+    for row in train + test:
+        assert set(row) == {"question", "answer"}
+        assert row["question"].endswith("?")
+        reasoning, final = row["answer"].rsplit("\n#### ", 1)
+        assert reasoning and final.isdigit()
+        assert f">>{final}." in reasoning, "the worked answer should end in the final number"

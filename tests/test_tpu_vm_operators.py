@@ -1,0 +1,177 @@
+"""TpuVmCreateOperator / TpuDeleteOperator running deferred inside real Airflow (dag.test) against the emulator."""
+
+from __future__ import annotations
+
+import time
+
+PROJECT = "test-project"
+
+LIFECYCLE_DAG = """
+from datetime import datetime
+from airflow.sdk import DAG
+from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+
+with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
+    if "create" in {tasks!r}:
+        create = TpuVmCreateOperator(
+            task_id="create_tpu_vm", zones={zones!r}, reservation="my-reservation", poll_interval=0.2,
+            iap_firewall={iap_firewall!r}, {create_kwargs}
+        )
+    if "delete" in {tasks!r}:
+        delete = TpuDeleteOperator(
+            task_id="delete_tpu_vm", zones={zones!r}, iap_firewall={iap_firewall!r}, poll_interval=0.2
+        )
+    if {tasks!r} == "create+delete":
+        create >> delete.as_teardown(setups=create)
+"""
+
+
+def lifecycle(dag_id, zones=("us-east5-b",), iap_firewall=False, tasks="create+delete", create_kwargs=""):
+    return LIFECYCLE_DAG.format(
+        dag_id=dag_id, zones=list(zones), iap_firewall=iap_firewall, tasks=tasks, create_kwargs=create_kwargs
+    )
+
+
+def task_states(dag_run):
+    return {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
+
+
+def xcom(dag_run, task_id):
+    [ti] = [ti for ti in dag_run.get_task_instances() if ti.task_id == task_id]
+    return ti.xcom_pull(task_ids=task_id)
+
+
+def inserts(emulator):
+    return [r for r in emulator.requests if r["method"] == "POST" and r["path"].endswith("/instances")]
+
+
+def no_instances_within(emulator, seconds=3.0):
+    """Deletes issued on an error path complete asynchronously, as they do in Compute."""
+    deadline = time.monotonic() + seconds
+    while emulator.instances() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return emulator.instances() == []
+
+
+def test_create_then_teardown_deletes(emulator, run_dag):
+    dr = run_dag("lifecycle_ok", lifecycle("lifecycle_ok", iap_firewall=True))
+    assert dr.state == "success", task_states(dr)
+    created = xcom(dr, "create_tpu_vm")
+    assert created["status"] == "RUNNING" and created["zone"] == "us-east5-b"
+    assert created["internal_ip"] == "127.0.0.1" and created["external_ip"] == "127.0.0.1"
+    assert created["machine_type"] == "ct6e-standard-8t" and created["accelerator_type"] == "v6e-8"
+    [insert] = inserts(emulator)
+    body = insert["body"]
+    assert body["labels"]["managed-by"] == "airflow-tpu-posttrain"
+    assert body["labels"]["airflow-dag"] == "lifecycle_ok".replace("_", "-")
+    assert int(body["scheduling"]["maxRunDuration"]["seconds"]) == 12 * 3600
+    assert insert["query"].get("requestId")
+    assert xcom(dr, "delete_tpu_vm") == {
+        "deleted": True, "name": created["name"], "zone": "us-east5-b", "firewall_deleted": True,
+    }
+    assert emulator.instances() == [] and emulator.firewalls() == []
+
+
+def test_rerun_of_same_dag_run_reuses_the_instance(emulator, run_dag):
+    body = lifecycle("lifecycle_rerun", tasks="create")
+    first = run_dag("lifecycle_rerun", body, run_id="manual__rerun")
+    second = run_dag("lifecycle_rerun", body, run_id="manual__rerun")
+    assert first.state == second.state == "success"
+    assert first.run_id == second.run_id
+    assert len(emulator.instances()) == 1
+    assert len(inserts(emulator)) == 1
+
+
+def test_terminated_instance_is_replaced_not_duplicated(emulator, run_dag):
+    body = lifecycle("lifecycle_replace", tasks="create")
+    first = run_dag("lifecycle_replace", body, run_id="manual__replace")
+    name = xcom(first, "create_tpu_vm")["name"]
+    emulator.set_instance_status("us-east5-b", name, "TERMINATED")
+    second = run_dag("lifecycle_replace", body, run_id="manual__replace")
+    assert second.state == "success"
+    [instance] = emulator.instances()
+    assert instance["name"] == name and instance["status"] == "RUNNING"
+    assert len(inserts(emulator)) == 2
+
+
+def test_stockout_moves_to_next_zone(emulator, run_dag):
+    emulator.set_faults(stockout_zones=["us-east5-a"])
+    dr = run_dag("lifecycle_fallback", lifecycle("lifecycle_fallback", zones=("us-east5-a", "us-east5-b")))
+    assert dr.state == "success", task_states(dr)
+    assert xcom(dr, "create_tpu_vm")["zone"] == "us-east5-b"
+    assert [r["path"].split("/zones/")[1].split("/")[0] for r in inserts(emulator)] == ["us-east5-a", "us-east5-b"]
+    assert no_instances_within(emulator)
+
+
+def test_all_zones_out_fails_clearly_and_leaves_nothing(emulator, run_dag, capfd):
+    emulator.set_faults(stockout_zones=["us-east5-a", "us-east5-b"])
+    dr = run_dag("lifecycle_stockout", lifecycle("lifecycle_stockout", zones=("us-east5-a", "us-east5-b")))
+    assert dr.state == "failed"
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "No v6e-8 capacity in any zone" in logs
+    assert no_instances_within(emulator)
+
+
+def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd):
+    emulator.set_faults(quota_exceeded_zones=["us-east5-a"])
+    body = lifecycle("lifecycle_quota", zones=("us-east5-a", "us-east5-b"), create_kwargs="retries=3")
+    dr = run_dag("lifecycle_quota", body)
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "Quota exceeded" in logs and "TPU_V6E_CHIPS" in logs
+    # No retry storm, no fallback: a quota error is not a stock-out.
+    assert len(inserts(emulator)) == 1
+    assert no_instances_within(emulator)
+
+
+def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd):
+    emulator.set_faults(missing_reservations=["my-reservation"])
+    dr = run_dag("lifecycle_resv", lifecycle("lifecycle_resv"))
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "my-reservation" in logs and "Reservation problem" in logs
+
+
+def test_bad_input_fails_before_any_api_call(emulator, run_dag, capfd):
+    body = lifecycle("lifecycle_badzone", zones=("us-east5-b; curl evil",), tasks="create")
+    dr = run_dag("lifecycle_badzone", body)
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "zones[0]" in logs and "Fix:" in logs
+    assert emulator.requests == []
+
+
+def test_transient_errors_are_retried(emulator, run_dag):
+    emulator.set_faults(transient_errors={"insert": 2, "get": 2, "delete": 2, "operation": 2})
+    dr = run_dag("lifecycle_transient", lifecycle("lifecycle_transient"))
+    assert dr.state == "success", task_states(dr)
+    assert no_instances_within(emulator)
+
+
+def test_delete_of_missing_instance_succeeds_from_name_alone(emulator, run_dag):
+    body = lifecycle("lifecycle_nothing", tasks="delete")
+    dr = run_dag("lifecycle_nothing", body)
+    assert dr.state == "success"
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is False
+
+
+def test_teardown_after_half_done_create_finds_the_vm(emulator, run_dag):
+    """A run's VM exists but its create XCom is gone: the teardown finds it by the deterministic name."""
+    body = lifecycle("lifecycle_half", tasks="create")
+    run_dag("lifecycle_half", body, run_id="manual__half")
+    [instance] = emulator.instances()
+    # Teardown-only DAG run of the same run: no XCom from create in this DAG, found by deterministic name.
+    teardown = lifecycle("lifecycle_half", tasks="delete")
+    dr = run_dag("lifecycle_half", teardown, run_id="manual__half")
+    assert dr.state == "success"
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True
+    assert no_instances_within(emulator)
+
+
+def test_failed_delete_operation_is_reported_as_failed(emulator, run_dag):
+    body = lifecycle("lifecycle_faildelete")
+    emulator.set_faults(fail_deletes=True)
+    dr = run_dag("lifecycle_faildelete", body)
+    assert task_states(dr)["delete_tpu_vm"] == "failed"
+    assert len(emulator.instances()) == 1
