@@ -21,6 +21,7 @@ def get_provider_info() -> dict:
                 "integration-name": "TPU post-training",
                 "python-modules": [
                     "airflow_tpu_posttrain.hooks.compute",
+                    "airflow_tpu_posttrain.hooks.vm",
                 ],
             }
         ],
@@ -29,6 +30,7 @@ def get_provider_info() -> dict:
                 "integration-name": "TPU post-training",
                 "python-modules": [
                     "airflow_tpu_posttrain.operators.tpu_vm",
+                    "airflow_tpu_posttrain.operators.maxtext",
                 ],
             }
         ],

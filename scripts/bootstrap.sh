@@ -34,5 +34,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 uv pip install -q -p .venv/bin/python -e ".[test]"
 
-[ -x airflow_tpu_posttrain/local/setup_maxtext_cpu.sh ] && airflow_tpu_posttrain/local/setup_maxtext_cpu.sh --with-torch-check
+# The local "VM"'s image: MaxText's CPU venv (through the same install script the pipeline runs) and the tiny
+# model; and the venv that checks an exported model loads in transformers.
+TPU_POSTTRAIN_PYTHON312="$PY312" .venv/bin/python -m airflow_tpu_posttrain.local.stack prepare .local
+airflow_tpu_posttrain/local/setup_hfcheck.sh
 echo "bootstrap: ready"

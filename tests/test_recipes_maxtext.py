@@ -26,7 +26,7 @@ SEED_RUN = "2026-01-05-10-00-00"
 # (MODEL_CHECKPOINT_DIRECTORY=/dev/shm/$MODEL_NAME/mt-format/, USE_PATHWAYS=0, LAZY_LOAD_TENSORS=False,
 # BASE_OUTPUT_DIRECTORY=/dev/shm/$MODEL_NAME/post-train/,
 # MAXTEXT_CKPT_PATH=$MODEL_CHECKPOINT_DIRECTORY/0/items,
-# HF_EXPORT=/dev/shm/$MODEL_NAME/hf-trained/, STEPS=1000, NUM_BATCHES=50, CHIPS_PER_VM=8).
+# HF_EXPORT=/dev/shm/$MODEL_NAME/hf-trained/$RUN_NAME/ (the seeds leave it to the user), STEPS=1000, NUM_BATCHES=50, CHIPS_PER_VM=8).
 #
 # The tutorials' POST_TRAIN_PATH: $BASE_OUTPUT_DIRECTORY/$RUN_NAME/checkpoints/$STEPS/model_params (SFT) and
 # $BASE_OUTPUT_DIRECTORY/$RUN_NAME/checkpoints/actor/$NUM_BATCHES/model_params (RL).
@@ -62,7 +62,7 @@ SEED_SFT_TRAIN = """python3 -m maxtext.trainers.post_train.sft.train_sft \\
 SEED_SFT_TO_HUGGINGFACE = f"""python3 -m maxtext.checkpoint_conversion.to_huggingface \\
        model_name="gemma3-4b" \\
        load_parameters_path="{SEED_SFT_POST_TRAIN_PATH}" \\
-       base_output_directory="/dev/shm/gemma3-4b/hf-trained/" \\
+       base_output_directory="/dev/shm/gemma3-4b/hf-trained/{SEED_RUN}/" \\
        scan_layers=True \\
        use_multimodal=False \\
        weight_dtype=bfloat16
@@ -82,7 +82,7 @@ SEED_RL_TRAIN = """python3 -m maxtext.trainers.post_train.rl.train_rl \\
 SEED_RL_TO_HUGGINGFACE = f"""python3 -m maxtext.checkpoint_conversion.to_huggingface \\
        model_name="llama3.1-8b" \\
        load_parameters_path="{SEED_RL_POST_TRAIN_PATH}" \\
-       base_output_directory="/dev/shm/llama3.1-8b-Instruct/hf-trained/" \\
+       base_output_directory="/dev/shm/llama3.1-8b-Instruct/hf-trained/{SEED_RUN}/" \\
        scan_layers=True \\
        use_multimodal=False \\
        weight_dtype=bfloat16
@@ -203,7 +203,7 @@ def test_checkpoint_paths_are_the_seeds_post_train_paths():
     assert sft.sft_params(1000) == posixpath.normpath(SEED_SFT_POST_TRAIN_PATH)
     assert rl.rl_params(50) == posixpath.normpath(SEED_RL_POST_TRAIN_PATH)
     assert sft.converted_params == "/dev/shm/gemma3-4b/mt-format/0/items"
-    assert sft.export_dir == "/dev/shm/gemma3-4b/hf-trained"
+    assert sft.export_dir == f"/dev/shm/gemma3-4b/hf-trained/{SEED_RUN}"
     assert RunLayout("gemma3-4b", SEED_RUN, root="/mnt/disk/").post_train_dir == "/mnt/disk/post-train"
 
 

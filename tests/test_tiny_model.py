@@ -1,7 +1,7 @@
 """The tiny local model, tokenizer and data (airflow_tpu_posttrain/local/tiny_model.py) are well-formed.
 
 tiny_model.py runs in the MaxText venv ($TPU_POSTTRAIN_MAXTEXT_VENV, default .local/maxtext-venv;
-created by airflow_tpu_posttrain/local/setup_maxtext_cpu.sh), so the build and the inspection run
+created by scripts/bootstrap.sh), so the build and the inspection run
 there as subprocesses; the tests only compare the facts they report.
 """
 
@@ -88,7 +88,7 @@ INSPECT = textwrap.dedent(
 
 def _maxtext_python(*args: str) -> str:
     if not MAXTEXT_PYTHON.exists():
-        pytest.skip(f"no MaxText venv at {MAXTEXT_PYTHON.parent.parent} (run setup_maxtext_cpu.sh)")
+        pytest.skip(f"no MaxText venv at {MAXTEXT_PYTHON.parent.parent} (run scripts/bootstrap.sh)")
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     result = subprocess.run(
         [str(MAXTEXT_PYTHON), *args], check=False, capture_output=True, text=True, env=env, timeout=300

@@ -1,6 +1,6 @@
 """Checks that an exported Hugging Face model directory loads with transformers and generates.
 
-Standalone; run it with the torch venv's python (setup_maxtext_cpu.sh --with-torch-check):
+Standalone; run it with the torch venv's python (local/setup_hfcheck.sh):
 
     python check_hf_model.py DIR [--prompt TEXT] [--max-new-tokens N]
 

@@ -62,8 +62,8 @@ class RunLayout:
 
     @property
     def export_dir(self) -> str:
-        """to_huggingface's output (HF_EXPORT)."""
-        return f"{self.root}/hf-trained"
+        """to_huggingface's output (HF_EXPORT), one per run so runs sharing a root never mix exports."""
+        return f"{self.root}/hf-trained/{self.run_name}"
 
 
 def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None) -> str:

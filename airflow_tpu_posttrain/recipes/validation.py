@@ -13,6 +13,7 @@ from collections.abc import Sequence
 # Characters that let a value escape a shell word or start a second command.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")  # a path segment may be hidden ('.local'), never '.' or '..'
 _GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -59,7 +60,8 @@ def _path_segments(field: str, value: str) -> list[str]:
     for segment in segments:
         if segment in (".", ".."):
             raise SpecError(field, value, "contains '.' or '..'", "give a normalised path without '..'")
-        safe_name(field, segment, max_len=255)
+        if len(segment) > 255 or not _SAFE_SEGMENT.match(segment):
+            raise SpecError(field, value, f"has an invalid segment {segment!r}", "use letters, digits, '.', '_', '-'")
     return segments
 
 

@@ -1,0 +1,565 @@
+"""The MaxText steps on the TPU VM, each a detached remote job watched from the triggerer.
+
+Built on providers-ssh's ``SSHRemoteJobOperator``: its wrapper starts the job under ``setsid`` with a log file
+and an atomic exit-code file, its trigger streams the log by byte offset and reconnects after SSH drops, and
+its ``on_kill`` kills the job's process group. What this module adds:
+
+- a deterministic job id per (task, DAG run), so a retry finds its earlier job: still running → re-attach;
+  finished → reuse; failed → start again (MaxText resumes from the newest checkpoint of the same run name);
+- a completion marker per step output, so a re-run whose output is complete does not redo it;
+- the job script is uploaded over SFTP (the command line holds only its path), and the Hugging Face token
+  reaches the VM as a 0600 file read by the job and deleted at once, never in a command line or a template;
+- metrics parsed from the trainers' log lines into XCom and a one-line summary.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import shlex
+from collections.abc import Sequence
+from datetime import timedelta
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk.exceptions import AirflowFailException
+from airflow.providers.ssh.operators.ssh_remote_job import SSHRemoteJobOperator
+from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
+from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, validation
+from airflow_tpu_posttrain.recipes.accelerators import accelerator
+from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset, model_profile, tiny_llama_profile
+from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+
+DEFAULT_WORKDIR = "/tmp/airflow-tpu-posttrain"
+_VM_XCOM = "{{{{ ti.xcom_pull(task_ids='{task}')['{key}'] }}}}"
+# Which log lines carry metrics; only these are read back from the VM after the job.
+_METRIC_LINES = r"Train step|completed step|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|Peak Memory|successfully saved"
+
+
+class Job:
+    """What one step runs: the script, the marker that says its output is complete, and what it produced."""
+
+    def __init__(self, script: str, done_marker: str | None, outputs: dict[str, Any], token: str | None = None):
+        self.script = script
+        self.done_marker = done_marker
+        self.outputs = outputs
+        self.token = token  # "env": exported as HF_TOKEN; "file": HF_TOKEN_FILE names it; None: not needed
+
+
+class MaxTextJobOperator(SSHRemoteJobOperator):
+    """
+    Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM.
+
+    :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
+    :param ssh_conn_id: SSH connection to the VM; its host is replaced by the VM's address from ``vm_task_id``.
+    :param vm_task_id: the create task whose XCom gives the VM's address and accelerator type.
+    :param use_internal_ip: connect to the VM's internal IP (from inside the VPC) instead of the external one.
+    :param accelerator_type: default: the VM's, from ``vm_task_id``.
+    :param runtime: ``tpu`` (the tutorials) or ``cpu`` (the local CPU "VM", see recipes/runtime.py).
+    :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
+    :param base_python: the interpreter uv builds the venv from (``3.12`` on TPU, a path on cpu).
+    :param model_source_dir: cpu runtime: where the local model and its data live on the VM.
+    :param root_dir: where the run's files go on the VM (default ``/dev/shm/<model>``, as in the tutorials).
+    :param workdir: the jobs' scripts, logs and launchers on the VM.
+    :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
+        endpoint); needed to read gated models and to publish.
+    """
+
+    template_fields: Sequence[str] = (
+        *SSHRemoteJobOperator.template_fields,
+        "model",
+        "accelerator_type",
+        "root_dir",
+        "workdir",
+    )
+    step_title = "MaxText"
+    needs_token = False
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        ssh_conn_id: str = "tpu_vm_ssh",
+        vm_task_id: str | None = "create_tpu_vm",
+        use_internal_ip: bool = False,
+        accelerator_type: str | None = None,
+        runtime: str = "tpu",
+        maxtext_venv: str | None = None,
+        base_python: str | None = None,
+        model_source_dir: str | None = None,
+        root_dir: str | None = None,
+        workdir: str = DEFAULT_WORKDIR,
+        hf_conn_id: str | None = None,
+        poll_interval: int = 10,
+        **kwargs: Any,
+    ) -> None:
+        ip_key = "internal_ip" if use_internal_ip else "external_ip"
+        if vm_task_id:
+            kwargs.setdefault("remote_host", _VM_XCOM.format(task=vm_task_id, key=ip_key))
+            accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
+        super().__init__(
+            ssh_conn_id=ssh_conn_id,
+            command="(uploaded at run time)",
+            remote_base_dir=f"{workdir}/jobs",
+            remote_os="posix",
+            poll_interval=poll_interval,
+            **kwargs,
+        )
+        self.model = model
+        self.accelerator_type = accelerator_type or "v6e-8"
+        self.runtime = runtime
+        self.maxtext_venv = maxtext_venv
+        self.base_python = base_python
+        self.model_source_dir = model_source_dir
+        self.root_dir = root_dir
+        self.workdir = workdir
+        self.hf_conn_id = hf_conn_id
+
+    # -- what each step defines ------------------------------------------------------------------
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        raise NotImplementedError
+
+    # -- shared machinery ------------------------------------------------------------------------
+    def _runtime(self) -> Runtime:
+        if self.runtime == "cpu":
+            if not self.maxtext_venv:
+                raise SpecError("maxtext_venv", None, "is required on the cpu runtime", "give the venv's path")
+            return cpu_runtime(f"{self.workdir}/launchers", self.maxtext_venv, self.base_python or "python3.12")
+        validation.one_of("runtime", self.runtime, ("tpu", "cpu"))
+        return tpu_runtime(self.maxtext_venv or "maxtext_venv")
+
+    def _profile(self) -> ModelProfile:
+        profile = model_profile(self.model)
+        if profile.is_local and self.model_source_dir:
+            return tiny_llama_profile(self.model_source_dir)
+        return profile
+
+    def run_spec(self, context: Context) -> maxtext.RunSpec:
+        """Everything the user gave, validated; bad input fails the task at once, without retries."""
+        try:
+            validation.safe_absolute_path("workdir", self.workdir)
+            dag_run = context["dag_run"]
+            name = layout.run_name(dag_run.dag_id, dag_run.run_id, getattr(dag_run, "logical_date", None))
+            profile = self._profile()
+            return maxtext.RunSpec(
+                model=profile,
+                accelerator=accelerator(self.accelerator_type),
+                runtime=self._runtime(),
+                layout=layout.RunLayout(profile.key, name, self.root_dir or ""),
+            )
+        except SpecError as err:
+            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+
+    def _remote_job_id(self, context: Context) -> str:
+        dag_run = context["dag_run"]
+        task = re.sub(r"[^a-z0-9]+", "-", self.task_id.lower()).strip("-")[:40]
+        return f"{task}-{compute.run_hash(dag_run.dag_id, dag_run.run_id)}"
+
+    def _vm(self) -> VmHook:
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        return VmHook(ssh_conn_id=self.ssh_conn_id, remote_host=self.remote_host or None)
+
+    def _token(self) -> str:
+        from airflow.sdk import BaseHook
+
+        if not self.hf_conn_id:
+            raise AirflowFailException(f"{self.task_id}: hf_conn_id is required (the Hugging Face token)")
+        token = BaseHook.get_connection(self.hf_conn_id).password
+        if not token:
+            raise AirflowFailException(f"{self.task_id}: connection {self.hf_conn_id!r} has no password (token)")
+        return token
+
+    def _job_script(self, job: Job, paths: RemoteJobPaths) -> tuple[str, str | None]:
+        """The script the detached job runs, and where the token file goes (if the step needs one)."""
+        token_file = f"{self.workdir}/secrets/{paths.job_id}.token" if job.token else None
+        lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
+        if job.token == "env":
+            lines += [f"export HF_TOKEN=\"$(cat {shlex.quote(token_file)})\"", f"rm -f {shlex.quote(token_file)}"]
+        elif job.token == "file":
+            lines += [f"export HF_TOKEN_FILE={shlex.quote(token_file)}", f"trap 'rm -f {shlex.quote(token_file)}' EXIT"]
+        step_script = f"{paths.job_dir}.step.sh"
+        lines.append(f"bash {shlex.quote(step_script)}")
+        if job.done_marker:
+            lines += [
+                f"mkdir -p {shlex.quote(posixpath.dirname(job.done_marker))}",
+                f"touch {shlex.quote(job.done_marker)}",
+            ]
+        return "\n".join(lines) + "\n", token_file
+
+    def execute(self, context: Context) -> Any:
+        spec = self.run_spec(context)
+        try:
+            job = self.build_job(spec, context)
+        except SpecError as err:
+            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+        paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.remote_base_dir)
+        with self._vm() as vm:
+            if job.done_marker and vm.exists(job.done_marker):
+                self.log.info("%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker)
+                return self.finish(context, vm, job, paths, reused=True)
+            state, log_size = self._job_state(vm, paths)
+            if state == "running":
+                self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
+                return self._watch(context, paths, log_offset=log_size)
+            if state == "succeeded":
+                self.log.info("Job %s already finished successfully on the VM", paths.job_id)
+                return self.finish(context, vm, job, paths, reused=True)
+            if state != "absent":
+                self.log.info("Earlier job %s %s; starting it again (training resumes from its checkpoint)",
+                              paths.job_id, state)
+                vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
+            self.prepare(vm, spec, job)
+            script, token_file = self._job_script(job, paths)
+            vm.put_text(f"{paths.job_dir}.step.sh", job.script, 0o700)
+            vm.put_text(f"{paths.job_dir}.sh", script, 0o700)
+            if token_file:
+                vm.put_text(token_file, self._token(), 0o600)
+            command = build_posix_wrapper_command(f"bash {shlex.quote(paths.job_dir + '.sh')}", paths)
+            vm.run(command)
+        self.log.info("Started job %s on the VM (log: %s)", paths.job_id, paths.log_file)
+        return self._watch(context, paths, log_offset=0)
+
+    def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
+        """Upload what the step needs besides its script (launchers, helper scripts)."""
+
+    @staticmethod
+    def _job_state(vm: VmHook, paths: RemoteJobPaths) -> tuple[str, int]:
+        d = shlex.quote(paths.job_dir)
+        out = vm.run(
+            f"d={d}; size=$(stat -c %s \"$d/stdout.log\" 2>/dev/null || echo 0); "
+            f"if [ -f \"$d/exit_code\" ]; then echo \"exit:$(cat \"$d/exit_code\") $size\"; "
+            f"elif [ -f \"$d/pid\" ] && kill -0 \"$(cat \"$d/pid\")\" 2>/dev/null; then echo \"running $size\"; "
+            f"elif [ -d \"$d\" ]; then echo \"died $size\"; else echo \"absent 0\"; fi"
+        ).split()
+        state, size = out[0], int(out[1])
+        if state.startswith("exit:"):
+            state = "succeeded" if state == "exit:0" else f"failed with exit code {state[5:]}"
+        return state, size
+
+    def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int) -> None:
+        context["ti"].xcom_push(
+            key="ssh_remote_job",
+            value={
+                "job_id": paths.job_id,
+                "job_dir": paths.job_dir,
+                "log_file": paths.log_file,
+                "exit_code_file": paths.exit_code_file,
+                "pid_file": paths.pid_file,
+                "remote_os": "posix",
+            },
+        )
+        self.defer(
+            trigger=SSHRemoteJobTrigger(
+                ssh_conn_id=self.ssh_conn_id,
+                remote_host=self.remote_host,
+                job_id=paths.job_id,
+                job_dir=paths.job_dir,
+                log_file=paths.log_file,
+                exit_code_file=paths.exit_code_file,
+                remote_os="posix",
+                poll_interval=self.poll_interval,
+                log_chunk_size=self.log_chunk_size,
+                log_offset=log_offset,
+                command_timeout=self.command_timeout,
+                max_reconnect_attempts=self.max_reconnect_attempts,
+            ),
+            method_name="execute_complete",
+            timeout=timedelta(seconds=self.timeout) if self.timeout else None,
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        # Streams the log chunk, re-defers while running, raises on a non-zero exit code.
+        super().execute_complete(context, event)
+        spec = self.run_spec(context)
+        job = self.build_job(spec, context)
+        paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.remote_base_dir)
+        with self._vm() as vm:
+            return self.finish(context, vm, job, paths, reused=False)
+
+    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
+        """Parse metrics from the job's log, push outputs and metrics, log the one-line summary."""
+        from airflow_tpu_posttrain.recipes.metrics import parse_lines
+
+        log = vm.run(f"grep -aE {shlex.quote(_METRIC_LINES)} {shlex.quote(paths.log_file)} || true")
+        metrics = parse_lines(log.splitlines())
+        result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
+        result.update(self.results(vm, job))
+        self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
+        return result
+
+    def results(self, vm: VmHook, job: Job) -> dict:
+        """Step-specific results read back from the VM."""
+        return {}
+
+
+class MaxTextInstallOperator(MaxTextJobOperator):
+    """
+    Install MaxText on the VM, as the tutorials do (or the CPU recipe locally). Cached: a marker in the venv keyed
+    by version and extras makes a re-run a no-op in seconds.
+
+    :param maxtext_version: default: the model profile's (the tutorials: 0.2.2 for SFT, 0.2.3 for RL).
+    """
+
+    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
+    step_title = "Install"
+
+    def __init__(self, *, maxtext_version: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.maxtext_version = maxtext_version
+
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        version = self.maxtext_version or spec.model.maxtext_version
+        return Job(install.install_script(spec.runtime, version), None, {"venv": spec.runtime.venv, "maxtext_version": version})
+
+    def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
+        if not spec.runtime.is_cpu:
+            return
+        launchers = resources.files("airflow_tpu_posttrain.local") / "vm_launchers"
+        for launcher in launchers.iterdir():
+            if launcher.name.endswith(".py"):
+                vm.put_bytes(f"{spec.runtime.launcher_dir}/{launcher.name}", launcher.read_bytes(), 0o644)
+
+
+class MaxTextConvertOperator(MaxTextJobOperator):
+    """
+    Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``). Skipped when a complete conversion
+    exists. XCom: ``converted_params`` (the path the trainers load).
+
+    :param use_pathways: the tutorials' USE_PATHWAYS (zarr3/ocdbt storage off when true).
+    """
+
+    step_title = "Convert"
+
+    def __init__(self, *, use_pathways: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.use_pathways = use_pathways
+
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        command = maxtext.to_maxtext(spec, use_pathways=self.use_pathways)
+        return Job(
+            command.script(),
+            f"{spec.layout.converted_dir}/.complete",
+            {"converted_params": spec.layout.converted_params},
+            token="env" if not spec.model.is_local else None,
+        )
+
+
+class _TrainOperator(MaxTextJobOperator):
+    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "overrides")
+
+    def __init__(self, *, overrides: Sequence[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.overrides = overrides
+
+    def _overrides(self) -> list[str]:
+        if isinstance(self.overrides, str):
+            return [pair for pair in self.overrides.split() if pair]
+        return list(self.overrides or [])
+
+
+class SftTrainOperator(_TrainOperator):
+    """
+    Supervised fine-tuning (``train_sft``) from the converted checkpoint. The run name is deterministic per DAG
+    run, so a retry resumes from the newest checkpoint; a finished run is not retrained. XCom: ``checkpoint``
+    (the final ``model_params``), ``run_name``, ``metrics``.
+
+    :param steps: training steps (tutorial: 1000).
+    :param dataset: Hub dataset id or ``json`` (tutorial: HuggingFaceH4/ultrachat_200k).
+    :param train_split: (tutorial: train_sft). :param train_data_columns: (tutorial: ``['messages']``).
+    :param checkpoint_period: steps between checkpoints: how much a retry can lose.
+    :param overrides: extra MaxText ``key=value`` pairs, validated.
+    """
+
+    template_fields: Sequence[str] = (
+        *_TrainOperator.template_fields, "steps", "dataset", "train_split", "train_data_columns", "checkpoint_period",
+    )
+    step_title = "SFT"
+
+    def __init__(
+        self,
+        *,
+        steps: int | str | None = None,
+        dataset: str | None = None,
+        train_split: str | None = None,
+        train_data_columns: str | None = None,
+        checkpoint_period: int | str = maxtext.DEFAULT_SFT_CHECKPOINT_PERIOD,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.steps = steps
+        self.dataset = dataset
+        self.train_split = train_split
+        self.train_data_columns = train_data_columns
+        self.checkpoint_period = checkpoint_period
+
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        steps = int(self.steps) if self.steps not in (None, "") else spec.model.sft_steps
+        base = spec.model.sft_dataset
+        dataset = SftDataset(
+            hf_path=self.dataset or base.hf_path,
+            train_split=self.train_split or base.train_split,
+            train_data_columns=self.train_data_columns or base.train_data_columns,
+            train_files=base.train_files if not self.dataset or self.dataset == base.hf_path else None,
+            eval_split=base.eval_split,
+        )
+        command = maxtext.train_sft(
+            spec, steps=steps, dataset=dataset, checkpoint_period=int(self.checkpoint_period), overrides=self._overrides()
+        )
+        run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
+        return Job(
+            command.script(),
+            f"{run_dir}/.complete-{steps}",
+            {"checkpoint": spec.layout.sft_params(steps), "run_name": spec.layout.run_name, "steps": steps},
+            token="env" if not spec.model.is_local else None,
+        )
+
+
+class GrpoTrainOperator(_TrainOperator):
+    """
+    GRPO reinforcement learning (``train_rl``) from the converted checkpoint; resumable like SFT. XCom:
+    ``checkpoint`` (the actor's final ``model_params``), ``run_name``, ``metrics`` (pre/post accuracy, reward).
+
+    :param num_batches: (tutorial: 50). :param num_test_batches: (tutorial: 10).
+    :param overrides: extra MaxText ``key=value`` pairs, validated.
+    """
+
+    template_fields: Sequence[str] = (*_TrainOperator.template_fields, "num_batches", "num_test_batches")
+    step_title = "GRPO"
+
+    def __init__(self, *, num_batches: int | str | None = None, num_test_batches: int | str | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.num_batches = num_batches
+        self.num_test_batches = num_test_batches
+
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        batches = int(self.num_batches) if self.num_batches not in (None, "") else spec.model.rl_num_batches
+        tests = int(self.num_test_batches) if self.num_test_batches not in (None, "") else None
+        command = maxtext.train_rl(spec, num_batches=batches, num_test_batches=tests, overrides=self._overrides())
+        run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
+        return Job(
+            command.script(),
+            f"{run_dir}/.complete-{batches}",
+            {"checkpoint": spec.layout.rl_params(batches), "run_name": spec.layout.run_name, "num_batches": batches},
+            token="env" if not spec.model.is_local else None,
+        )
+
+
+class HfExportOperator(MaxTextJobOperator):
+    """
+    Export the trained checkpoint to Hugging Face format (``to_huggingface``), check it, and publish it durably
+    BEFORE the VM can go: to a Hub repo (private by default, one branch per DAG run, commit message naming dag
+    and run) and/or a copy to a storage URI (``gs://``, ``file://`` or a local directory on the VM).
+
+    XCom: ``export_dir``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``, ``validated``.
+
+    :param train_task_id: the training task whose XCom ``checkpoint`` to export.
+    :param hub_repo_id: ``owner/name`` on the Hub (or None). :param hub_private: create the repo private.
+    :param storage_uri: where to copy the model, into ``<storage_uri>/<run name>`` (or None). At least one
+        publish target is required.
+    """
+
+    template_fields: Sequence[str] = (
+        *MaxTextJobOperator.template_fields, "trained_checkpoint", "hub_repo_id", "storage_uri",
+    )
+    operator_extra_links = ()
+    step_title = "Export"
+
+    def __init__(
+        self,
+        *,
+        train_task_id: str = "train",
+        trained_checkpoint: str | None = None,
+        hub_repo_id: str | None = None,
+        hub_private: bool = True,
+        storage_uri: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.trained_checkpoint = trained_checkpoint or f"{{{{ ti.xcom_pull(task_ids='{train_task_id}')['checkpoint'] }}}}"
+        self.hub_repo_id = hub_repo_id
+        self.hub_private = hub_private
+        self.storage_uri = storage_uri
+
+    def _publish_script_path(self) -> str:
+        return f"{self.workdir}/vm_scripts/publish_model.py"
+
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        if not self.hub_repo_id and not self.storage_uri:
+            raise SpecError("publish target", None, "is missing", "set hub_repo_id and/or storage_uri")
+        export = maxtext.to_huggingface(spec, self.trained_checkpoint)
+        dag_run = context["dag_run"]
+        result_file = f"{spec.layout.export_dir}.publish.json"
+        publish = [
+            f"{spec.runtime.venv}/bin/python",
+            self._publish_script_path(),
+            "--model-dir", spec.layout.export_dir,
+            "--result-file", result_file,
+        ]
+        if self.hub_repo_id:
+            publish += [
+                "--hub-repo", validation.hf_repo_id("hub_repo_id", self.hub_repo_id),
+                "--hub-revision", f"run-{spec.layout.run_name}",
+                "--hub-private", "true" if self.hub_private else "false",
+                "--commit-message", f"Post-trained by Airflow: dag {dag_run.dag_id}, run {dag_run.run_id}",
+            ]
+            endpoint = self._hub_endpoint()
+            if endpoint:
+                publish += ["--hub-endpoint", endpoint]
+        if self.storage_uri:
+            # One folder per run, as the Hub gets one branch per run.
+            uri = validation.storage_uri("storage_uri", self.storage_uri)
+            publish += ["--storage-uri", f"{uri}/{spec.layout.run_name}"]
+        export_marker = f"{spec.layout.export_dir}/.complete"
+        script = "\n".join(
+            [
+                "set -euo pipefail",
+                f"if [ ! -e {shlex.quote(export_marker)} ]; then",
+                f"  bash -c {shlex.quote(export.script())}",
+                f"  touch {shlex.quote(export_marker)}",
+                "fi",
+                "export HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_PROGRESS_BARS=1",
+                shlex.join(publish),
+            ]
+        )
+        return Job(
+            script + "\n",
+            None,
+            {"export_dir": spec.layout.export_dir, "result_file": result_file},
+            token="file" if self.hub_repo_id else None,
+        )
+
+    def _hub_endpoint(self) -> str | None:
+        if not self.hf_conn_id:
+            return None
+        from airflow.sdk import BaseHook
+
+        host = BaseHook.get_connection(self.hf_conn_id).host
+        return host or None
+
+    def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
+        script = resources.files("airflow_tpu_posttrain.vm_scripts") / "publish_model.py"
+        vm.put_bytes(self._publish_script_path(), script.read_bytes(), 0o644)
+
+    def results(self, vm: VmHook, job: Job) -> dict:
+        text = vm.get_text(job.outputs["result_file"])
+        if text is None:
+            raise AirflowFailException(
+                f"Publishing left no result file; the exported model is on the VM at {job.outputs['export_dir']}"
+            )
+        published = json.loads(text)
+        hub = published.get("hub")
+        if hub:
+            self.log.info("Published to the Hub: %s (revision %s, commit %s)", hub["url"], hub["revision"], hub["commit_sha"])
+        if published.get("storage_uri"):
+            self.log.info("Copied to %s", published["storage_uri"])
+        return published

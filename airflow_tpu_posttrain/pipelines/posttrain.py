@@ -1,0 +1,307 @@
+"""The DAG factory: one post-training DAG per (recipe, model) entry of the model registry.
+
+Shape: create VM (setup) → install → convert → train → export + publish → delete VM (teardown, runs whatever
+happened) and a watcher that fails the run when a body step failed (teardowns do not count toward the run's
+state). Every value a user can change per run is a Param, validated by the trigger form and the REST API, and
+again by the operators before anything is created.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowException
+from airflow.sdk import DAG, Param, TriggerRule, task
+
+from airflow_tpu_posttrain.operators.maxtext import (
+    GrpoTrainOperator,
+    HfExportOperator,
+    MaxTextConvertOperator,
+    MaxTextInstallOperator,
+    SftTrainOperator,
+)
+from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+
+RECIPES = ("sft", "rl")
+TPU_ACCELERATORS = ["v6e-1", "v6e-4", "v6e-8"]
+PROVISIONING_MODELS = ["RESERVATION_BOUND", "STANDARD", "SPOT", "FLEX_START"]
+ZONE_PATTERN = r"^[a-z]+-[a-z]+[0-9]+-[a-z]$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+OVERRIDE_PATTERN = r"^[a-z_][a-z0-9_]*=[A-Za-z0-9_.,:/+@=' \[\]-]*$"
+POOL = "tpu_vms"
+
+
+@dataclass(frozen=True)
+class StepTimeouts:
+    """Execution timeouts per step; the DAG run's timeout and the VM's cloud-side deadline derive from them."""
+
+    create: timedelta = timedelta(hours=1)  # FLEX_START can wait for capacity
+    install: timedelta = timedelta(minutes=45)
+    convert: timedelta = timedelta(hours=1)
+    train: timedelta = timedelta(hours=8)
+    export: timedelta = timedelta(hours=1)
+    delete: timedelta = timedelta(minutes=30)
+
+    @property
+    def run(self) -> timedelta:
+        return self.create + self.install + self.convert + self.train + self.export + self.delete
+
+
+LOCAL_TIMEOUTS = StepTimeouts(
+    create=timedelta(minutes=5),
+    install=timedelta(minutes=20),
+    convert=timedelta(minutes=15),
+    train=timedelta(minutes=30),
+    export=timedelta(minutes=15),
+    delete=timedelta(minutes=5),
+)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """One registry entry: which model, which recipe, where it runs, and the trigger form's defaults."""
+
+    model: str
+    recipe: str
+    schedule: str | None = None
+    project_id: str | None = None
+    zones: tuple[str, ...] = ("us-east5-b",)
+    accelerator_type: str = "v6e-8"
+    provisioning_model: str = "RESERVATION_BOUND"
+    reservation: str | None = None
+    network: str = "default"
+    iap_firewall: bool = False
+    maxtext_version: str | None = None
+    dataset: str | None = None
+    train_split: str | None = None
+    train_data_columns: str | None = None
+    steps: int | None = None
+    num_batches: int | None = None
+    num_test_batches: int | None = None
+    hub_repo_id: str | None = None
+    storage_uri: str | None = None
+    overrides: tuple[str, ...] = ()
+    gcp_conn_id: str = "google_cloud_default"
+    ssh_conn_id: str = "tpu_vm_ssh"
+    hf_conn_id: str = "hf_default"
+    retries: int = 2
+    timeouts: StepTimeouts = field(default_factory=StepTimeouts)
+    local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
+    tags: tuple[str, ...] = ()
+
+    @property
+    def dag_id(self) -> str:
+        return f"posttrain_{self.recipe}__{self.model}"
+
+
+def local_settings(local_dir: str, python312: str) -> dict[str, str]:
+    """Where the local CPU "VM" keeps things: the MaxText venv, the tiny model, the runs, the jobs."""
+    return {
+        "runtime": "cpu",
+        "maxtext_venv": f"{local_dir}/maxtext-venv",
+        "base_python": python312,
+        "model_source_dir": f"{local_dir}/tiny",
+        "workdir": f"{local_dir}/vm/work",
+        "root_dir": f"{local_dir}/vm/runs",
+    }
+
+
+def _params(cfg: PipelineConfig) -> dict[str, Param]:
+    accelerators = ["cpu"] if cfg.local else TPU_ACCELERATORS
+    params: dict[str, Param] = {
+        "model": Param(cfg.model, type="string", enum=[cfg.model], title="Model",
+                       description="The model this DAG post-trains (one DAG per model and recipe)."),
+        "accelerator_type": Param(cfg.accelerator_type, type="string", enum=accelerators, title="Accelerator",
+                                  description="TPU slice; the machine type is derived from it (v6e-8 → ct6e-standard-8t)."),
+        "zones": Param(list(cfg.zones), type="array", minItems=1, items={"type": "string", "pattern": ZONE_PATTERN},
+                       title="Zones (in order)", description="Tried in order; a stock-out moves on to the next."),
+        "provisioning_model": Param(cfg.provisioning_model, type="string", enum=PROVISIONING_MODELS,
+                                    title="Provisioning model",
+                                    description="RESERVATION_BOUND needs a reservation; SPOT can be preempted; "
+                                    "FLEX_START waits up to 2 h for capacity."),
+        "reservation": Param(cfg.reservation, type=["null", "string"], pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$",
+                             title="Reservation", description="Name of the specific reservation (RESERVATION_BOUND only)."),
+        "maxtext_version": Param(cfg.maxtext_version, type=["null", "string"], pattern=r"^\d+\.\d+\.\d+$",
+                                 title="MaxText version", description="Empty: the model's (tutorials: 0.2.2 SFT, 0.2.3 RL)."),
+        "hub_repo_id": Param(cfg.hub_repo_id, type=["null", "string"],
+                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             title="Hub repo", description="owner/name; the model goes to branch run-<run name> (private)."),
+        "storage_uri": Param(cfg.storage_uri, type=["null", "string"],
+                             pattern=r"^(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*$",
+                             title="Storage URI", description="gs://bucket/prefix or a directory; one folder per run."),
+        "overrides": Param(list(cfg.overrides), type="array", items={"type": "string", "pattern": OVERRIDE_PATTERN},
+                           title="MaxText overrides", description="Extra key=value pairs for the trainer."),
+    }
+    if cfg.recipe == "sft":
+        params |= {
+            "dataset": Param(cfg.dataset or "", type="string", pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$",
+                             title="Dataset", description="Hub dataset id (empty: the model's default)."),
+            "train_split": Param(cfg.train_split or "", type="string", pattern=r"^$|" + NAME_PATTERN, title="Split"),
+            "train_data_columns": Param(cfg.train_data_columns or "", type="string",
+                                        pattern=r"^$|^\[('[A-Za-z0-9_]+'(, ?)?)+\]$", title="Columns",
+                                        description="e.g. ['messages']"),
+            "steps": Param(cfg.steps, type=["null", "integer"], minimum=1, maximum=1_000_000, title="Steps",
+                           description="Empty: the model's (tutorial: 1000)."),
+        }
+    else:
+        params |= {
+            "num_batches": Param(cfg.num_batches, type=["null", "integer"], minimum=1, maximum=100_000,
+                                 title="Batches", description="Empty: the model's (tutorial: 50)."),
+            "num_test_batches": Param(cfg.num_test_batches, type=["null", "integer"], minimum=1, maximum=10_000,
+                                      title="Test batches", description="Empty: the model's (tutorial: 10)."),
+        }
+    return params
+
+
+DOC = """
+### Post-training: {recipe} of `{model}` on a TPU VM
+
+create VM → install MaxText → convert HF → MaxText → {train} → export to HF + publish → delete VM
+
+- The VM is deleted by the teardown whatever happens (and, as a backstop, by Google at its `maxRunDuration`).
+- Each step is idempotent: a retry or re-run reuses the VM, the MaxText install, a finished conversion, and
+  resumes training from its newest checkpoint (run name derived from the DAG run and its logical date).
+- Long steps run as detached jobs on the VM, watched from the triggerer: no worker slot is held while waiting.
+"""
+
+
+def build_dag(cfg: PipelineConfig) -> DAG:
+    if cfg.recipe not in RECIPES:
+        raise ValueError(f"recipe={cfg.recipe!r}: use one of {RECIPES}")
+    t = cfg.timeouts
+    default_args = {
+        "retries": cfg.retries,
+        "retry_delay": timedelta(minutes=1) if not cfg.local else timedelta(seconds=5),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(minutes=20),
+    }
+    dag = DAG(
+        dag_id=cfg.dag_id,
+        schedule=cfg.schedule,
+        start_date=None if cfg.schedule is None else _start_date(),
+        catchup=False,
+        max_active_runs=1,
+        dagrun_timeout=t.run,
+        default_args=default_args,
+        params=_params(cfg),
+        render_template_as_native_obj=True,
+        tags=["tpu", "maxtext", cfg.recipe, cfg.model, *cfg.tags],
+        doc_md=DOC.format(recipe=cfg.recipe.upper(), model=cfg.model, train="SFT" if cfg.recipe == "sft" else "GRPO"),
+    )
+    vm = {
+        "ssh_conn_id": cfg.ssh_conn_id,
+        "hf_conn_id": cfg.hf_conn_id,
+        "model": "{{ params.model }}",
+        "pool": POOL,
+        **(cfg.local or {}),
+    }
+    with dag:
+        create = TpuVmCreateOperator(
+            task_id="create_tpu_vm",
+            project_id=cfg.project_id,
+            gcp_conn_id=cfg.gcp_conn_id,
+            zones="{{ params.zones }}",
+            accelerator_type="{{ params.accelerator_type }}",
+            provisioning_model="{{ params.provisioning_model }}",
+            reservation="{{ params.reservation }}",
+            network=cfg.network,
+            iap_firewall=cfg.iap_firewall,
+            max_run_duration=t.run + timedelta(minutes=30),
+            execution_timeout=t.create,
+            poll_interval=2 if cfg.local else 10,
+            pool=POOL,
+        )
+        install = MaxTextInstallOperator(
+            task_id="install_maxtext", maxtext_version="{{ params.maxtext_version }}", execution_timeout=t.install,
+            poll_interval=2 if cfg.local else 15, **vm,
+        )
+        convert = MaxTextConvertOperator(
+            task_id="convert_to_maxtext", execution_timeout=t.convert, poll_interval=2 if cfg.local else 15, **vm
+        )
+        if cfg.recipe == "sft":
+            train = SftTrainOperator(
+                task_id="train",
+                steps="{{ params.steps }}",
+                dataset="{{ params.dataset }}",
+                train_split="{{ params.train_split }}",
+                train_data_columns="{{ params.train_data_columns }}",
+                overrides="{{ params.overrides }}",
+                checkpoint_period=2 if cfg.local else 200,
+                execution_timeout=t.train,
+                poll_interval=2 if cfg.local else 30,
+                **vm,
+            )
+        else:
+            train = GrpoTrainOperator(
+                task_id="train",
+                num_batches="{{ params.num_batches }}",
+                num_test_batches="{{ params.num_test_batches }}",
+                overrides="{{ params.overrides }}",
+                execution_timeout=t.train,
+                poll_interval=2 if cfg.local else 30,
+                **vm,
+            )
+        export = HfExportOperator(
+            task_id="export_and_publish",
+            train_task_id="train",
+            hub_repo_id="{{ params.hub_repo_id }}",
+            storage_uri="{{ params.storage_uri }}",
+            execution_timeout=t.export,
+            poll_interval=2 if cfg.local else 15,
+            **vm,
+        )
+        delete = TpuDeleteOperator(
+            task_id="delete_tpu_vm",
+            project_id=cfg.project_id,
+            gcp_conn_id=cfg.gcp_conn_id,
+            zones="{{ params.zones }}",
+            iap_firewall=cfg.iap_firewall,
+            execution_timeout=t.delete,
+            retries=max(cfg.retries, 3),
+            poll_interval=2 if cfg.local else 10,
+        )
+
+        @task(task_id="fail_run_if_a_step_failed", trigger_rule=TriggerRule.ONE_FAILED, retries=0)
+        def watcher() -> None:
+            raise AirflowException("A post-training step failed; the VM was deleted by the teardown.")
+
+        body = [install, convert, train, export]
+        create >> install >> convert >> train >> export >> delete.as_teardown(setups=create)
+        body >> watcher()
+    return dag
+
+
+def _start_date():
+    from datetime import datetime, timezone
+
+    return datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def load_registry(path: str | Path) -> list[PipelineConfig]:
+    """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``; ``local: true`` entries only when
+    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    defaults = data.get("defaults", {})
+    local_dir = os.environ.get("TPU_POSTTRAIN_LOCAL_DIR")
+    configs = []
+    for entry in data["pipelines"]:
+        merged: dict[str, Any] = {**defaults, **entry}
+        is_local = merged.pop("local", False)
+        if is_local:
+            if not local_dir:
+                continue
+            merged.update(
+                local=local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
+                timeouts=LOCAL_TIMEOUTS,
+            )
+        for key in ("zones", "overrides", "tags"):
+            if key in merged:
+                merged[key] = tuple(merged[key])
+        configs.append(PipelineConfig(**merged))
+    return configs

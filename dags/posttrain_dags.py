@@ -1,0 +1,8 @@
+"""Post-training DAGs, one per (recipe, model) of models.yaml. Cheap to parse: no cloud client is imported."""
+
+from pathlib import Path
+
+from airflow_tpu_posttrain.pipelines.posttrain import build_dag, load_registry
+
+for _config in load_registry(Path(__file__).with_name("models.yaml")):
+    globals()[_config.dag_id] = build_dag(_config)

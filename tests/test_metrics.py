@@ -1,0 +1,221 @@
+"""The trainer-log parser: pure, no Airflow, no MaxText."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics, parse_lines
+
+AIRFLOW = "[2025-11-29T15:29:33.081+0000] {ssh.py:120} INFO - [remote] "
+
+SFT_RESUMED_LOG = f"""\
+{AIRFLOW}I1129 15:29:20.001000 140 checkpoint_manager.py:101] Found 1 checkpoint steps in /tmp/run/checkpoints
+{AIRFLOW}I1129 15:29:20.208000 140 peft_trainer.py:301] Restored params from step: 1 in 0.207 seconds
+{AIRFLOW}I1129 15:29:33.081234 140 peft_trainer.py:488] Train step 2 training loss: 6.275753  - training perplexity: 531.526489
+{AIRFLOW}completed step: 2, seconds: 43.755, TFLOP/s/device: 0.000, Tokens/s/device: 2.925, total_weights: 32, loss: 6.276, lm_loss: 0.000, perplexity: 531.526
+{AIRFLOW}W1129 15:29:34.000000 140 peft_trainer.py:512] some warning with loss: 99.0 in it
+{AIRFLOW}I1129 15:29:35.081234 140 peft_trainer.py:488] Train step 3 training loss: 6.260000  - training perplexity: 523.400000
+{AIRFLOW}completed step: 3, seconds: 0.812, TFLOP/s/device: 0.000, Tokens/s/device: 157.600, total_weights: 32, loss: 6.260, lm_loss: 0.000, perplexity: 523.400
+{AIRFLOW}INFO:absl:Train step 4 training loss: 6.240000  - training perplexity: 512.900000
+{AIRFLOW}INFO:absl:completed step: 4, seconds: 0.790, TFLOP/s/device: 0.000, Tokens/s/device: 162.000, total_weights: 32, loss: 6.240, lm_loss: 0.000, perplexity: 512.900
+{AIRFLOW}I1129 15:30:19.600000 140 peft_trainer.py:530] Train loop finished in: 46.5141 seconds
+{AIRFLOW}I1129 15:30:19.700000 140 peft_trainer.py:488] Train step 5 training loss: 6.223000  - training perplexity: 505.612000
+{AIRFLOW}completed step: 5, seconds: 0.801, TFLOP/s/device: 0.000, Tokens/s/device: 160.100, total_weights: 32, loss: 6.223, lm_loss: 0.000, perplexity: 505.612
+""".splitlines()
+
+SFT_FRESH_LOG = """\
+I1129 15:29:20.001000 140 checkpoint_manager.py:101] Found 0 checkpoint steps in /tmp/run/checkpoints
+\x1b[32mI1129 15:29:33.081234 140 peft_trainer.py:488] Train step 1 training loss: 6.275753  - training perplexity: 531.526489\x1b[0m
+completed step: 1, seconds: 43.755, TFLOP/s/device: 0.000, Tokens/s/device: 2.925, total_weights: 32, loss: 6.276, lm_loss: 0.000, perplexity: 531.526
+I1129 15:29:35.081234 140 peft_trainer.py:488] Train step 2 training loss: 6.250000  - training perplexity: 518.010000
+completed step: 2, seconds: 0.800, TFLOP/s/device: 0.000, Tokens/s/device: 160.000, total_weights: 32, loss: 6.250, lm_loss: 0.000, perplexity: 518.010
+I1129 15:29:36.000000 140 peft_trainer.py:530] Train loop finished in: 46.5141 seconds
+""".splitlines()
+
+RL_LOG = f"""\
+{AIRFLOW}I1129 16:00:01.000000 140 train_rl.py:700] Pre RL Training: corr=0, total=2, accuracy=0.0%, partial_accuracy=0.0%, format_accuracy=0.0%, mean_reward=0.0000
+{AIRFLOW}W1129 16:00:02.000000 140 train_rl.py:743] \x1b[1;33mGeneration took longer than expected\x1b[0m
+{AIRFLOW}I1129 16:05:01.000000 140 train_rl.py:760] RL Training Completed Successfully!
+{AIRFLOW}I1129 16:06:01.000000 140 train_rl.py:780] Post RL Training: corr=1, total=2, accuracy=50.0%, partial_accuracy=50.0%, format_accuracy=100.0%, mean_reward=1.2500
+""".splitlines()
+
+CONVERSION_LOG = """\
+[remote] INFO:absl:Loading HF checkpoint from /dev/shm/x/hf
+[remote] INFO:absl:Conversion complete. Checkpoint saved to /dev/shm/x/mt-format
+[remote] INFO:absl:Peak Memory: 0.52 GB
+""".splitlines()
+
+EXPORT_LOG = """\
+[remote] I1129 17:00:00.000000 140 to_huggingface.py:300] Saving model
+[remote] I1129 17:00:05.000000 140 to_huggingface.py:310] ✅ MaxText model successfully saved in HuggingFace format at /out/dir
+""".splitlines()
+
+GARBAGE = [
+    "",
+    "   ",
+    "Traceback (most recent call last):",
+    "completed step: x, loss: 1.0",
+    "Train step  training loss: ",
+    "Pre RL Training:",
+    "Peak Memory: lots GB",
+    "\x1b[31m\x1b[0m",
+    "\x00\xff binary \ufffd",
+    "loss: 3.0, perplexity: 20.0",
+]
+
+
+def test_sft_resumed_run():
+    metrics = parse_lines(SFT_RESUMED_LOG)
+
+    assert metrics == TrainingMetrics(
+        steps_completed=5,
+        first_loss=6.275753,
+        last_loss=6.223,
+        last_perplexity=505.612,
+        tokens_per_s_per_device=160.1,
+        train_loop_s=46.5141,
+        resumed_from_step=1,
+    )
+    assert metrics.summary("SFT") == (
+        "SFT: 5 steps (resumed from 1), loss 6.276 → 6.223, perplexity 505.6, train loop 46.5 s"
+    )
+
+
+def test_sft_fresh_run_with_ansi_colours_is_not_resumed():
+    metrics = parse_lines(SFT_FRESH_LOG)
+
+    assert metrics.resumed_from_step is None
+    assert metrics.steps_completed == 2
+    assert metrics.first_loss == 6.275753
+    assert metrics.last_loss == 6.25
+    assert metrics.summary("SFT") == "SFT: 2 steps, loss 6.276 → 6.250, perplexity 518.0, train loop 46.5 s"
+
+
+def test_last_loss_belongs_to_the_highest_step_even_if_logged_earlier():
+    metrics = parse_lines(
+        [
+            "completed step: 3, Tokens/s/device: 9.0, loss: 2.000, lm_loss: 0.0, perplexity: 7.389",
+            "completed step: 2, Tokens/s/device: 8.0, loss: 3.000, lm_loss: 0.0, perplexity: 20.08",
+        ]
+    )
+
+    assert (metrics.steps_completed, metrics.last_loss, metrics.tokens_per_s_per_device) == (3, 2.0, 9.0)
+
+
+def test_lm_loss_is_not_read_as_loss():
+    metrics = parse_lines(
+        ["completed step: 1, seconds: 1.0, Tokens/s/device: 1.0, lm_loss: 9.999, perplexity: 2.0"]
+    )
+
+    assert metrics.first_loss is None and metrics.last_loss is None
+    assert metrics.last_perplexity == 2.0
+
+
+def test_rl_run():
+    metrics = parse_lines(RL_LOG)
+
+    assert metrics.pre_rl == {
+        "corr": 0,
+        "total": 2,
+        "accuracy": 0.0,
+        "partial_accuracy": 0.0,
+        "format_accuracy": 0.0,
+        "mean_reward": 0.0,
+    }
+    assert metrics.post_rl == {
+        "corr": 1,
+        "total": 2,
+        "accuracy": 50.0,
+        "partial_accuracy": 50.0,
+        "format_accuracy": 100.0,
+        "mean_reward": 1.25,
+    }
+    assert isinstance(metrics.post_rl["corr"], int)
+    assert metrics.rl_completed is True
+    assert metrics.steps_completed is None
+    assert metrics.summary("GRPO") == "GRPO: accuracy 0.0% → 50.0%, mean reward 0.0000 → 1.2500"
+
+
+def test_rl_run_that_did_not_complete_says_so():
+    metrics = parse_lines(RL_LOG[:2])
+
+    assert metrics.summary("GRPO") == "GRPO: accuracy 0.0%, mean reward 0.0000, RL training not completed"
+
+
+def test_conversion():
+    metrics = parse_lines(CONVERSION_LOG)
+
+    assert metrics == TrainingMetrics(output_path="/dev/shm/x/mt-format", peak_memory_gb=0.52)
+    assert metrics.summary("convert") == "convert: saved to /dev/shm/x/mt-format, peak memory 0.52 GB"
+
+
+def test_export():
+    metrics = parse_lines(EXPORT_LOG)
+
+    assert metrics == TrainingMetrics(output_path="/out/dir")
+    assert metrics.as_xcom() == {"output_path": "/out/dir"}
+    assert metrics.summary("export") == "export: saved to /out/dir"
+
+
+@pytest.mark.parametrize("log", [SFT_RESUMED_LOG, SFT_FRESH_LOG, RL_LOG, CONVERSION_LOG + EXPORT_LOG])
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 5])
+def test_chunked_feeding_equals_one_shot(log, chunk_size):
+    metrics = TrainingMetrics()
+    for start in range(0, len(log), chunk_size):
+        returned = parse_lines(log[start : start + chunk_size], into=metrics)
+        assert returned is metrics
+
+    assert metrics == parse_lines(log)
+
+
+def test_garbage_is_ignored():
+    assert parse_lines(GARBAGE) == TrainingMetrics()
+    assert parse_lines(GARBAGE + SFT_RESUMED_LOG + GARBAGE) == parse_lines(SFT_RESUMED_LOG)
+    assert parse_lines(GARBAGE).as_xcom() == {}
+    assert parse_lines(GARBAGE).summary("SFT") == "SFT: no metrics in the log"
+
+
+def test_nan_loss_flags_divergence_and_stays_json_safe():
+    metrics = parse_lines(
+        SFT_FRESH_LOG[:3]
+        + [
+            "Train step 2 training loss: nan  - training perplexity: nan",
+            "completed step: 2, Tokens/s/device: 160.0, loss: nan, lm_loss: 0.0, perplexity: nan",
+        ]
+    )
+
+    assert metrics.diverged is True
+    assert math.isnan(metrics.last_loss) and math.isnan(metrics.last_perplexity)
+    xcom = metrics.as_xcom()
+    assert xcom["last_loss"] == "nan" and xcom["last_perplexity"] == "nan"
+    assert xcom["diverged"] is True
+    json.dumps(xcom, allow_nan=False)
+    assert metrics.summary("SFT") == "SFT: 2 steps, loss 6.276 → nan, DIVERGED, perplexity nan"
+
+
+def test_as_xcom_holds_only_seen_fields_and_is_json_serialisable():
+    sft = parse_lines(SFT_RESUMED_LOG).as_xcom()
+    rl = parse_lines(RL_LOG).as_xcom()
+
+    assert sft == {
+        "steps_completed": 5,
+        "first_loss": 6.275753,
+        "last_loss": 6.223,
+        "last_perplexity": 505.612,
+        "tokens_per_s_per_device": 160.1,
+        "train_loop_s": 46.5141,
+        "resumed_from_step": 1,
+    }
+    assert set(rl) == {"pre_rl", "post_rl", "rl_completed"}
+    for xcom in (sft, rl):
+        assert json.loads(json.dumps(xcom, allow_nan=False)) == xcom
+
+
+def test_non_finite_rl_reward_is_json_safe():
+    xcom = parse_lines(["Post RL Training: corr=0, total=2, accuracy=0.0%, mean_reward=nan"]).as_xcom()
+
+    assert xcom["post_rl"]["mean_reward"] == "nan"
+    json.dumps(xcom, allow_nan=False)

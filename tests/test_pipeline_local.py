@@ -1,0 +1,87 @@
+"""The tiny SFT and RL DAGs end to end in real Airflow, against the local stack: Compute emulator, an sshd playing
+the VM, real MaxText on CPU, the local Hub server. Slow (minutes): the real thing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HF_TOKEN = "hf_marker_token_7f3a9c2e51d04b8a"  # a unique marker: it must appear nowhere but the VM's 0600 file
+
+
+@pytest.fixture(scope="module")
+def stack(airflow_db, tmp_path_factory):
+    from airflow.models.pool import Pool
+
+    from airflow_tpu_posttrain.local.stack import LocalStack
+
+    local_dir = REPO / ".local"
+    with LocalStack(local_dir, hf_token=HF_TOKEN) as env, pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        for name in ("posttrain_dags.py", "models.yaml"):
+            shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
+        Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
+        yield env
+
+
+def run_pipeline(dag_id: str, conf: dict | None = None):
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+    assert not bag.import_errors, bag.import_errors
+    return bag.get_dag(dag_id).test(run_conf=conf)
+
+
+def states(dag_run):
+    return {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
+
+
+def xcom(dag_run, task_id):
+    [ti] = [ti for ti in dag_run.get_task_instances() if ti.task_id == task_id]
+    return ti.xcom_pull(task_ids=task_id)
+
+
+def loads_and_generates(model_dir: Path) -> str:
+    check = subprocess.run(
+        [str(REPO / ".local/hfcheck-venv/bin/python"), str(REPO / "airflow_tpu_posttrain/local/check_hf_model.py"),
+         str(model_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert check.returncode == 0, check.stderr
+    return check.stdout
+
+
+def test_tiny_sft_end_to_end(stack, capfd):
+    from airflow_tpu_posttrain.local.stack import LocalStack  # noqa: F401  (the stack is running)
+
+    dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(REPO / ".local/published")})
+    logs = "".join(capfd.readouterr())
+    assert dr.state == "success", states(dr)
+    assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
+
+    converted = xcom(dr, "convert_to_maxtext")
+    assert Path(converted["converted_params"]).is_dir()
+    trained = xcom(dr, "train")
+    assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and Path(trained["checkpoint"]).is_dir()
+    assert trained["metrics"]["steps_completed"] == 5 and trained["metrics"]["last_loss"] > 0
+    assert "SFT: 5 steps" in logs
+
+    published = xcom(dr, "export_and_publish")
+    hub = published["hub"]
+    assert hub["repo_id"] == "local/tiny-llama-sft" and hub["revision"].startswith("run-posttrain-sft-tiny-llama")
+    storage = Path(published["storage_uri"].removeprefix("file://"))
+    assert (storage / "model.safetensors").is_file()
+    print(loads_and_generates(storage))
+
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True
+    # The token: nowhere in the task logs, XCom, or left on the VM.
+    assert HF_TOKEN not in logs
+    assert HF_TOKEN not in json.dumps([xcom(dr, t) for t in states(dr)], default=str)
+    assert not any(HF_TOKEN in p.read_text(errors="ignore") for p in (REPO / ".local/vm").rglob("*") if p.is_file())
