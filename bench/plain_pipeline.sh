@@ -12,7 +12,7 @@
 # re-runs the same command, which resumes from the newest complete checkpoint.
 #
 # Venvs: $TPU_POSTTRAIN_MAXTEXT_VENV (default .local/maxtext-venv) and $TPU_POSTTRAIN_HFCHECK_VENV
-# (default .local/hfcheck-venv); airflow_tpu_posttrain/local/setup_maxtext_cpu.sh creates both.
+# (default .local/hfcheck-venv); scripts/bootstrap.sh creates both.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)

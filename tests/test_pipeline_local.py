@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,8 +22,8 @@ def stack(airflow_db, tmp_path_factory):
 
     from airflow_tpu_posttrain.local.stack import LocalStack
 
-    local_dir = REPO / ".local"
-    with LocalStack(local_dir, hf_token=HF_TOKEN) as env, pytest.MonkeyPatch.context() as mp:
+    vm_dir = tmp_path_factory.mktemp("vm")
+    with LocalStack(REPO / ".local", vm_dir, hf_token=HF_TOKEN) as env, pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
         for name in ("posttrain_dags.py", "models.yaml"):
@@ -59,9 +60,8 @@ def loads_and_generates(model_dir: Path) -> str:
 
 
 def test_tiny_sft_end_to_end(stack, capfd):
-    from airflow_tpu_posttrain.local.stack import LocalStack  # noqa: F401  (the stack is running)
-
-    dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(REPO / ".local/published")})
+    published_dir = Path(stack["TPU_POSTTRAIN_VM_DIR"]) / "published"
+    dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(published_dir)})
     logs = "".join(capfd.readouterr())
     assert dr.state == "success", states(dr)
     assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
@@ -84,4 +84,31 @@ def test_tiny_sft_end_to_end(stack, capfd):
     # The token: nowhere in the task logs, XCom, or left on the VM.
     assert HF_TOKEN not in logs
     assert HF_TOKEN not in json.dumps([xcom(dr, t) for t in states(dr)], default=str)
-    assert not any(HF_TOKEN in p.read_text(errors="ignore") for p in (REPO / ".local/vm").rglob("*") if p.is_file())
+    vm_files = [p for p in (Path(stack["TPU_POSTTRAIN_VM_DIR"]) / "work").rglob("*") if p.is_file()]
+    assert vm_files and not any(HF_TOKEN in p.read_text(errors="ignore") for p in vm_files)
+
+
+def test_tiny_rl_end_to_end(stack, capfd):
+    dr = run_pipeline("posttrain_rl__tiny-llama")
+    logs = "".join(capfd.readouterr())
+    assert dr.state == "success", states(dr)
+
+    trained = xcom(dr, "train")
+    assert trained["checkpoint"].endswith("/checkpoints/actor/2/model_params") and Path(trained["checkpoint"]).is_dir()
+    metrics = trained["metrics"]
+    assert metrics["rl_completed"] is True
+    assert set(metrics["pre_rl"]) >= {"accuracy", "mean_reward"} and set(metrics["post_rl"]) >= {"accuracy", "mean_reward"}
+    assert re.search(r"GRPO: .*accuracy \S+ → \S+, mean reward \S+ → \S+", logs)
+
+    hub = xcom(dr, "export_and_publish")["hub"]
+    assert hub["repo_id"] == "local/tiny-llama-grpo"
+    # The published branch holds the exported model; download it through huggingface_hub and load it.
+    from huggingface_hub import snapshot_download
+
+    local = snapshot_download(
+        hub["repo_id"], revision=hub["revision"], endpoint=json.loads(stack["AIRFLOW_CONN_LOCAL_HUB"])["host"],
+        token=HF_TOKEN, cache_dir=str(Path(stack["TPU_POSTTRAIN_VM_DIR"]) / "hf-cache"),
+    )
+    print(loads_and_generates(Path(local)))
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True
+    assert HF_TOKEN not in logs

@@ -2,8 +2,9 @@
 Hub server (huggingface.co), the MaxText CPU venv and the tiny model (the VM's software and the HF checkpoint).
 
 ``LocalStack(local_dir).start()`` returns the environment (Airflow connections, ``TPU_POSTTRAIN_LOCAL_DIR``)
-under which the DAGs of models.yaml marked ``local: true`` run end to end. The VM's disk (``<local_dir>/vm``)
-starts empty each time, as a new VM's does; the venv and the tiny model are kept, as a VM image would be.
+under which the DAGs of models.yaml marked ``local: true`` run end to end. The VM's disk (``vm_dir``, default
+``<local_dir>/vm``) starts empty each time, as a new VM's does; the venv and the tiny model in ``local_dir`` are
+kept, as a VM image would be. Stacks with different ``vm_dir`` can run side by side.
 """
 
 from __future__ import annotations
@@ -55,19 +56,26 @@ def prepare_vm_image(local_dir: Path, python312: str) -> None:
 class LocalStack:
     """Start and stop the local pieces; ``hf_token`` is what the Hub server accepts (a secret in tests)."""
 
-    def __init__(self, local_dir: Path, hf_token: str | None = None, operation_seconds: float = 0.5) -> None:
+    def __init__(
+        self,
+        local_dir: Path,
+        vm_dir: Path | None = None,
+        hf_token: str | None = None,
+        operation_seconds: float = 0.5,
+    ) -> None:
         self.local_dir = Path(local_dir).absolute()
+        self.vm_dir = Path(vm_dir or self.local_dir / "vm").absolute()
         self.hf_token = hf_token or secrets.token_hex(16)
         self.python312 = find_python312()
         self.compute = ComputeEmulator(operation_seconds=operation_seconds)
-        self.sshd = LocalSshd(self.local_dir / "sshd")
-        self.hub = HubServer(self.local_dir / "hub", tokens=[self.hf_token])
+        self.sshd = LocalSshd(self.vm_dir / "sshd")
+        self.hub = HubServer(self.vm_dir / "hub", tokens=[self.hf_token])
 
     def start(self) -> dict[str, str]:
         prepare_vm_image(self.local_dir, self.python312)
-        shutil.rmtree(self.local_dir / "vm" / "work", ignore_errors=True)
-        shutil.rmtree(self.local_dir / "vm" / "runs", ignore_errors=True)
-        (self.local_dir / "hub").mkdir(parents=True, exist_ok=True)
+        for stale in ("work", "runs", "hub"):
+            shutil.rmtree(self.vm_dir / stale, ignore_errors=True)
+        (self.vm_dir / "hub").mkdir(parents=True)
         self.compute.start()
         self.sshd.start()
         self.hub.start()
@@ -94,6 +102,7 @@ class LocalStack:
             "AIRFLOW_CONN_LOCAL_VM": json.dumps(self.sshd.airflow_connection(verify_host_key=True)),
             "AIRFLOW_CONN_LOCAL_HUB": json.dumps(hub),
             "TPU_POSTTRAIN_LOCAL_DIR": str(self.local_dir),
+            "TPU_POSTTRAIN_VM_DIR": str(self.vm_dir),
             "TPU_POSTTRAIN_PYTHON312": self.python312,
         }
 

@@ -1,8 +1,10 @@
 """The MaxText steps on the TPU VM, each a detached remote job watched from the triggerer.
 
-Built on providers-ssh's ``SSHRemoteJobOperator``: its wrapper starts the job under ``setsid`` with a log file
-and an atomic exit-code file, its trigger streams the log by byte offset and reconnects after SSH drops, and
-its ``on_kill`` kills the job's process group. What this module adds:
+The remote-job protocol is providers-ssh's (``utils/remote_job.py`` and ``SSHRemoteJobTrigger``): the job runs
+under ``setsid`` with a log file and an atomic exit-code file, the trigger streams the log by byte offset and
+reconnects after SSH drops, and a kill signals the job's process group. The operators do not subclass
+``SSHRemoteJobOperator``: importing it loads paramiko and asyncssh, which would make every DAG file slow to
+parse; they import the protocol's pieces when they run. What they add:
 
 - a deterministic job id per (task, DAG run), so a retry finds its earlier job: still running → re-attach;
   finished → reuse; failed → start again (MaxText resumes from the newest checkpoint of the same run name);
@@ -23,10 +25,8 @@ from datetime import timedelta
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk.exceptions import AirflowFailException
-from airflow.providers.ssh.operators.ssh_remote_job import SSHRemoteJobOperator
-from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
-from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
@@ -35,6 +35,7 @@ from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runt
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
     from airflow.sdk import Context
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
@@ -55,7 +56,7 @@ class Job:
         self.token = token  # "env": exported as HF_TOKEN; "file": HF_TOKEN_FILE names it; None: not needed
 
 
-class MaxTextJobOperator(SSHRemoteJobOperator):
+class MaxTextJobOperator(BaseOperator):
     """
     Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM.
 
@@ -63,6 +64,7 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
     :param ssh_conn_id: SSH connection to the VM; its host is replaced by the VM's address from ``vm_task_id``.
     :param vm_task_id: the create task whose XCom gives the VM's address and accelerator type.
     :param use_internal_ip: connect to the VM's internal IP (from inside the VPC) instead of the external one.
+    :param remote_host: the VM's address, when it does not come from ``vm_task_id``.
     :param accelerator_type: default: the VM's, from ``vm_task_id``.
     :param runtime: ``tpu`` (the tutorials) or ``cpu`` (the local CPU "VM", see recipes/runtime.py).
     :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
@@ -72,17 +74,13 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
     :param workdir: the jobs' scripts, logs and launchers on the VM.
     :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
         endpoint); needed to read gated models and to publish.
+    :param poll_interval: seconds between the trigger's polls of the job.
+    :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
     """
 
-    template_fields: Sequence[str] = (
-        *SSHRemoteJobOperator.template_fields,
-        "model",
-        "accelerator_type",
-        "root_dir",
-        "workdir",
-    )
+    template_fields: Sequence[str] = ("ssh_conn_id", "remote_host", "model", "accelerator_type", "root_dir", "workdir")
+    ui_color = "#e4f0e8"
     step_title = "MaxText"
-    needs_token = False
 
     def __init__(
         self,
@@ -91,6 +89,7 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
         ssh_conn_id: str = "tpu_vm_ssh",
         vm_task_id: str | None = "create_tpu_vm",
         use_internal_ip: bool = False,
+        remote_host: str | None = None,
         accelerator_type: str | None = None,
         runtime: str = "tpu",
         maxtext_venv: str | None = None,
@@ -100,20 +99,18 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
         workdir: str = DEFAULT_WORKDIR,
         hf_conn_id: str | None = None,
         poll_interval: int = 10,
+        log_chunk_size: int = 65536,
+        command_timeout: float = 30.0,
+        max_reconnect_attempts: int = 8,
         **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)
         ip_key = "internal_ip" if use_internal_ip else "external_ip"
         if vm_task_id:
-            kwargs.setdefault("remote_host", _VM_XCOM.format(task=vm_task_id, key=ip_key))
+            remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key=ip_key)
             accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
-        super().__init__(
-            ssh_conn_id=ssh_conn_id,
-            command="(uploaded at run time)",
-            remote_base_dir=f"{workdir}/jobs",
-            remote_os="posix",
-            poll_interval=poll_interval,
-            **kwargs,
-        )
+        self.ssh_conn_id = ssh_conn_id
+        self.remote_host = remote_host
         self.model = model
         self.accelerator_type = accelerator_type or "v6e-8"
         self.runtime = runtime
@@ -123,6 +120,14 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
         self.root_dir = root_dir
         self.workdir = workdir
         self.hf_conn_id = hf_conn_id
+        self.poll_interval = poll_interval
+        self.log_chunk_size = log_chunk_size
+        self.command_timeout = command_timeout
+        self.max_reconnect_attempts = max_reconnect_attempts
+
+    @property
+    def jobs_dir(self) -> str:
+        return f"{self.workdir}/jobs"
 
     # -- what each step defines ------------------------------------------------------------------
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
@@ -202,7 +207,9 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
             job = self.build_job(spec, context)
         except SpecError as err:
             raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
-        paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.remote_base_dir)
+        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+        paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
         with self._vm() as vm:
             if job.done_marker and vm.exists(job.done_marker):
                 self.log.info("%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker)
@@ -210,7 +217,7 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
             state, log_size = self._job_state(vm, paths)
             if state == "running":
                 self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
-                return self._watch(context, paths, log_offset=log_size)
+                return self._watch(context, paths, log_offset=log_size, first=True)
             if state == "succeeded":
                 self.log.info("Job %s already finished successfully on the VM", paths.job_id)
                 return self.finish(context, vm, job, paths, reused=True)
@@ -227,7 +234,7 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
             command = build_posix_wrapper_command(f"bash {shlex.quote(paths.job_dir + '.sh')}", paths)
             vm.run(command)
         self.log.info("Started job %s on the VM (log: %s)", paths.job_id, paths.log_file)
-        return self._watch(context, paths, log_offset=0)
+        return self._watch(context, paths, log_offset=0, first=True)
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         """Upload what the step needs besides its script (launchers, helper scripts)."""
@@ -246,18 +253,15 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
             state = "succeeded" if state == "exit:0" else f"failed with exit code {state[5:]}"
         return state, size
 
-    def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int) -> None:
-        context["ti"].xcom_push(
-            key="ssh_remote_job",
-            value={
-                "job_id": paths.job_id,
-                "job_dir": paths.job_dir,
-                "log_file": paths.log_file,
-                "exit_code_file": paths.exit_code_file,
-                "pid_file": paths.pid_file,
-                "remote_os": "posix",
-            },
-        )
+    def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
+        """Defer to providers-ssh's trigger; before the first deferral, record the job for ``on_kill``."""
+        from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
+
+        if first:
+            context["ti"].xcom_push(
+                key="ssh_remote_job",
+                value={"job_id": paths.job_id, "log_file": paths.log_file, "pid_file": paths.pid_file},
+            )
         self.defer(
             trigger=SSHRemoteJobTrigger(
                 ssh_conn_id=self.ssh_conn_id,
@@ -274,17 +278,39 @@ class MaxTextJobOperator(SSHRemoteJobOperator):
                 max_reconnect_attempts=self.max_reconnect_attempts,
             ),
             method_name="execute_complete",
-            timeout=timedelta(seconds=self.timeout) if self.timeout else None,
+            timeout=self.execution_timeout,
         )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
-        # Streams the log chunk, re-defers while running, raises on a non-zero exit code.
-        super().execute_complete(context, event)
+        """Stream the new log lines, re-defer while the job runs, then finish or fail."""
+        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
+
+        for line in (event.get("log_chunk") or "").splitlines():
+            self.log.info("[remote] %s", line)
+        paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
+        if not event.get("done"):
+            return self._watch(context, paths, log_offset=event.get("log_offset", 0))
+        exit_code = event.get("exit_code")
+        if exit_code is None:
+            raise AirflowException(f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}")
+        if exit_code != 0:
+            raise AirflowException(f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})")
         spec = self.run_spec(context)
         job = self.build_job(spec, context)
-        paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.remote_base_dir)
         with self._vm() as vm:
             return self.finish(context, vm, job, paths, reused=False)
+
+    def on_kill(self) -> None:
+        """A kill of the running task kills the job's process group on the VM."""
+        from airflow.providers.ssh.utils.remote_job import build_posix_kill_command
+
+        ti = getattr(self, "task_instance", None)
+        job = ti.xcom_pull(task_ids=self.task_id, key="ssh_remote_job") if ti else None
+        if not job:
+            return
+        self.log.info("Killing job %s on the VM", job["job_id"])
+        with self._vm() as vm:
+            vm.run(build_posix_kill_command(job["pid_file"]), check=False)
 
     def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
         """Parse metrics from the job's log, push outputs and metrics, log the one-line summary."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk.exceptions import AirflowException
-from airflow.sdk import DAG, Param, TriggerRule, task
+from airflow.sdk import DAG, BaseOperator, Param, TriggerRule
 
 from airflow_tpu_posttrain.operators.maxtext import (
     GrpoTrainOperator,
@@ -29,10 +29,22 @@ from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreat
 RECIPES = ("sft", "rl")
 TPU_ACCELERATORS = ["v6e-1", "v6e-4", "v6e-8"]
 PROVISIONING_MODELS = ["RESERVATION_BOUND", "STANDARD", "SPOT", "FLEX_START"]
-ZONE_PATTERN = r"^[a-z]+-[a-z]+[0-9]+-[a-z]$"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-OVERRIDE_PATTERN = r"^[a-z_][a-z0-9_]*=[A-Za-z0-9_.,:/+@=' \[\]-]*$"
+# Param patterns are checked with re.search (and by the UI in JavaScript), where "$" also matches before a final
+# newline: END matches only at the very end, in both.
+END = r"(?![\s\S])"
+ZONE_PATTERN = r"^[a-z]+-[a-z]+[0-9]+-[a-z]" + END
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*" + END
+OVERRIDE_PATTERN = r"^[a-z_][a-z0-9_]*=[A-Za-z0-9_.,:/+@=' \[\]-]*" + END
 POOL = "tpu_vms"
+
+
+class FailRunOperator(BaseOperator):
+    """The watcher: teardowns do not count toward a run's state, so this fails the run when a step failed."""
+
+    ui_color = "#f7d5d5"
+
+    def execute(self, context: Any) -> None:
+        raise AirflowException("A post-training step failed (see the failed task's log); the VM is deleted by the teardown.")
 
 
 @dataclass(frozen=True)
@@ -98,15 +110,15 @@ class PipelineConfig:
         return f"posttrain_{self.recipe}__{self.model}"
 
 
-def local_settings(local_dir: str, python312: str) -> dict[str, str]:
-    """Where the local CPU "VM" keeps things: the MaxText venv, the tiny model, the runs, the jobs."""
+def local_settings(local_dir: str, vm_dir: str, python312: str) -> dict[str, str]:
+    """Where the local CPU "VM" keeps things: its image (MaxText venv, tiny model) and its disk (runs, jobs)."""
     return {
         "runtime": "cpu",
         "maxtext_venv": f"{local_dir}/maxtext-venv",
         "base_python": python312,
         "model_source_dir": f"{local_dir}/tiny",
-        "workdir": f"{local_dir}/vm/work",
-        "root_dir": f"{local_dir}/vm/runs",
+        "workdir": f"{vm_dir}/work",
+        "root_dir": f"{vm_dir}/runs",
     }
 
 
@@ -123,26 +135,26 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
                                     title="Provisioning model",
                                     description="RESERVATION_BOUND needs a reservation; SPOT can be preempted; "
                                     "FLEX_START waits up to 2 h for capacity."),
-        "reservation": Param(cfg.reservation, type=["null", "string"], pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$",
+        "reservation": Param(cfg.reservation, type=["null", "string"], pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?" + END,
                              title="Reservation", description="Name of the specific reservation (RESERVATION_BOUND only)."),
-        "maxtext_version": Param(cfg.maxtext_version, type=["null", "string"], pattern=r"^\d+\.\d+\.\d+$",
+        "maxtext_version": Param(cfg.maxtext_version, type=["null", "string"], pattern=r"^\d+\.\d+\.\d+" + END,
                                  title="MaxText version", description="Empty: the model's (tutorials: 0.2.2 SFT, 0.2.3 RL)."),
         "hub_repo_id": Param(cfg.hub_repo_id, type=["null", "string"],
-                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*" + END,
                              title="Hub repo", description="owner/name; the model goes to branch run-<run name> (private)."),
         "storage_uri": Param(cfg.storage_uri, type=["null", "string"],
-                             pattern=r"^(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*$",
+                             pattern=r"^(?!.*\.\.)(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*" + END,
                              title="Storage URI", description="gs://bucket/prefix or a directory; one folder per run."),
         "overrides": Param(list(cfg.overrides), type="array", items={"type": "string", "pattern": OVERRIDE_PATTERN},
                            title="MaxText overrides", description="Extra key=value pairs for the trainer."),
     }
     if cfg.recipe == "sft":
         params |= {
-            "dataset": Param(cfg.dataset or "", type="string", pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$",
+            "dataset": Param(cfg.dataset or "", type="string", pattern=r"^(?![\s\S])|^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?" + END,
                              title="Dataset", description="Hub dataset id (empty: the model's default)."),
-            "train_split": Param(cfg.train_split or "", type="string", pattern=r"^$|" + NAME_PATTERN, title="Split"),
+            "train_split": Param(cfg.train_split or "", type="string", pattern=r"^(?![\s\S])|" + NAME_PATTERN, title="Split"),
             "train_data_columns": Param(cfg.train_data_columns or "", type="string",
-                                        pattern=r"^$|^\[('[A-Za-z0-9_]+'(, ?)?)+\]$", title="Columns",
+                                        pattern=r"^(?![\s\S])|^\[('[A-Za-z0-9_]+'(, ?)?)+\]" + END, title="Columns",
                                         description="e.g. ['messages']"),
             "steps": Param(cfg.steps, type=["null", "integer"], minimum=1, maximum=1_000_000, title="Steps",
                            description="Empty: the model's (tutorial: 1000)."),
@@ -265,13 +277,15 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             poll_interval=2 if cfg.local else 10,
         )
 
-        @task(task_id="fail_run_if_a_step_failed", trigger_rule=TriggerRule.ONE_FAILED, retries=0)
-        def watcher() -> None:
-            raise AirflowException("A post-training step failed; the VM was deleted by the teardown.")
+        watcher = FailRunOperator(
+            task_id="fail_run_if_a_step_failed",
+            trigger_rule=TriggerRule.ONE_FAILED,
+            retries=0,
+            execution_timeout=timedelta(minutes=5),
+        )
 
-        body = [install, convert, train, export]
         create >> install >> convert >> train >> export >> delete.as_teardown(setups=create)
-        body >> watcher()
+        [install, convert, train, export] >> watcher
     return dag
 
 
@@ -283,7 +297,7 @@ def _start_date():
 
 def load_registry(path: str | Path) -> list[PipelineConfig]:
     """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``; ``local: true`` entries only when
-    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run)."""
+    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run; ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk)."""
     import yaml
 
     data = yaml.safe_load(Path(path).read_text())
@@ -296,8 +310,9 @@ def load_registry(path: str | Path) -> list[PipelineConfig]:
         if is_local:
             if not local_dir:
                 continue
+            vm_dir = os.environ.get("TPU_POSTTRAIN_VM_DIR", f"{local_dir}/vm")
             merged.update(
-                local=local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
+                local=local_settings(local_dir, vm_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
                 timeouts=LOCAL_TIMEOUTS,
             )
         for key in ("zones", "overrides", "tags"):

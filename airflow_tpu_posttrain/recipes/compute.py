@@ -85,7 +85,7 @@ class TpuVmSpec:
     metadata: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.project_id or not re.match(r"^[a-z][a-z0-9-]{4,61}[a-z0-9]$", self.project_id):
+        if not self.project_id or not re.fullmatch(r"[a-z][a-z0-9-]{4,61}[a-z0-9]", self.project_id):
             raise SpecError("project_id", self.project_id, "is not a Google Cloud project id", "use e.g. 'my-project'")
         if not self.zones:
             raise SpecError("zones", self.zones, "is empty", "list at least one zone, e.g. ['us-east5-b']")

@@ -28,7 +28,7 @@ EnvValue = str | ShellExpansion
 
 
 def export_line(name: str, value: EnvValue) -> str:
-    if not _ENV_NAME.match(name):
+    if not _ENV_NAME.fullmatch(name):
         raise SpecError("env", name, "is not an environment variable name", "use A-Z, 0-9 and '_'")
     rendered = value.render() if isinstance(value, ShellExpansion) else shlex.quote(value)
     return f"export {name}={rendered}"

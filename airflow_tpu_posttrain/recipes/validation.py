@@ -46,7 +46,7 @@ def safe_name(field: str, value: str, max_len: int = 128) -> str:
     _no_shell_meta(field, value)
     if ".." in value or "/" in value:
         raise SpecError(field, value, "is a path, not a name", "use a plain name without '/' or '..'")
-    if len(value) > max_len or not _SAFE_NAME.match(value):
+    if len(value) > max_len or not _SAFE_NAME.fullmatch(value):
         raise SpecError(
             field, value, f"is not a plain name (max {max_len} chars)", "use letters, digits, '.', '_' and '-' only"
         )
@@ -60,7 +60,7 @@ def _path_segments(field: str, value: str) -> list[str]:
     for segment in segments:
         if segment in (".", ".."):
             raise SpecError(field, value, "contains '.' or '..'", "give a normalised path without '..'")
-        if len(segment) > 255 or not _SAFE_SEGMENT.match(segment):
+        if len(segment) > 255 or not _SAFE_SEGMENT.fullmatch(segment):
             raise SpecError(field, value, f"has an invalid segment {segment!r}", "use letters, digits, '.', '_', '-'")
     return segments
 
@@ -94,7 +94,7 @@ def hf_repo_id(field: str, value: str) -> str:
 def storage_uri(field: str, value: str) -> str:
     """Where a model is kept: 'gs://bucket/prefix', 'file:///abs/dir' or an absolute local directory."""
     if isinstance(value, str) and value.startswith("gs://"):
-        if not _GCS_URI.match(value) or ".." in value:
+        if not _GCS_URI.fullmatch(value) or ".." in value:
             raise SpecError(field, value, "is not a valid gs:// URI", "use gs://<bucket>/<prefix>")
         return value.rstrip("/")
     if isinstance(value, str) and value.startswith("file://"):
@@ -103,13 +103,13 @@ def storage_uri(field: str, value: str) -> str:
 
 
 def zone(field: str, value: str) -> str:
-    if not isinstance(value, str) or not _ZONE.match(value):
+    if not isinstance(value, str) or not _ZONE.fullmatch(value):
         raise SpecError(field, value, "is not a Compute Engine zone", "use a zone such as 'us-east5-b'")
     return value
 
 
 def gce_name(field: str, value: str) -> str:
-    if not isinstance(value, str) or not _GCE_NAME.match(value):
+    if not isinstance(value, str) or not _GCE_NAME.fullmatch(value):
         raise SpecError(
             field,
             value,
@@ -125,11 +125,11 @@ def labels(field: str, value: dict[str, str]) -> dict[str, str]:
     if len(value) > 64:
         raise SpecError(field, len(value), "has more than 64 labels", "drop some labels")
     for key, val in value.items():
-        if not isinstance(key, str) or not _LABEL_KEY.match(key):
+        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
             raise SpecError(
                 f"{field}.{key}", key, "is not a valid label key", "use lowercase letters, digits, '_' and '-'"
             )
-        if not isinstance(val, str) or not _LABEL_VALUE.match(val):
+        if not isinstance(val, str) or not _LABEL_VALUE.fullmatch(val):
             raise SpecError(
                 f"{field}.{key}", val, "is not a valid label value", "use <=63 lowercase letters, digits, '_', '-'"
             )
@@ -145,12 +145,12 @@ def override_pairs(field: str, pairs: Sequence[str], reserved: frozenset[str] = 
         if not isinstance(pair, str) or "=" not in pair:
             raise SpecError(where, pair, "is not a 'key=value' pair", "write it as key=value")
         key, val = pair.split("=", 1)
-        if not _OVERRIDE_KEY.match(key):
+        if not _OVERRIDE_KEY.fullmatch(key):
             raise SpecError(where, pair, f"has an invalid key {key!r}", "use a MaxText config key (lowercase, '_')")
         if key in reserved:
             raise SpecError(where, pair, f"overrides {key!r}, which the pipeline sets", f"use the {key} parameter")
         _no_shell_meta(where, val)
-        if not _OVERRIDE_VALUE.match(val) or ".." in val:
+        if not _OVERRIDE_VALUE.fullmatch(val) or ".." in val:
             raise SpecError(
                 where, pair, "has characters a MaxText value does not need", "use letters, digits and . , : / + - [ ] '"
             )

@@ -1,0 +1,428 @@
+"""The post-training DAGs as the DAG processor sees them: loading, shape, setup/teardown, timeouts, Params.
+
+No servers and no metadata DB: the DAG file is parsed with a DagBag (``TPU_POSTTRAIN_LOCAL_DIR`` set, so the
+local CPU DAGs appear too) and everything is checked on the parsed objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DAGS_DIR = REPO / "dags"
+DAG_FILE = DAGS_DIR / "posttrain_dags.py"
+
+SFT_GEMMA = "posttrain_sft__gemma3-4b"
+RL_LLAMA = "posttrain_rl__llama3.1-8b-Instruct"
+SFT_TINY = "posttrain_sft__tiny-llama"
+RL_TINY = "posttrain_rl__tiny-llama"
+CLOUD_DAGS = (SFT_GEMMA, RL_LLAMA)
+LOCAL_DAGS = (SFT_TINY, RL_TINY)
+ALL_DAGS = CLOUD_DAGS + LOCAL_DAGS
+
+CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
+BODY = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+POOL = "tpu_vms"
+
+# Modules that must never be imported while the DAG file is parsed (the DAG processor re-parses it often).
+HEAVY_MODULES = ("google.cloud.compute_v1", "jax", "huggingface_hub", "googleapiclient")
+
+
+@pytest.fixture(scope="module")
+def dagbag(tmp_path_factory):
+    from airflow.dag_processing.dagbag import DagBag
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPU_POSTTRAIN_LOCAL_DIR", str(tmp_path_factory.mktemp("local")))
+        mp.delenv("TPU_POSTTRAIN_VM_DIR", raising=False)
+        bag = DagBag(dag_folder=str(DAGS_DIR))
+    return bag
+
+
+@pytest.fixture(scope="module")
+def dags(dagbag):
+    # bag.dags, not bag.get_dag(): get_dag() looks the DAG up in the metadata DB first.
+    return dagbag.dags
+
+
+def _task_ids(tasks) -> set[str]:
+    return {t.task_id for t in tasks}
+
+
+# -- loading -------------------------------------------------------------------------------------------------
+
+
+def test_all_dags_load_without_import_errors(dagbag):
+    assert not dagbag.import_errors, dagbag.import_errors
+    assert set(dagbag.dags) == set(ALL_DAGS)
+
+
+def test_local_dags_only_with_local_dir(monkeypatch):
+    from airflow_tpu_posttrain.pipelines.posttrain import load_registry
+
+    monkeypatch.delenv("TPU_POSTTRAIN_LOCAL_DIR", raising=False)
+    assert {c.dag_id for c in load_registry(DAGS_DIR / "models.yaml")} == set(CLOUD_DAGS)
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_tags_and_doc(dags, dag_id):
+    dag = dags[dag_id]
+    recipe, model = dag_id.removeprefix("posttrain_").split("__")
+    assert {"tpu", "maxtext", recipe, model} <= set(dag.tags)
+    assert ("local" in dag.tags) == (dag_id in LOCAL_DAGS)
+    assert dag.doc_md and model in dag.doc_md and "delete VM" in dag.doc_md
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_serializes_like_the_dag_processor(dags, dag_id):
+    """What the API server and the scheduler get: the serialized DAG keeps the tasks and the Params' schemas."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    dag = dags[dag_id]
+    restored = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+    assert set(restored.task_ids) == set(dag.task_ids)
+    assert restored.get_task(CREATE).is_setup and restored.get_task(DELETE).is_teardown
+    for key in dag.params:
+        assert restored.params.get_param(key).schema == dag.params.get_param(key).schema, key
+
+
+# -- structure -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_setup_teardown_pair(dags, dag_id):
+    dag = dags[dag_id]
+    create, delete = dag.get_task(CREATE), dag.get_task(DELETE)
+    assert create.is_setup and not create.is_teardown
+    assert delete.is_teardown and not delete.is_setup
+    # The pairing: the teardown's setup is the create task.
+    assert [t.task_id for t in delete.upstream_list if t.is_setup] == [CREATE]
+    assert delete.trigger_rule == "all_done_setup_success"
+    # Only one setup and one teardown in the DAG.
+    assert [t.task_id for t in dag.tasks if t.is_setup] == [CREATE]
+    assert [t.task_id for t in dag.tasks if t.is_teardown] == [DELETE]
+    # Every body task is in the setup's scope: downstream of create, upstream of delete.
+    for task_id in BODY:
+        assert task_id in create.get_flat_relative_ids(upstream=False)
+        assert task_id in delete.get_flat_relative_ids(upstream=True)
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_body_chain(dags, dag_id):
+    dag = dags[dag_id]
+    chain = (CREATE, *BODY, DELETE)
+    for up, down in zip(chain, chain[1:]):
+        assert up in dag.get_task(down).upstream_task_ids, f"{up} >> {down} is missing"
+    assert dag.get_task(CREATE).upstream_task_ids == set()
+    assert dag.get_task(BODY[0]).upstream_task_ids == {CREATE}
+    assert set(dag.task_ids) == {*chain, WATCHER}
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_watcher_fails_the_run_when_a_body_step_fails(dags, dag_id):
+    dag = dags[dag_id]
+    watcher = dag.get_task(WATCHER)
+    assert watcher.trigger_rule == "one_failed"
+    assert watcher.retries == 0
+    assert set(BODY) <= watcher.upstream_task_ids
+    assert watcher.downstream_task_ids == set()
+    # Teardowns do not count toward the run's state: the watcher must not wait for (or depend on) the teardown,
+    assert DELETE not in watcher.get_flat_relative_ids(upstream=True)
+    # and a non-ALL_SUCCESS task may not follow a setup directly.
+    assert CREATE not in watcher.upstream_task_ids
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_retries_and_pools(dags, dag_id):
+    dag = dags[dag_id]
+    for task_id in (CREATE, *BODY):
+        task = dag.get_task(task_id)
+        assert task.retries > 0, task_id
+        assert task.pool == POOL, task_id
+    # The teardown retries at least as often, and never queues for a slot behind other runs' VM work.
+    delete = dag.get_task(DELETE)
+    assert delete.retries >= 3
+    assert delete.pool != POOL
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_execution_timeout_on_every_step(dags, dag_id):
+    dag = dags[dag_id]
+    for task_id in (CREATE, *BODY, DELETE):
+        timeout = dag.get_task(task_id).execution_timeout
+        assert isinstance(timeout, timedelta) and timeout > timedelta(0), task_id
+
+
+@pytest.mark.parametrize("dag_id", [SFT_GEMMA])
+def test_execution_timeout_on_every_task(dags, dag_id):
+    missing = [t.task_id for t in dags[dag_id].tasks if not t.execution_timeout]
+    assert not missing, f"tasks without execution_timeout: {missing}"
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_dagrun_timeout_and_cloud_backstop(dags, dag_id):
+    dag = dags[dag_id]
+    steps = sum((dag.get_task(t).execution_timeout for t in (CREATE, *BODY, DELETE)), timedelta(0))
+    assert dag.dagrun_timeout == steps
+    # The VM's cloud-side deadline (maxRunDuration, action DELETE) outlives the run: teardown normally wins.
+    max_run_duration = dag.get_task(CREATE).max_run_duration
+    assert max_run_duration > dag.dagrun_timeout
+
+
+def test_cloud_timeouts_cover_the_tutorials(dags):
+    dag = dags[SFT_GEMMA]
+    assert dag.get_task("train").execution_timeout >= timedelta(hours=8)
+    assert dag.dagrun_timeout == timedelta(hours=12, minutes=15)
+    assert dag.get_task(CREATE).max_run_duration == timedelta(hours=12, minutes=45)
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_schedule_catchup_and_concurrency(dags, dag_id):
+    dag = dags[dag_id]
+    if dag_id in CLOUD_DAGS:
+        assert dag.schedule == "@weekly"
+        assert dag.timetable.expression == "0 0 * * 0"
+        assert dag.start_date is not None
+    else:
+        assert dag.schedule is None
+    assert dag.catchup is False
+    assert dag.max_active_runs == 1
+
+
+# -- bad input fails without retries (AirflowFailException) ------------------------------------------------
+
+
+def _context(dag):
+    dag_run = SimpleNamespace(dag_id=dag.dag_id, run_id="manual__2026-01-01T00:00:00+00:00", logical_date=None)
+    return {"dag": dag, "dag_run": dag_run, "run_id": dag_run.run_id, "ti": SimpleNamespace(try_number=1)}
+
+
+def test_create_fails_without_retry_on_bad_zone(dags):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    dag = dags[SFT_TINY]  # has a project_id, so no Google hook is built
+    create = copy.copy(dag.get_task(CREATE))
+    create.zones, create.accelerator_type = ["us-east5-b; rm -rf /"], "cpu"
+    create.provisioning_model, create.reservation = "STANDARD", None
+    with pytest.raises(AirflowFailException, match="zone"):
+        create._spec(_context(dag))
+
+
+def test_train_fails_without_retry_on_bad_override(dags):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    dag = dags[SFT_GEMMA]
+    train = copy.copy(dag.get_task("train"))
+    # What the templates would render to, with one bad override.
+    train.accelerator_type, train.model, train.steps = "v6e-8", "gemma3-4b", None
+    train.dataset = train.train_split = train.train_data_columns = ""
+    train.overrides = ["learning_rate=1e-5", "steps=1 && id"]
+    with pytest.raises(AirflowFailException, match="overrides"):
+        train.execute(_context(dag))  # fails before any SSH connection is attempted
+
+
+# -- Params --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_every_param_is_documented_and_defaults_validate(dags, dag_id):
+    params = dags[dag_id].params
+    for key, param in params.items():
+        assert param.schema.get("title") or param.description, f"param {key} has neither title nor description"
+    copy.deepcopy(params).validate()
+
+
+def test_sft_defaults_reproduce_the_tutorial(dags):
+    from airflow_tpu_posttrain.recipes.models import model_profile
+
+    params = dags[SFT_GEMMA].params.validate()
+    assert params["model"] == "gemma3-4b"
+    assert params["accelerator_type"] == "v6e-8"
+    assert params["provisioning_model"] == "RESERVATION_BOUND"
+    assert params["zones"] == ["us-east5-b"]
+    assert params["reservation"] == "my-v6e-reservation"
+    assert params["hub_repo_id"] == "my-org/gemma3-4b-ultrachat-sft"
+    assert params["overrides"] == []
+    # Empty means "the model's": steps 1000, UltraChat 200k's train_sft split, MaxText 0.2.2.
+    assert params["steps"] is None and params["maxtext_version"] is None
+    assert params["dataset"] == params["train_split"] == params["train_data_columns"] == ""
+    profile = model_profile("gemma3-4b")
+    assert profile.sft_steps == 1000
+    assert profile.maxtext_version == "0.2.2"
+    assert profile.sft_dataset.hf_path == "HuggingFaceH4/ultrachat_200k"
+    assert profile.sft_dataset.train_split == "train_sft"
+
+
+def test_rl_defaults_reproduce_the_tutorial(dags):
+    from airflow_tpu_posttrain.recipes.models import model_profile
+
+    params = dags[RL_LLAMA].params.validate()
+    assert params["model"] == "llama3.1-8b-Instruct"
+    assert params["accelerator_type"] == "v6e-8"
+    assert params["provisioning_model"] == "RESERVATION_BOUND"
+    assert params["num_batches"] is None and params["num_test_batches"] is None
+    assert "steps" not in params and "dataset" not in params
+    profile = model_profile("llama3.1-8b-Instruct")
+    assert (profile.rl_num_batches, profile.rl_num_test_batches, profile.maxtext_version) == (50, 10, "0.2.3")
+
+
+def test_local_defaults(dags):
+    params = dags[SFT_TINY].params.validate()
+    assert params["accelerator_type"] == "cpu"
+    assert params["zones"] == ["local-cpu1-a", "local-cpu1-b"]
+    assert params["provisioning_model"] == "STANDARD"
+    assert params["reservation"] is None
+    assert dags[SFT_TINY].params.get_param("accelerator_type").schema["enum"] == ["cpu"]
+    assert "cpu" not in dags[SFT_GEMMA].params.get_param("accelerator_type").schema["enum"]
+
+
+def _validate_with(dag, key, value):
+    """Validate the DAG's Params with one value replaced, as a trigger does (on a copy)."""
+    params = copy.deepcopy(dag.params)
+    params.get_param(key).value = value
+    return params.validate()
+
+
+BAD_VALUES = [
+    ("zones", ["us-east5-b; rm -rf /"]),
+    ("zones", []),
+    ("overrides", ["steps=1 && id"]),
+    ("overrides", ["x=1; rm -rf /"]),
+    ("dataset", "../x"),
+    ("hub_repo_id", "a/b$(id)"),
+    ("steps", 0),
+    ("steps", "3"),
+    ("accelerator_type", "v9-8"),
+    ("provisioning_model", "ON_DEMAND"),
+    ("maxtext_version", "0.2.3; id"),
+    ("storage_uri", "gs://b/$(id)"),
+    ("train_split", "train\nrm -rf /"),
+    ("train_data_columns", "['messages']; id"),
+    ("reservation", "Res;id"),
+    ("model", "llama3.1-8b-Instruct"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v in BAD_VALUES])
+def test_params_reject_bad_values(dags, key, value):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = dags[SFT_GEMMA]
+    with pytest.raises(ParamValidationError) as err:
+        _validate_with(dag, key, value)
+    assert f"Invalid input for param {key}:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("num_batches", 0), ("num_test_batches", -1), ("overrides", ["a=$(id)"]), ("accelerator_type", "cpu")],
+)
+def test_rl_params_reject_bad_values(dags, key, value):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match=f"Invalid input for param {key}:"):
+        _validate_with(dags[RL_LLAMA], key, value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("steps", 3),
+        ("overrides", ["learning_rate=1e-5", "per_device_batch_size=2", "dtype='bfloat16'"]),
+        ("zones", ["us-east5-b", "us-central1-a"]),
+        ("dataset", "HuggingFaceH4/ultrachat_200k"),
+        ("storage_uri", "gs://my-bucket/models"),
+        ("maxtext_version", "0.2.3"),
+        ("provisioning_model", "FLEX_START"),
+    ],
+)
+def test_params_accept_good_values(dags, key, value):
+    assert _validate_with(dags[SFT_GEMMA], key, value)[key] == value
+
+
+# Python's `$` also matches before a trailing newline, and jsonschema's `pattern` uses re.search: a value
+# that ends in "\n" passes every `^...$` pattern of the Params (the trigger form, REST `conf`). The operators'
+# own validation still rejects "\n", so the run fails at its first task instead of at trigger time.
+TRAILING_NEWLINE = [
+    ("train_split", "train_sft\n"),
+    ("zones", ["us-east5-b\n"]),
+    ("maxtext_version", "0.2.3\n"),
+    ("hub_repo_id", "a/b\n"),
+    ("overrides", ["learning_rate=1e-5\n"]),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), TRAILING_NEWLINE, ids=[k for k, _ in TRAILING_NEWLINE])
+def test_params_reject_trailing_newline(dags, key, value):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match=f"Invalid input for param {key}:"):
+        _validate_with(dags[SFT_GEMMA], key, value)
+
+
+@pytest.mark.parametrize("value", ["/../../etc", "gs://bucket/../other"])
+def test_params_reject_storage_uri_traversal(dags, value):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match="Invalid input for param storage_uri:"):
+        _validate_with(dags[SFT_GEMMA], "storage_uri", value)
+
+
+# -- parse cost ----------------------------------------------------------------------------------------------
+
+_PARSE_PROBE = textwrap.dedent(
+    """
+    import importlib.util, json, sys, time
+    t0 = time.perf_counter()
+    import airflow
+    t1 = time.perf_counter()
+    spec = importlib.util.spec_from_file_location("posttrain_dags", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    t2 = time.perf_counter()
+    print(json.dumps({
+        "import_airflow_s": round(t1 - t0, 2),
+        "parse_dag_file_s": round(t2 - t1, 2),
+        "dag_ids": sorted(k for k, v in vars(module).items() if type(v).__name__ == "DAG"),
+        "modules": sorted(m for m in sys.modules if m.split(".")[0] in
+                          ("google", "jax", "huggingface_hub", "googleapiclient", "paramiko", "asyncssh")),
+    }))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def parse_probe(tmp_path_factory):
+    """Parse the DAG file in a fresh interpreter (after ``import airflow``), as the DAG processor does."""
+    env = {**os.environ, "TPU_POSTTRAIN_LOCAL_DIR": str(tmp_path_factory.mktemp("probe"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARSE_PROBE, str(DAG_FILE)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Timings belong in bench/; they are only reported here (pytest -s).
+    print(f"\nparse cost: import airflow {result['import_airflow_s']} s, DAG file {result['parse_dag_file_s']} s")
+    return result
+
+
+def test_parsing_imports_no_heavy_cloud_client(parse_probe):
+    assert parse_probe["dag_ids"] == sorted(ALL_DAGS)
+    heavy = sorted(m for m in parse_probe["modules"] if any(m == h or m.startswith(h + ".") for h in HEAVY_MODULES))
+    assert not heavy, f"parsing the DAG file imports heavy clients: {heavy}"
+
+
+def test_parsing_imports_no_ssh_library(parse_probe):
+    """providers-ssh's operator/trigger modules import paramiko and asyncssh at their top: the operators must
+    only import them when they run."""
+    ssh = sorted({m.split(".")[0] for m in parse_probe["modules"]} & {"paramiko", "asyncssh"})
+    assert not ssh, f"parsing the DAG file imports {ssh}"
