@@ -34,6 +34,7 @@ def get_provider_info() -> dict:
                 ],
             }
         ],
+        "extra-links": ["airflow_tpu_posttrain.operators.maxtext.PublishedModelLink"],
         "triggers": [
             {
                 "integration-name": "TPU post-training",

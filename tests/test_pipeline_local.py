@@ -76,6 +76,8 @@ def test_tiny_sft_end_to_end(stack, capfd):
     published = xcom(dr, "export_and_publish")
     hub = published["hub"]
     assert hub["repo_id"] == "local/tiny-llama-sft" and hub["revision"].startswith("run-posttrain-sft-tiny-llama")
+    [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
+    assert export_ti.xcom_pull(task_ids="export_and_publish", key="_link_PublishedModelLink") == hub["url"]
     storage = Path(published["storage_uri"].removeprefix("file://"))
     assert (storage / "model.safetensors").is_file()
     print(loads_and_generates(storage))

@@ -25,7 +25,7 @@ from datetime import timedelta
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, validation
@@ -54,6 +54,17 @@ class Job:
         self.done_marker = done_marker
         self.outputs = outputs
         self.token = token  # "env": exported as HF_TOKEN; "file": HF_TOKEN_FILE names it; None: not needed
+
+
+class PublishedModelLink(BaseOperatorLink):
+    """The task's button to the published model (its Hub branch, else its storage copy)."""
+
+    name = "Published model"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: Any) -> str:
+        from airflow.providers.common.compat.sdk import XCom
+
+        return XCom.get_value(key=self.xcom_key, ti_key=ti_key) or ""
 
 
 class MaxTextJobOperator(BaseOperator):
@@ -319,11 +330,11 @@ class MaxTextJobOperator(BaseOperator):
         log = vm.run(f"grep -aE {shlex.quote(_METRIC_LINES)} {shlex.quote(paths.log_file)} || true")
         metrics = parse_lines(log.splitlines())
         result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
-        result.update(self.results(vm, job))
+        result.update(self.results(context, vm, job))
         self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
         return result
 
-    def results(self, vm: VmHook, job: Job) -> dict:
+    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
         """Step-specific results read back from the VM."""
         return {}
 
@@ -497,7 +508,7 @@ class HfExportOperator(MaxTextJobOperator):
     template_fields: Sequence[str] = (
         *MaxTextJobOperator.template_fields, "trained_checkpoint", "hub_repo_id", "storage_uri",
     )
-    operator_extra_links = ()
+    operator_extra_links = (PublishedModelLink(),)
     step_title = "Export"
 
     def __init__(
@@ -576,7 +587,7 @@ class HfExportOperator(MaxTextJobOperator):
         script = resources.files("airflow_tpu_posttrain.vm_scripts") / "publish_model.py"
         vm.put_bytes(self._publish_script_path(), script.read_bytes(), 0o644)
 
-    def results(self, vm: VmHook, job: Job) -> dict:
+    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
         text = vm.get_text(job.outputs["result_file"])
         if text is None:
             raise AirflowFailException(
@@ -588,4 +599,7 @@ class HfExportOperator(MaxTextJobOperator):
             self.log.info("Published to the Hub: %s (revision %s, commit %s)", hub["url"], hub["revision"], hub["commit_sha"])
         if published.get("storage_uri"):
             self.log.info("Copied to %s", published["storage_uri"])
+        link = hub["url"] if hub else published.get("storage_uri")
+        if link:
+            context["ti"].xcom_push(key=PublishedModelLink().xcom_key, value=link)
         return published
