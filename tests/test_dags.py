@@ -64,7 +64,14 @@ def _task_ids(tasks) -> set[str]:
 
 def test_all_dags_load_without_import_errors(dagbag):
     assert not dagbag.import_errors, dagbag.import_errors
-    assert set(dagbag.dags) == set(ALL_DAGS)
+    assert set(dagbag.dags) == {*ALL_DAGS, "tpu_vm_reaper"}
+
+
+def test_reaper_sweeps_every_zone_the_pipelines_use(dagbag):
+    reaper = dagbag.dags["tpu_vm_reaper"]
+    sweeps = {(t.gcp_conn_id, tuple(t.zones)) for t in reaper.tasks}
+    assert sweeps == {("google_cloud_default", ("us-east5-b",)), ("local_compute", ("local-cpu1-a", "local-cpu1-b"))}
+    assert reaper.schedule == timedelta(minutes=10) and reaper.catchup is False
 
 
 def test_local_dags_only_with_local_dir(monkeypatch):

@@ -98,7 +98,9 @@ class TpuVmHook(GoogleBaseHook):
             return None
 
     def list_instances(self, project: str, zone: str, label_filter: str) -> list[dict]:
-        pages = self.instances.list(project=project, zone=zone, filter=label_filter, retry=self.retry)
+        pages = self.instances.list(
+            request={"project": project, "zone": zone, "filter": label_filter}, retry=self.retry
+        )
         return [_message_to_dict(instance) for instance in pages]
 
     def insert_instance(self, project: str, zone: str, body: dict, request_id: str) -> str | None:
