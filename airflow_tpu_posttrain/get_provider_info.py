@@ -40,6 +40,7 @@ def get_provider_info() -> dict:
                 "integration-name": "TPU post-training",
                 "python-modules": [
                     "airflow_tpu_posttrain.triggers.compute",
+                    "airflow_tpu_posttrain.triggers.remote_job",
                 ],
             }
         ],

@@ -265,8 +265,8 @@ class MaxTextJobOperator(BaseOperator):
         return state, size
 
     def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
-        """Defer to providers-ssh's trigger; before the first deferral, record the job for ``on_kill``."""
-        from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
+        """Defer to the remote-job trigger; before the first deferral, record the job for ``on_kill``."""
+        from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
 
         if first:
             context["ti"].xcom_push(
@@ -274,7 +274,7 @@ class MaxTextJobOperator(BaseOperator):
                 value={"job_id": paths.job_id, "log_file": paths.log_file, "pid_file": paths.pid_file},
             )
         self.defer(
-            trigger=SSHRemoteJobTrigger(
+            trigger=MaxTextJobTrigger(
                 ssh_conn_id=self.ssh_conn_id,
                 remote_host=self.remote_host,
                 job_id=paths.job_id,
@@ -301,7 +301,14 @@ class MaxTextJobOperator(BaseOperator):
         paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
         if not event.get("done"):
             return self._watch(context, paths, log_offset=event.get("log_offset", 0))
+        from airflow_tpu_posttrain.triggers.remote_job import JOB_DIED
+
         exit_code = event.get("exit_code")
+        if exit_code == JOB_DIED:
+            raise AirflowException(
+                f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
+                f"a retry resumes from the newest checkpoint (log: {paths.log_file})"
+            )
         if exit_code is None:
             raise AirflowException(f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}")
         if exit_code != 0:

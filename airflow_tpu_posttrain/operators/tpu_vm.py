@@ -26,9 +26,11 @@ BACKSTOP_MARGIN = timedelta(minutes=30)
 _REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 
 
-def _request_id(*parts: object) -> str:
-    """A deterministic requestId: the same call from the same try is recognised by Compute as a repeat."""
-    return str(uuid.uuid5(_REQUEST_NAMESPACE, "/".join(str(p) for p in parts)))
+def _request_id(context: Context, *parts: object) -> str:
+    """A requestId stable within one try of one task instance (the same call repeated by the client's retries,
+    or after a deferral, is recognised by Compute as a repeat) and new for every try and every re-run: the task
+    instance's id changes with each try, so a re-run never replays an earlier run's finished operations."""
+    return str(uuid.uuid5(_REQUEST_NAMESPACE, "/".join(str(p) for p in (context["ti"].id, *parts))))
 
 
 def _as_list(value: Sequence[str] | str | None) -> list[str]:
@@ -254,7 +256,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 self._defer_on([], {"name": name, "zone": zone}, phase="wait", zone_index=spec.zones.index(zone))
             self.log.info("Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status)
             operation = self.hook.delete_instance(
-                spec.project_id, zone, name, _request_id(name, zone, "replace", context["ti"].try_number)
+                spec.project_id, zone, name, _request_id(context, name, zone, "replace")
             )
             if operation:
                 self._defer_on([{"name": operation, "zone": zone}], None, phase="replace", zone_index=0)
@@ -278,13 +280,12 @@ class TpuVmCreateOperator(_ComputeOperator):
                 "behind. Add zones, use a reservation or FLEX_START, or let the task retry later."
             )
         zone = spec.zones[zone_index]
-        try_number = context["ti"].try_number
         operations = []
         if spec.iap_firewall:
             firewall_op = self.hook.insert_firewall(
                 spec.project_id,
                 compute.iap_firewall_body(spec, name),
-                _request_id(name, "firewall", try_number),
+                _request_id(context, name, "firewall"),
             )
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
@@ -298,7 +299,8 @@ class TpuVmCreateOperator(_ComputeOperator):
         body = compute.instance_body(spec, name, zone, labels, metadata)
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
-        operation = self.hook.insert_instance(spec.project_id, zone, body, _request_id(name, zone, try_number, "replacement" if replaced else "insert"))
+        request_id = _request_id(context, name, zone, "replacement" if replaced else "insert")
+        operation = self.hook.insert_instance(spec.project_id, zone, body, request_id)
         if operation:
             operations.append({"name": operation, "zone": zone})
         else:
@@ -342,7 +344,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             leftover = self.hook.get_instance(spec.project_id, zone, name)
             if leftover:
                 operation = self.hook.delete_instance(
-                    spec.project_id, zone, name, _request_id(name, zone, "stockout", context["ti"].try_number)
+                    spec.project_id, zone, name, _request_id(context, name, zone, "stockout")
                 )
                 if operation:
                     self._defer_on(
@@ -369,7 +371,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         if self.hook.get_instance(spec.project_id, zone, name) is None:
             return
         self.log.warning("Deleting %s in %s: the create failed and the instance must not outlive it", name, zone)
-        self.hook.delete_instance(spec.project_id, zone, name, _request_id(name, zone, "on-error", context["ti"].try_number))
+        self.hook.delete_instance(spec.project_id, zone, name, _request_id(context, name, zone, "on-error"))
 
 
 class TpuDeleteOperator(_ComputeOperator):
@@ -418,16 +420,15 @@ class TpuDeleteOperator(_ComputeOperator):
 
     def execute(self, context: Context) -> Any:
         name, zones, firewall = self._target(context)
-        try_number = context["ti"].try_number
         operations, zone_found = [], None
         for zone in zones:
-            operation = self.hook.delete_instance(self.project, zone, name, _request_id(name, zone, "delete", try_number))
+            operation = self.hook.delete_instance(self.project, zone, name, _request_id(context, name, zone, "delete"))
             if operation:
                 operations.append({"name": operation, "zone": zone})
                 zone_found = zone
         firewall_deleted = False
         if firewall:
-            operation = self.hook.delete_firewall(self.project, firewall, _request_id(firewall, "delete", try_number))
+            operation = self.hook.delete_firewall(self.project, firewall, _request_id(context, firewall, "delete"))
             if operation:
                 operations.append({"name": operation, "zone": None})
                 firewall_deleted = True

@@ -1,0 +1,40 @@
+"""providers-ssh's remote-job trigger, plus one case it does not end on: a job that died without an exit code."""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from typing import TYPE_CHECKING, Any
+
+from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
+
+if TYPE_CHECKING:
+    from asyncssh import SSHClientConnection
+
+JOB_DIED = -1  # the event's exit_code when the job's process group was killed before it wrote one
+
+
+class MaxTextJobTrigger(SSHRemoteJobTrigger):
+    """
+    Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code (its whole
+    process group was killed, e.g. by the OOM killer): otherwise the task would stay deferred until its timeout.
+    """
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        _, kwargs = super().serialize()
+        return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
+
+    async def _check_completion(self, conn: SSHClientConnection) -> int | None:
+        exit_code = shlex.quote(self.exit_code_file)
+        pid = shlex.quote(posixpath.join(self.job_dir, "pid"))
+        # The second look at the exit code covers a job that wrote it between the two tests.
+        command = (
+            f"if test -s {exit_code}; then cat {exit_code}; "
+            f'elif test -s {pid} && ! kill -0 "$(cat {pid})" 2>/dev/null; then '
+            f"sleep 1; if test -s {exit_code}; then cat {exit_code}; else echo died; fi; fi"
+        )
+        _, stdout, _ = await self._run_command(conn, command)
+        answer = stdout.strip()
+        if answer == "died":
+            return JOB_DIED
+        return int(answer) if answer.isdigit() else None

@@ -1,0 +1,537 @@
+"""Faults around the MaxText remote jobs, in real Airflow (dag.test) against the local stack: Compute emulator,
+an sshd playing the TPU VM, real MaxText on CPU with the tiny model, the local Hub server.
+
+One DAG run of the tiny SFT DAG carries the faults (slow: real training), and the tests read what it left:
+
+- the SSH sessions are dropped while ``train`` is deferred, once per try: the trigger reconnects, the task
+  does not fail because of it (test 1);
+- the trainer process is SIGKILLed after "completed step: 4" (a crash / OOM kill of the trainer; the job's
+  wrapper survives and records the exit code): try 1 fails, the retry resumes from a checkpoint (test 2);
+- the Hugging Face token (a marker) is looked for in the task logs, the rendered template fields, XCom,
+  the process list sampled during the run and the VM's files (test 3);
+
+then invalid trigger input is refused before any API call (test 4) and the finished run is run again under the
+same run_id (test 5). One stack for the module; the VM's disk is a fresh temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HF_TOKEN = "hf_faults_marker_4c8e1a9b27d35f60"  # a unique marker: it must appear nowhere but the VM's 0600 file
+DAG_ID = "posttrain_sft__tiny-llama"
+RUN_ID = "manual__faults-sft"
+LOGICAL_DATE = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+STEPS = 10  # a few more than the kill point, so the kill lands while training still runs
+KILL_AFTER_STEP = 4
+CHECKPOINT_PERIOD = 2  # what the local DAG uses (posttrain.py: checkpoint_period=2 if cfg.local)
+_COMPLETED = re.compile(rb"completed step: (\d+),")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _dag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+    assert not bag.import_errors, bag.import_errors
+    return bag.get_dag(DAG_ID)
+
+
+@contextlib.contextmanager
+def _fixed_run_id(run_id: str):
+    """dag.test() names its run with DagRun.generate_run_id; pin it, as conftest.run_dag does."""
+    from airflow.models.dagrun import DagRun
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DagRun, "generate_run_id", staticmethod(lambda **_: run_id))
+        yield
+
+
+def _run_pipeline(conf: dict):
+    """The faulted/reused run: always the same run_id and logical date, so the second call is a re-run."""
+    with _fixed_run_id(RUN_ID):
+        return _dag().test(run_conf=conf, logical_date=LOGICAL_DATE)
+
+
+def _tis(dag_run):
+    return {ti.task_id: ti for ti in dag_run.get_task_instances()}
+
+
+def _states(dag_run):
+    return {task_id: ti.state for task_id, ti in _tis(dag_run).items()}
+
+
+def _return_value(dag_run, task_id):
+    return _tis(dag_run)[task_id].xcom_pull(task_ids=task_id)
+
+
+def _all_xcom(run_id: str) -> list[tuple[str, str, object]]:
+    from sqlalchemy import select
+
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        rows = session.scalars(select(XComModel).where(XComModel.dag_id == DAG_ID, XComModel.run_id == run_id))
+        return [(row.task_id, row.key, row.value) for row in rows]
+
+
+def _rendered_fields(run_id: str) -> dict[str, object]:
+    from sqlalchemy import select
+
+    from airflow.models.renderedtifields import RenderedTaskInstanceFields as RTIF
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        rows = session.scalars(select(RTIF).where(RTIF.dag_id == DAG_ID, RTIF.run_id == run_id))
+        return {row.task_id: row.rendered_fields for row in rows}
+
+
+def _instance_inserts(stack) -> int:
+    return sum(1 for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instances"))
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[3])  # "pid (comm) state ppid pgrp session ..."
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+class _ProcessSampler(threading.Thread):
+    """Samples every process's argv (/proc/*/cmdline) every 0.5 s; remembers those holding the marker."""
+
+    def __init__(self, marker: bytes):
+        super().__init__(daemon=True)
+        self.marker = marker
+        self.stop = threading.Event()
+        self.samples = 0
+        self.max_processes = 0
+        self.leaks: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            pids = _pids()
+            self.max_processes = max(self.max_processes, len(pids))
+            for pid in pids:
+                argv = _cmdline(pid)
+                if self.marker in argv:
+                    self.leaks.append(argv.replace(b"\0", b" ").decode(errors="replace"))
+            self.samples += 1
+            self.stop.wait(0.5)
+
+
+class _TrainFaults(threading.Thread):
+    """Watches the train job on the VM: drops the SSH sessions at try 1's first completed step, SIGKILLs the
+    trainer (python processes of the job's session) after step KILL_AFTER_STEP, then drops the sessions again
+    at the first completed step of the retry (a new pid in the re-created job dir)."""
+
+    def __init__(self, stack, job_dir: Path):
+        super().__init__(daemon=True)
+        self.stack = stack
+        self.job_dir = job_dir
+        self.stop = threading.Event()
+        self.drops: list[tuple[str, list[int]]] = []
+        self.killed: list[tuple[int, str]] = []
+        self.try1_pid: int | None = None
+        self.error: BaseException | None = None
+
+    def _read(self) -> tuple[int | None, bytes]:
+        try:
+            pid = int((self.job_dir / "pid").read_text() or 0) or None
+            log = (self.job_dir / "stdout.log").read_bytes()
+        except (OSError, ValueError):
+            return None, b""
+        return pid, log
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # reported by the fixture
+            self.error = err
+
+    def _run(self) -> None:
+        phase = "try1"
+        while not self.stop.is_set() and phase != "done":
+            pid, log = self._read()
+            steps = [int(s) for s in _COMPLETED.findall(log)]
+            if phase == "try1" and pid and steps:
+                if not self.drops:
+                    self.drops.append(("try1", self.stack.sshd.drop_sessions()))
+                if max(steps) >= KILL_AFTER_STEP:
+                    for other in _pids():
+                        cmd = _cmdline(other)
+                        if _session_of(other) == pid and b"python" in cmd.split(b"\0")[0]:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(other, signal.SIGKILL)
+                            self.killed.append((other, cmd.replace(b"\0", b" ").decode(errors="replace")[:200]))
+                    self.try1_pid = pid
+                    phase = "try2"
+            elif phase == "try2" and pid and pid != self.try1_pid and steps:
+                self.drops.append(("try2", self.stack.sshd.drop_sessions()))
+                phase = "done"
+            time.sleep(0.05)
+
+
+def _token_hits(root: Path, marker: bytes) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and not p.is_symlink() and marker in p.read_bytes()]
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def stack(airflow_db, tmp_path_factory):
+    from airflow.models.pool import Pool
+
+    from airflow_tpu_posttrain.local.stack import LocalStack
+
+    local = LocalStack(REPO / ".local", tmp_path_factory.mktemp("faults-vm"), hf_token=HF_TOKEN)
+    env = local.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            for name in ("posttrain_dags.py", "models.yaml"):
+                shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
+            Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
+            yield local
+    finally:
+        local.stop()
+
+
+_FAULTED_RUN: dict = {}
+
+
+@pytest.fixture
+def faulted_run(stack, capfd):
+    """The tiny SFT DAG with STEPS steps, hub publish on (the DAG's default hub_repo_id), faults injected into
+    ``train``. Run once, by the first test that asks (under its ``capfd``: dag.test prints the task logs);
+    everything the tests need is collected at once, before test 5 re-runs the same run_id."""
+    if not _FAULTED_RUN:
+        _FAULTED_RUN.update(_faulted_run(stack, capfd))
+    return _FAULTED_RUN
+
+
+def _faulted_run(stack, capfd) -> dict:
+    from airflow_tpu_posttrain.recipes.compute import run_hash
+
+    jobs = stack.vm_dir / "work" / "jobs"
+    train_dir = jobs / f"train-{run_hash(DAG_ID, RUN_ID)}"
+    faults = _TrainFaults(stack, train_dir)
+    sampler = _ProcessSampler(HF_TOKEN.encode())
+    inserts_before = _instance_inserts(stack)
+    capfd.readouterr()
+    faults.start()
+    sampler.start()
+    started = time.monotonic()
+    try:
+        dag_run = _run_pipeline({"steps": STEPS})
+    finally:
+        faults.stop.set()
+        sampler.stop.set()
+        faults.join(10)
+        sampler.join(10)
+    logs = "".join(capfd.readouterr())
+    debug_log = Path(tempfile.mkdtemp(prefix="maxtext-faults-")) / "faulted_run.log"
+    debug_log.write_text(logs)
+    tis = _tis(dag_run)
+    assert faults.error is None, faults.error
+    return {
+        "dag_run": dag_run,
+        "state": dag_run.state,
+        "states": _states(dag_run),
+        "tries": {task_id: ti.try_number for task_id, ti in tis.items()},
+        "returns": {task_id: _return_value(dag_run, task_id) for task_id in tis},
+        "xcom": _all_xcom(RUN_ID),
+        "rendered": _rendered_fields(RUN_ID),
+        "logs": logs,
+        "debug_log": debug_log,
+        "faults": faults,
+        "sampler": sampler,
+        "train_dir": train_dir,
+        "earlier_train_dirs": sorted(p for p in jobs.glob(f"{train_dir.name}.*") if p.is_dir()),
+        "instance_inserts": _instance_inserts(stack) - inserts_before,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def _diagnose(run: dict) -> str:
+    return f"states={run['states']} tries={run['tries']} (task logs: {run['debug_log']})"
+
+
+# ---------------------------------------------------------------------------------------------- 1. SSH drops
+
+
+def test_ssh_drops_while_training_do_not_fail_the_task(faulted_run):
+    run = faulted_run
+    faults: _TrainFaults = run["faults"]
+    assert run["state"] == "success", _diagnose(run)
+    assert run["states"]["train"] == "success" and run["states"]["fail_run_if_a_step_failed"] == "skipped"
+
+    # Both drops happened while train was deferred and cut live sessions (the trigger's connection among them).
+    assert [label for label, _ in faults.drops] == ["try1", "try2"], faults.drops
+    assert all(pids for _, pids in faults.drops), f"nothing to drop: {faults.drops}"
+    # The trigger noticed and reconnected (providers-ssh's SSHRemoteJobTrigger warning), at least once per try.
+    lost = re.findall(r"Lost SSH connection while polling", run["logs"])
+    assert len(lost) >= 2, f"no reconnect in the task logs ({run['debug_log']})"
+    assert "Trigger error" not in run["logs"]
+    # The only failure of train was the injected kill (try 1, exit 137), not the drops: 2 tries in all.
+    assert run["tries"]["train"] == 2, _diagnose(run)
+    assert re.search(r"failed .*exit code:? 137", run["logs"]), run["debug_log"]
+    # After the drop, try 2 finished normally: the trainer's last step is in the log it streamed.
+    assert f"completed step: {STEPS}," in run["logs"]
+
+
+# ---------------------------------------------------------------------------------------------- 2. resume
+
+
+def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run):
+    run = faulted_run
+    faults: _TrainFaults = run["faults"]
+    assert faults.killed, "the trainer was never killed (training finished before the kill?)"
+    assert any("train_sft" in cmd for _, cmd in faults.killed), faults.killed
+    assert run["states"]["train"] == "success", _diagnose(run)
+    assert run["tries"]["train"] == 2, _diagnose(run)
+
+    # Try 1's job dir was set aside by the retry, with the trainer's exit code and its last steps.
+    [try1_dir] = run["earlier_train_dirs"]
+    assert (try1_dir / "exit_code").read_text().strip() == "137"
+    try1_steps = [int(s) for s in _COMPLETED.findall((try1_dir / "stdout.log").read_bytes())]
+    assert KILL_AFTER_STEP <= max(try1_steps) < STEPS, try1_steps
+
+    # Try 2 restored a checkpoint of the same run (>= the first period) and did not restart from step 1.
+    try2_log = (run["train_dir"] / "stdout.log").read_bytes()
+    restored = [int(s) for s in re.findall(rb"Restored params from step: (\d+)", try2_log)]
+    assert restored and restored[0] >= CHECKPOINT_PERIOD, restored
+    try2_steps = [int(s) for s in _COMPLETED.findall(try2_log)]
+    assert try2_steps and min(try2_steps) == restored[0] + 1 and max(try2_steps) == STEPS, try2_steps
+
+    # What Airflow reports: the task log and the train XCom.
+    assert re.search(rf"Restored params from step: {restored[0]}\b", run["logs"])
+    assert f"SFT: {STEPS} steps (resumed from {restored[0]})" in run["logs"]
+    metrics = run["returns"]["train"]["metrics"]
+    assert metrics["resumed_from_step"] == restored[0] >= CHECKPOINT_PERIOD
+    assert metrics["steps_completed"] == STEPS
+    assert run["returns"]["train"]["checkpoint"].endswith(f"/checkpoints/{STEPS}/model_params")
+    assert Path(run["returns"]["train"]["checkpoint"]).is_dir()
+    # The retry reused the run's VM: one instance insert for the whole run.
+    assert run["instance_inserts"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- 3. token
+
+
+def test_hf_token_leaks_nowhere(faulted_run, stack):
+    run = faulted_run
+    assert run["state"] == "success", _diagnose(run)
+    hub = run["returns"]["export_and_publish"]["hub"]
+    assert hub["repo_id"] == "local/tiny-llama-sft" and hub["commit_sha"], hub  # the token was used
+
+    # Task logs (and the trigger's, printed alongside by dag.test).
+    assert "Started job train-" in run["logs"] and "Published to the Hub" in run["logs"]
+    assert HF_TOKEN not in run["logs"]
+
+    # Rendered template fields, as stored for the UI (RenderedTaskInstanceFields), of every task that ran.
+    ran = {t for t, s in run["states"].items() if s == "success"}
+    assert ran <= set(run["rendered"]), f"no rendered fields stored for {ran - set(run['rendered'])}"
+    assert HF_TOKEN not in json.dumps(run["rendered"], default=str)
+
+    # Every XCom of the run, not only return values.
+    assert run["xcom"]
+    assert HF_TOKEN not in json.dumps(run["xcom"], default=str)
+
+    # The process list while the DAG ran (every 0.5 s; argv only).
+    sampler: _ProcessSampler = run["sampler"]
+    assert sampler.samples >= 0.5 * run["seconds"], (sampler.samples, run["seconds"])
+    assert sampler.leaks == []
+
+    # The VM's disk after the run: the token file is gone, no file holds the token.
+    secrets_dir = stack.vm_dir / "work" / "secrets"
+    assert not secrets_dir.exists() or list(secrets_dir.iterdir()) == []
+    for area in ("work", "runs"):
+        assert (stack.vm_dir / area).is_dir()
+        assert _token_hits(stack.vm_dir / area, HF_TOKEN.encode()) == []
+
+
+# ---------------------------------------------------------------------------------------------- 4. input
+
+
+# A value ending in a newline: "$" in a Python pattern (jsonschema uses re.search) also matches before it.
+INVALID_CONF = [
+    pytest.param({"overrides": ["steps=1; rm -rf /"]}, "overrides", id="override-semicolon"),
+    pytest.param({"overrides": ["learning_rate=1e-5\nrm -rf /"]}, "overrides", id="override-inner-newline"),
+    pytest.param({"overrides": ["learning_rate=$(id)"]}, "overrides", id="override-subshell"),
+    pytest.param({"dataset": "../etc"}, "dataset", id="dataset-dotdot"),
+    pytest.param({"zones": ["us-east5-b && curl x"]}, "zones", id="zones-and"),
+    pytest.param({"hub_repo_id": "a/b$(id)"}, "hub_repo_id", id="hub-subshell"),
+    pytest.param({"hub_repo_id": "../b"}, "hub_repo_id", id="hub-dotdot"),
+    pytest.param({"storage_uri": "/tmp/x;reboot"}, "storage_uri", id="storage-semicolon"),
+    pytest.param({"train_split": "train`id`"}, "train_split", id="split-backtick"),
+    pytest.param({"overrides": ["learning_rate=1e-5\n"]}, "overrides", id="override-trailing-newline"),
+    pytest.param({"zones": ["local-cpu1-a\n"]}, "zones", id="zones-trailing-newline"),
+    pytest.param({"hub_repo_id": "local/tiny\n"}, "hub_repo_id", id="hub-trailing-newline"),
+]
+
+
+@pytest.mark.parametrize(("conf", "field"), INVALID_CONF)
+def test_unsafe_trigger_input_is_refused_before_any_api_call(stack, conf, field):
+    requests_before = len(stack.compute.requests)
+    dag = _dag()
+    # A distinct logical date per case; if validation wrongly passed, every task is only marked success, so a
+    # failing case costs seconds and touches no API (the assertion below still fails).
+    date = LOGICAL_DATE + timedelta(days=1 + INVALID_CONF_IDS.index(json.dumps(conf, sort_keys=True)))
+    with _fixed_run_id(f"manual__invalid-{date:%Y%m%d}"), pytest.raises(Exception) as raised:
+        dag.test(run_conf=conf, logical_date=date, mark_success_pattern=".*")
+    assert type(raised.value).__name__ == "ParamValidationError", repr(raised.value)
+    assert f"param {field}" in str(raised.value), str(raised.value)
+    assert len(stack.compute.requests) == requests_before
+
+
+INVALID_CONF_IDS = [json.dumps(p.values[0], sort_keys=True) for p in INVALID_CONF]
+
+
+@pytest.mark.parametrize("check", ["zone", "reservation", "override_key"])
+def test_operator_validation_refuses_trailing_newline(check):
+    from airflow_tpu_posttrain.recipes import validation
+    from airflow_tpu_posttrain.recipes.validation import SpecError
+
+    calls = {
+        "zone": lambda: validation.zone("zones[0]", "us-east5-b\n"),
+        "reservation": lambda: validation.gce_name("reservation", "my-reservation\n"),
+        "override_key": lambda: validation.override_pairs("overrides", ["steps\n=5"], reserved=frozenset({"steps"})),
+    }
+    with pytest.raises(SpecError):
+        calls[check]()
+
+
+# ---------------------------------------------------------------------------------------------- 2b. dead job
+
+
+def test_job_that_died_with_its_wrapper_ends_the_watch(stack):
+    import asyncio
+    import subprocess
+
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+    from airflow_tpu_posttrain.triggers.remote_job import JOB_DIED, MaxTextJobTrigger
+
+    paths = RemoteJobPaths(job_id="dead-wrapper", remote_os="posix", base_dir=str(stack.vm_dir / "work" / "jobs"))
+    subprocess.run(["bash", "-c", build_posix_wrapper_command("sleep 300", paths)], check=True, capture_output=True)
+    pid_file = Path(paths.pid_file)
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # the job and its wrapper, as the OOM killer of a cgroup
+
+    trigger = MaxTextJobTrigger(
+        ssh_conn_id="local_vm", remote_host=None, job_id=paths.job_id, job_dir=paths.job_dir,
+        log_file=paths.log_file, exit_code_file=paths.exit_code_file, remote_os="posix", poll_interval=1,
+    )
+
+    async def first_event():
+        events = trigger.run()
+        try:
+            return await asyncio.wait_for(anext(events), timeout=15)
+        finally:
+            await events.aclose()
+
+    event = asyncio.run(first_event())
+    assert event.payload["done"] and event.payload["exit_code"] == JOB_DIED, event.payload
+
+
+# ---------------------------------------------------------------------------------------------- 5. re-run
+
+
+_RERUN: dict = {}
+
+
+@pytest.fixture
+def rerun(faulted_run, stack, capfd):
+    """The faulted run, run again to the end under the same run_id and logical date (once)."""
+    if not _RERUN:
+        train_log = faulted_run["train_dir"] / "stdout.log"
+        jobs = stack.vm_dir / "work" / "jobs"
+        before = {
+            "train_log": (train_log.stat().st_mtime_ns, train_log.stat().st_size),
+            "train_dirs": sorted(p.name for p in jobs.glob("train-*")),
+            "requests": len(stack.compute.requests),
+        }
+        capfd.readouterr()
+        dag_run = _run_pipeline({"steps": STEPS})
+        logs = "".join(capfd.readouterr())
+        tis = _tis(dag_run)
+        _RERUN.update(
+            dag_run=dag_run,
+            state=dag_run.state,
+            states=_states(dag_run),
+            tis=tis,
+            tries={task_id: ti.try_number for task_id, ti in tis.items()},
+            returns={task_id: _return_value(dag_run, task_id) for task_id in tis},
+            logs=logs,
+            before=before,
+            train_log=train_log,
+            jobs=jobs,
+            requests=stack.compute.requests[before["requests"]:],
+            instances_after=stack.compute.instances(),
+        )
+    return _RERUN
+
+
+def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun):
+    first = faulted_run
+    assert first["state"] == "success", _diagnose(first)
+    assert rerun["dag_run"].run_id == RUN_ID
+    assert rerun["state"] == "success", rerun["states"]
+
+    train, convert = rerun["returns"]["train"], rerun["returns"]["convert_to_maxtext"]
+    assert train["reused"] is True and convert["reused"] is True, (train, convert)
+    assert rerun["tries"]["train"] == 1
+    train_ti = rerun["tis"]["train"]
+    assert (train_ti.end_date - train_ti.start_date).total_seconds() < 60
+    assert train["checkpoint"] == first["returns"]["train"]["checkpoint"]
+    assert train["metrics"]["steps_completed"] == STEPS
+    assert "output already complete" in rerun["logs"] and f"SFT: {STEPS} steps" in rerun["logs"]
+    # No training job was started again: same job dirs, the train log untouched.
+    jobs, train_log = rerun["jobs"], rerun["train_log"]
+    assert sorted(p.name for p in jobs.glob("train-*")) == rerun["before"]["train_dirs"]
+    assert (train_log.stat().st_mtime_ns, train_log.stat().st_size) == rerun["before"]["train_log"]
+    assert HF_TOKEN not in rerun["logs"]
+
+
+def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun):
+    assert rerun["state"] == "success", rerun["states"]
+    inserts = [r for r in rerun["requests"] if r["method"] == "POST" and r["path"].endswith("/instances")]
+    # The first run's teardown deleted its VM, so the re-run creates exactly one (the same deterministic name).
+    assert rerun["returns"]["create_tpu_vm"]["name"] == faulted_run["returns"]["create_tpu_vm"]["name"]
+    assert rerun["returns"]["delete_tpu_vm"]["deleted"] is True
+    assert rerun["instances_after"] == [], [i["name"] for i in rerun["instances_after"]]
+    assert rerun["tries"]["create_tpu_vm"] == 1, rerun["tries"]
+    assert len(inserts) == 1, inserts
