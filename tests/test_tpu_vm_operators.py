@@ -175,3 +175,53 @@ def test_failed_delete_operation_is_reported_as_failed(emulator, run_dag):
     dr = run_dag("lifecycle_faildelete", body)
     assert task_states(dr)["delete_tpu_vm"] == "failed"
     assert len(emulator.instances()) == 1
+
+
+def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag):
+    """A try died after Compute accepted its insert (worker lost before deferring): the next try adopts that VM."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.recipes.compute import instance_name
+
+    name = instance_name("lifecycle_half_insert", "manual__half_insert")
+    client = compute_v1.InstancesClient(
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+    )
+    client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(name=name))
+    dr = run_dag("lifecycle_half_insert", lifecycle("lifecycle_half_insert", tasks="create"), run_id="manual__half_insert")
+    assert dr.state == "success"
+    assert xcom(dr, "create_tpu_vm")["name"] == name
+    assert len(inserts(emulator)) == 1  # only the earlier try's
+    assert [i["name"] for i in emulator.instances()] == [name]
+
+
+def test_trigger_survives_a_triggerer_restart(emulator):
+    """A trigger is rebuilt from its serialized form on another triggerer and finishes the same wait."""
+    import asyncio
+    import importlib
+
+    from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    client = compute_v1.InstancesClient(
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+    )
+    operation = client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(name="tpu-r"))
+    trigger = ComputeOperationsTrigger(
+        project_id=PROJECT, operations=[{"name": operation.name, "zone": "us-east5-b"}],
+        instance={"name": "tpu-r", "zone": "us-east5-b"}, poll_interval=0.1, state={"phase": "create"},
+    )
+    classpath, kwargs = trigger.serialize()
+    module, cls = classpath.rsplit(".", 1)
+    revived = getattr(importlib.import_module(module), cls)(**kwargs)
+
+    async def first_event():
+        return await anext(revived.run())
+
+    event = asyncio.run(first_event())
+    assert event.payload["status"] == "success" and event.payload["instance"]["status"] == "RUNNING"
+    assert event.payload["state"] == {"phase": "create"}
+    assert len(inserts(emulator)) == 1

@@ -312,7 +312,10 @@ class MaxTextJobOperator(BaseOperator):
         if exit_code is None:
             raise AirflowException(f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}")
         if exit_code != 0:
-            raise AirflowException(f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})")
+            raise AirflowException(
+                f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
+                f"{self.failure_hint(context)}"
+            )
         spec = self.run_spec(context)
         job = self.build_job(spec, context)
         with self._vm() as vm:
@@ -340,6 +343,10 @@ class MaxTextJobOperator(BaseOperator):
         result.update(self.results(context, vm, job))
         self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
         return result
+
+    def failure_hint(self, context: Context) -> str:
+        """What a user should know when the step failed (appended to the error)."""
+        return ""
 
     def results(self, context: Context, vm: VmHook, job: Job) -> dict:
         """Step-specific results read back from the VM."""
@@ -533,6 +540,10 @@ class HfExportOperator(MaxTextJobOperator):
         self.hub_repo_id = hub_repo_id
         self.hub_private = hub_private
         self.storage_uri = storage_uri
+
+    def failure_hint(self, context: Context) -> str:
+        export_dir = self.run_spec(context).layout.export_dir
+        return f". The exported model, if the export finished, was at {export_dir} on the VM (host {self.remote_host})"
 
     def _publish_script_path(self) -> str:
         return f"{self.workdir}/vm_scripts/publish_model.py"
