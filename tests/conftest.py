@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,9 @@ os.environ["AIRFLOW__LOGGING__BASE_LOG_FOLDER"] = str(_AIRFLOW_HOME / "logs")
 (_AIRFLOW_HOME / "dags").mkdir()
 
 PROJECT = "test-project"
+REPO = Path(__file__).resolve().parents[1]
+# The Hugging Face token of the local stack: a unique marker that must appear nowhere but the VM's 0600 file.
+HF_TOKEN = "hf_marker_token_7f3a9c2e51d04b8a"
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +74,21 @@ def run_dag(airflow_db, monkeypatch):
         return dag.test(**kwargs)
 
     return _run
+
+
+@pytest.fixture(scope="module")
+def stack(airflow_db, tmp_path_factory):
+    """The local stack (Compute emulator, sshd playing the VM, Hub server) with a fresh VM disk, its connections
+    in the environment, the repository's DAGs in the dags folder and the TPU pool."""
+    from airflow.models.pool import Pool
+
+    from airflow_tpu_posttrain.local.stack import LocalStack
+
+    local = LocalStack(REPO / ".local", tmp_path_factory.mktemp("vm"), hf_token=HF_TOKEN)
+    with local as env, pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        for name in ("posttrain_dags.py", "models.yaml"):
+            shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
+        Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
+        yield local

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import tempfile
 import threading
@@ -30,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-HF_TOKEN = "hf_faults_marker_4c8e1a9b27d35f60"  # a unique marker: it must appear nowhere but the VM's 0600 file
+from conftest import HF_TOKEN
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__faults-sft"
 LOGICAL_DATE = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
@@ -205,26 +203,6 @@ def _token_hits(root: Path, marker: bytes) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def stack(airflow_db, tmp_path_factory):
-    from airflow.models.pool import Pool
-
-    from airflow_tpu_posttrain.local.stack import LocalStack
-
-    local = LocalStack(REPO / ".local", tmp_path_factory.mktemp("faults-vm"), hf_token=HF_TOKEN)
-    env = local.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            for name in ("posttrain_dags.py", "models.yaml"):
-                shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
-            Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
-            yield local
-    finally:
-        local.stop()
 
 
 _FAULTED_RUN: dict = {}

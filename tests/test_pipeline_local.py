@@ -6,30 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-HF_TOKEN = "hf_marker_token_7f3a9c2e51d04b8a"  # a unique marker: it must appear nowhere but the VM's 0600 file
-
-
-@pytest.fixture(scope="module")
-def stack(airflow_db, tmp_path_factory):
-    from airflow.models.pool import Pool
-
-    from airflow_tpu_posttrain.local.stack import LocalStack
-
-    vm_dir = tmp_path_factory.mktemp("vm")
-    with LocalStack(REPO / ".local", vm_dir, hf_token=HF_TOKEN) as env, pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        for name in ("posttrain_dags.py", "models.yaml"):
-            shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
-        Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
-        yield env
+from conftest import HF_TOKEN, REPO
 
 
 def run_pipeline(dag_id: str, conf: dict | None = None):
@@ -60,7 +41,7 @@ def loads_and_generates(model_dir: Path) -> str:
 
 
 def test_tiny_sft_end_to_end(stack, capfd):
-    published_dir = Path(stack["TPU_POSTTRAIN_VM_DIR"]) / "published"
+    published_dir = stack.vm_dir / "published"
     dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(published_dir)})
     logs = "".join(capfd.readouterr())
     assert dr.state == "success", states(dr)
@@ -86,7 +67,7 @@ def test_tiny_sft_end_to_end(stack, capfd):
     # The token: nowhere in the task logs, XCom, or left on the VM.
     assert HF_TOKEN not in logs
     assert HF_TOKEN not in json.dumps([xcom(dr, t) for t in states(dr)], default=str)
-    vm_files = [p for p in (Path(stack["TPU_POSTTRAIN_VM_DIR"]) / "work").rglob("*") if p.is_file()]
+    vm_files = [p for p in (stack.vm_dir / "work").rglob("*") if p.is_file()]
     assert vm_files and not any(HF_TOKEN in p.read_text(errors="ignore") for p in vm_files)
 
 
@@ -108,8 +89,8 @@ def test_tiny_rl_end_to_end(stack, capfd):
     from huggingface_hub import snapshot_download
 
     local = snapshot_download(
-        hub["repo_id"], revision=hub["revision"], endpoint=json.loads(stack["AIRFLOW_CONN_LOCAL_HUB"])["host"],
-        token=HF_TOKEN, cache_dir=str(Path(stack["TPU_POSTTRAIN_VM_DIR"]) / "hf-cache"),
+        hub["repo_id"], revision=hub["revision"], endpoint=stack.hub.url,
+        token=HF_TOKEN, cache_dir=str(stack.vm_dir / "hf-cache"),
     )
     print(loads_and_generates(Path(local)))
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True

@@ -36,6 +36,13 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = 15.0
 
 
+# Environment the "VM"'s sessions share with this machine.
+_VM_ENV = (
+    "PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "UV_NATIVE_TLS", "UV_INDEX_URL", "UV_DEFAULT_INDEX",
+    "PIP_INDEX_URL", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+)
+
+
 class LocalSshd:
     """An sshd listening on 127.0.0.1 that accepts only the generated client key."""
 
@@ -159,8 +166,8 @@ class LocalSshd:
             "MaxSessions": 50,
             "Subsystem": "sftp internal-sftp",
             "LogLevel": "ERROR",
-            # The "VM" has this machine's tools (uv, python3.12) on the PATH of its sessions.
-            "SetEnv": f'PATH="{os.environ.get("PATH", "/usr/bin:/bin")}"',
+            # The "VM" has this machine's tools (uv, python3.12) and its way to PyPI (proxy, CA bundle, index).
+            "SetEnv": " ".join(f'{name}="{os.environ[name]}"' for name in _VM_ENV if name in os.environ),
         }
         self.config_path.write_text("".join(f"{key} {value}\n" for key, value in settings.items()))
 

@@ -21,7 +21,6 @@ import posixpath
 import re
 import shlex
 from collections.abc import Sequence
-from datetime import timedelta
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 

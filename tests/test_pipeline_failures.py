@@ -1,0 +1,246 @@
+"""Failures of each step of the tiny SFT DAG, and a per-model backfill, end to end in real Airflow (dag.test)
+against the local stack: Compute emulator, an sshd playing the TPU VM, real MaxText on CPU, the local Hub server.
+
+Every fault is injected through the environment the pipeline runs in, never by patching its code:
+
+- create: every zone of the DAG out of capacity (the emulator's stock-out fault);
+- install: a MaxText version that does not exist (``maxtext_version`` in the run's conf);
+- convert: a regular file where the conversion's output directory goes (``<root>/mt-format``);
+- train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
+- export: a regular file where the exports' parent directory goes (``<root>/hf-trained``).
+
+Each failed run must end FAILED with the watcher failed, the VM deleted (by the teardown, or, when the create
+itself fails, by the create) and nothing left in the emulator; the failed task's log must say what failed.
+Then the SFT DAG is backfilled for two logical dates and the first date is run again under its own run_id.
+
+One stack for the module (the VM's disk is a fresh temp dir); SFT runs with 2 steps. Slow (minutes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+DAG_ID = "posttrain_sft__tiny-llama"
+STEPS = 2
+BODY_STEPS = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+WATCHER = "fail_run_if_a_step_failed"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _dag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+    assert not bag.import_errors, bag.import_errors
+    return bag.get_dag(DAG_ID)
+
+
+def run_pipeline(conf: dict | None = None, logical_date: datetime | None = None, run_id: str | None = None):
+    """One run of the SFT DAG with ``steps`` = STEPS; a ``run_id`` pins it, as conftest.run_dag does, so the
+    same logical date and run_id is a re-run of that DAG run."""
+    from airflow.models.dagrun import DagRun
+
+    kwargs: dict = {"run_conf": {"steps": STEPS, **(conf or {})}}
+    if logical_date is not None:
+        kwargs["logical_date"] = logical_date
+    with pytest.MonkeyPatch.context() as mp:
+        if run_id:
+            mp.setattr(DagRun, "generate_run_id", staticmethod(lambda **_: run_id))
+        return _dag().test(**kwargs)
+
+
+def states(dag_run) -> dict[str, str]:
+    return {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
+
+
+def xcom(dag_run, task_id):
+    [ti] = [ti for ti in dag_run.get_task_instances() if ti.task_id == task_id]
+    return ti.xcom_pull(task_ids=task_id)
+
+
+def instance_inserts(stack, name: str | None = None) -> list[dict]:
+    inserts = [r for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instances")]
+    return [r for r in inserts if name is None or (r["body"] or {}).get("name") == name]
+
+
+def local_zones() -> list[str]:
+    from airflow_tpu_posttrain.pipelines.posttrain import load_registry
+
+    [cfg] = [cfg for cfg in load_registry(REPO / "dags" / "models.yaml") if cfg.dag_id == DAG_ID]
+    return list(cfg.zones)
+
+
+def root(stack) -> Path:
+    """The run files' root on the "VM" (the DAG's root_dir, posttrain.local_settings)."""
+    return stack.vm_dir / "runs"
+
+
+@contextlib.contextmanager
+def file_in_place_of(path: Path):
+    """A regular file where ``path`` (a directory the pipeline writes) goes; whatever was there is put back."""
+    aside = path.with_name(path.name + ".aside")
+    if path.exists():
+        path.rename(aside)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a directory: a fault injected by test_pipeline_failures\n")
+    try:
+        yield
+    finally:
+        path.unlink()
+        if aside.exists():
+            aside.rename(path)
+
+
+def assert_failed_cleanly(stack, dr, failed_step: str) -> None:
+    """The run failed at ``failed_step``: the later steps did not run, the watcher failed the run, the teardown
+    deleted the VM and the emulator holds nothing."""
+    st = states(dr)
+    assert dr.state == "failed", st
+    assert st[failed_step] == "failed", st
+    later = BODY_STEPS[BODY_STEPS.index(failed_step) + 1 :]
+    assert all(st[step] == "upstream_failed" for step in later), st
+    assert st["create_tpu_vm"] == "success", st
+    assert st["delete_tpu_vm"] == "success", st
+    assert st[WATCHER] == "failed", st
+    deleted = xcom(dr, "delete_tpu_vm")
+    assert deleted["deleted"] is True and deleted["name"] == xcom(dr, "create_tpu_vm")["name"]
+    assert stack.compute.instances() == []
+
+
+def successful_conversions(stack) -> int:
+    """Conversion jobs that finished with exit code 0 on the VM, over the whole module."""
+    jobs = stack.vm_dir / "work" / "jobs"
+    return sum(1 for f in jobs.glob("convert-to-maxtext-*/exit_code") if f.read_text().strip() == "0")
+
+
+# ------------------------------------------------------------------------------------- a fault per step
+
+
+def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd):
+    zones = local_zones()
+    inserts_before = len(instance_inserts(stack))
+    stack.compute.set_faults(stockout_zones=zones)
+    try:
+        dr = run_pipeline()
+    finally:
+        stack.compute.set_faults(stockout_zones=[])
+    logs = "".join(capfd.readouterr())
+    st = states(dr)
+    assert dr.state == "failed", st
+    assert st["create_tpu_vm"] == "failed", st
+    assert all(st[step] == "upstream_failed" for step in BODY_STEPS), st
+    # The setup failed, so its teardown does not run: the create cleans up after itself.
+    assert st["delete_tpu_vm"] == "upstream_failed", st
+    assert st[WATCHER] == "failed", st
+    assert stack.compute.instances() == []
+    # Each try went through every zone in order (retries=1: two tries), and left nothing behind.
+    name = xcom(dr, "create_tpu_vm")["name"]
+    tried = [r["path"].split("/zones/")[1].split("/")[0] for r in instance_inserts(stack, name)]
+    assert len(instance_inserts(stack)) - inserts_before == len(tried) == 2 * len(zones)
+    assert tried == zones * 2
+    assert "No cpu capacity in any zone" in logs and "No instance was left behind" in logs
+    assert "ZONE_RESOURCE_POOL_EXHAUSTED" in logs
+
+
+def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, capfd):
+    dr = run_pipeline({"maxtext_version": "9.9.9"})
+    logs = "".join(capfd.readouterr())
+    assert_failed_cleanly(stack, dr, "install_maxtext")
+    assert "Install failed on the VM with exit code" in logs
+    # The remote log, streamed into the task's, says why: uv's error about the maxtext package it was asked for.
+    # With PyPI reachable from the VM that is "no version of maxtext[tpu]==9.9.9"; where the VM cannot reach
+    # PyPI (this sandbox's sshd session has no CA bundle for its TLS proxy) it is the failed fetch of maxtext's
+    # index: the same step fails, with uv's own message.
+    uv_errors = [line for line in logs.splitlines() if "[remote] error:" in line]
+    assert uv_errors, "uv's error is not in the task log"
+    assert any("no version of maxtext[tpu]==9.9.9" in line or "/simple/maxtext/" in line for line in uv_errors), uv_errors
+
+
+def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd):
+    converted_dir = root(stack) / "mt-format"  # RunLayout.converted_dir
+    with file_in_place_of(converted_dir):
+        dr = run_pipeline()
+    logs = "".join(capfd.readouterr())
+    assert_failed_cleanly(stack, dr, "convert_to_maxtext")
+    assert "Convert failed on the VM with exit code" in logs
+    assert str(converted_dir) in logs  # the remote traceback names the path it could not write
+
+
+def test_train_fails_on_an_unknown_maxtext_override(stack, capfd):
+    dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
+    logs = "".join(capfd.readouterr())
+    assert_failed_cleanly(stack, dr, "train")
+    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(root(stack)))
+    assert "SFT failed on the VM with exit code" in logs
+    assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
+
+
+def test_export_fails_when_its_output_directory_cannot_be_written(stack, capfd):
+    with file_in_place_of(root(stack) / "hf-trained"):  # the parent of RunLayout.export_dir
+        dr = run_pipeline()
+    logs = "".join(capfd.readouterr())
+    assert_failed_cleanly(stack, dr, "export_and_publish")
+    trained = xcom(dr, "train")
+    assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
+    assert "Export failed on the VM with exit code" in logs
+    assert str(root(stack) / "hf-trained") in logs
+
+
+# --------------------------------------------------------------------------------------------- backfill
+
+
+def test_backfill_two_dates_then_rerun_the_first(stack, capfd):
+    dates = [datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 12, tzinfo=UTC)]
+    run_ids = [f"manual__{d.isoformat()}" for d in dates]  # dag.test makes manual runs
+    runs = [run_pipeline(logical_date=d, run_id=r) for d, r in zip(dates, run_ids)]
+    capfd.readouterr()
+    for dr, run_id in zip(runs, run_ids):
+        assert dr.state == "success", states(dr)
+        assert dr.run_id == run_id
+        assert states(dr)[WATCHER] == "skipped"
+        assert xcom(dr, "delete_tpu_vm")["deleted"] is True
+    assert stack.compute.instances() == []
+
+    # Two trainings: one run name, checkpoint and Hub revision per logical date.
+    trained = [xcom(dr, "train") for dr in runs]
+    assert [t["reused"] for t in trained] == [False, False]
+    assert all(t["metrics"]["steps_completed"] == STEPS for t in trained)
+    names = [t["run_name"] for t in trained]
+    assert names[0] != names[1]
+    assert "2026-01-05-00-00-00" in names[0] and "2026-01-12-00-00-00" in names[1]
+    checkpoints = [t["checkpoint"] for t in trained]
+    assert checkpoints[0] != checkpoints[1]
+    assert all(c.endswith(f"/checkpoints/{STEPS}/model_params") and Path(c).is_dir() for c in checkpoints)
+    hubs = [xcom(dr, "export_and_publish")["hub"] for dr in runs]
+    assert [h["revision"] for h in hubs] == [f"run-{n}" for n in names]
+    assert hubs[0]["commit_sha"] != hubs[1]["commit_sha"]
+
+    # One conversion per model: the second date reuses it (the module converted once, whatever ran first).
+    converted = [xcom(dr, "convert_to_maxtext") for dr in runs]
+    assert converted[1]["reused"] is True
+    assert converted[0]["converted_params"] == converted[1]["converted_params"]
+    assert successful_conversions(stack) == 1
+
+    # The first date again, under its own run_id: the same DAG run, re-run.
+    name = xcom(runs[0], "create_tpu_vm")["name"]
+    assert len(instance_inserts(stack, name)) == 1
+    rerun = run_pipeline(logical_date=dates[0], run_id=run_ids[0])
+    assert rerun.run_id == run_ids[0]
+    assert rerun.state == "success", states(rerun)
+    assert xcom(rerun, "create_tpu_vm")["name"] == name
+    again = xcom(rerun, "train")
+    assert again["reused"] is True
+    assert (again["run_name"], again["checkpoint"]) == (names[0], checkpoints[0])
+    assert xcom(rerun, "convert_to_maxtext")["reused"] is True
+    assert xcom(rerun, "export_and_publish")["hub"]["revision"] == hubs[0]["revision"]
+    assert stack.compute.instances() == []
+    # The first run's teardown deleted its VM, so the re-run needs one: exactly one more insert, no duplicate.
+    assert len(instance_inserts(stack, name)) == 2, [r["query"] for r in instance_inserts(stack, name)]
