@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from airflow_tpu_posttrain.pipelines.posttrain import build_dag, load_registry
+from airflow_tpu_posttrain.pipelines.posttrain import build_dag
+from airflow_tpu_posttrain.pipelines.registry import load_registry
 
 for _config in load_registry(Path(__file__).with_name("models.yaml")):
     globals()[_config.dag_id] = build_dag(_config)

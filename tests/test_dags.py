@@ -75,7 +75,7 @@ def test_reaper_sweeps_every_zone_the_pipelines_use(dagbag):
 
 
 def test_local_dags_only_with_local_dir(monkeypatch):
-    from airflow_tpu_posttrain.pipelines.posttrain import load_registry
+    from airflow_tpu_posttrain.pipelines.registry import load_registry
 
     monkeypatch.delenv("TPU_POSTTRAIN_LOCAL_DIR", raising=False)
     assert {c.dag_id for c in load_registry(DAGS_DIR / "models.yaml")} == set(CLOUD_DAGS)

@@ -72,7 +72,7 @@ def instance_inserts(stack, name: str | None = None) -> list[dict]:
 
 
 def local_zones() -> list[str]:
-    from airflow_tpu_posttrain.pipelines.posttrain import load_registry
+    from airflow_tpu_posttrain.pipelines.registry import load_registry
 
     [cfg] = [cfg for cfg in load_registry(REPO / "dags" / "models.yaml") if cfg.dag_id == DAG_ID]
     return list(cfg.zones)

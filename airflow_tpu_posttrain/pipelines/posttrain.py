@@ -8,10 +8,7 @@ again by the operators before anything is created.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk.exceptions import AirflowException
@@ -24,8 +21,8 @@ from airflow_tpu_posttrain.operators.maxtext import (
     MaxTextInstallOperator,
     SftTrainOperator,
 )
-from airflow_tpu_posttrain.operators.reaper import TpuVmReaperOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 
 RECIPES = ("sft", "rl")
 TPU_ACCELERATORS = ["v6e-1", "v6e-4", "v6e-8"]
@@ -46,81 +43,6 @@ class FailRunOperator(BaseOperator):
 
     def execute(self, context: Any) -> None:
         raise AirflowException("A post-training step failed (see the failed task's log); the VM is deleted by the teardown.")
-
-
-@dataclass(frozen=True)
-class StepTimeouts:
-    """Execution timeouts per step; the DAG run's timeout and the VM's cloud-side deadline derive from them."""
-
-    create: timedelta = timedelta(hours=1)  # FLEX_START can wait for capacity
-    install: timedelta = timedelta(minutes=45)
-    convert: timedelta = timedelta(hours=1)
-    train: timedelta = timedelta(hours=8)
-    export: timedelta = timedelta(hours=1)
-    delete: timedelta = timedelta(minutes=30)
-
-    @property
-    def run(self) -> timedelta:
-        return self.create + self.install + self.convert + self.train + self.export + self.delete
-
-
-LOCAL_TIMEOUTS = StepTimeouts(
-    create=timedelta(minutes=5),
-    install=timedelta(minutes=20),
-    convert=timedelta(minutes=15),
-    train=timedelta(minutes=30),
-    export=timedelta(minutes=15),
-    delete=timedelta(minutes=5),
-)
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """One registry entry: which model, which recipe, where it runs, and the trigger form's defaults."""
-
-    model: str
-    recipe: str
-    schedule: str | None = None
-    project_id: str | None = None
-    zones: tuple[str, ...] = ("us-east5-b",)
-    accelerator_type: str = "v6e-8"
-    provisioning_model: str = "RESERVATION_BOUND"
-    reservation: str | None = None
-    network: str = "default"
-    iap_firewall: bool = False
-    maxtext_version: str | None = None
-    dataset: str | None = None
-    train_split: str | None = None
-    train_data_columns: str | None = None
-    steps: int | None = None
-    num_batches: int | None = None
-    num_test_batches: int | None = None
-    hub_repo_id: str | None = None
-    storage_uri: str | None = None
-    overrides: tuple[str, ...] = ()
-    gcp_conn_id: str = "google_cloud_default"
-    ssh_conn_id: str = "tpu_vm_ssh"
-    hf_conn_id: str = "hf_default"
-    retries: int = 2
-    timeouts: StepTimeouts = field(default_factory=StepTimeouts)
-    local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
-    tags: tuple[str, ...] = ()
-
-    @property
-    def dag_id(self) -> str:
-        return f"posttrain_{self.recipe}__{self.model}"
-
-
-def local_settings(local_dir: str, vm_dir: str, python312: str) -> dict[str, str]:
-    """Where the local CPU "VM" keeps things: its image (MaxText venv, tiny model) and its disk (runs, jobs)."""
-    return {
-        "runtime": "cpu",
-        "maxtext_venv": f"{local_dir}/maxtext-venv",
-        "base_python": python312,
-        "model_source_dir": f"{local_dir}/tiny",
-        "workdir": f"{vm_dir}/work",
-        "root_dir": f"{vm_dir}/runs",
-    }
 
 
 def _params(cfg: PipelineConfig) -> dict[str, Param]:
@@ -195,7 +117,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     dag = DAG(
         dag_id=cfg.dag_id,
         schedule=cfg.schedule,
-        start_date=None if cfg.schedule is None else _start_date(),
+        start_date=None if cfg.schedule is None else START_DATE,
         catchup=False,
         max_active_runs=1,
         dagrun_timeout=t.run,
@@ -288,68 +210,3 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         create >> install >> convert >> train >> export >> delete.as_teardown(setups=create)
         [install, convert, train, export] >> watcher
     return dag
-
-
-def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry_run: bool = False) -> DAG:
-    """``tpu_vm_reaper``: every few minutes, one sweep per (connection, project) over the zones the pipelines use."""
-    sweeps: dict[tuple[str, str | None], set[str]] = {}
-    for cfg in configs:
-        sweeps.setdefault((cfg.gcp_conn_id, cfg.project_id), set()).update(cfg.zones)
-    dag = DAG(
-        dag_id="tpu_vm_reaper",
-        schedule=timedelta(minutes=every_minutes),
-        start_date=_start_date(),
-        catchup=False,
-        max_active_runs=1,
-        dagrun_timeout=timedelta(minutes=every_minutes),
-        params={"dry_run": Param(dry_run, type="boolean", title="Dry run", description="Log decisions only.")},
-        render_template_as_native_obj=True,
-        tags=["tpu", "maintenance"],
-        doc_md="Deletes TPU VMs labelled by this provider whose DAG run is over or whose expiry label passed "
-        "(a user marked the run failed, a crash, a deleted DAG). Never touches other instances.",
-    )
-    with dag:
-        for i, ((conn_id, project_id), zones) in enumerate(sorted(sweeps.items(), key=str)):
-            TpuVmReaperOperator(
-                task_id=f"reap_{i}_{conn_id}",
-                gcp_conn_id=conn_id,
-                project_id=project_id,
-                zones=sorted(zones),
-                dry_run="{{ params.dry_run }}",
-                retries=1,
-                execution_timeout=timedelta(minutes=every_minutes),
-            )
-    return dag
-
-
-def _start_date():
-    from datetime import datetime, timezone
-
-    return datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-
-def load_registry(path: str | Path) -> list[PipelineConfig]:
-    """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``; ``local: true`` entries only when
-    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run; ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk)."""
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text())
-    defaults = data.get("defaults", {})
-    local_dir = os.environ.get("TPU_POSTTRAIN_LOCAL_DIR")
-    configs = []
-    for entry in data["pipelines"]:
-        merged: dict[str, Any] = {**defaults, **entry}
-        is_local = merged.pop("local", False)
-        if is_local:
-            if not local_dir:
-                continue
-            vm_dir = os.environ.get("TPU_POSTTRAIN_VM_DIR", f"{local_dir}/vm")
-            merged.update(
-                local=local_settings(local_dir, vm_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
-                timeouts=LOCAL_TIMEOUTS,
-            )
-        for key in ("zones", "overrides", "tags"):
-            if key in merged:
-                merged[key] = tuple(merged[key])
-        configs.append(PipelineConfig(**merged))
-    return configs

@@ -1,0 +1,42 @@
+"""The reaper DAG: the safety net behind each pipeline's teardown, and before Google's maxRunDuration."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from airflow.sdk import DAG, Param
+
+from airflow_tpu_posttrain.operators.reaper import TpuVmReaperOperator
+from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
+
+
+def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry_run: bool = False) -> DAG:
+    """``tpu_vm_reaper``: every few minutes, one sweep per (connection, project) over the zones the pipelines use."""
+    sweeps: dict[tuple[str, str | None], set[str]] = {}
+    for cfg in configs:
+        sweeps.setdefault((cfg.gcp_conn_id, cfg.project_id), set()).update(cfg.zones)
+    dag = DAG(
+        dag_id="tpu_vm_reaper",
+        schedule=timedelta(minutes=every_minutes),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        dagrun_timeout=timedelta(minutes=every_minutes),
+        params={"dry_run": Param(dry_run, type="boolean", title="Dry run", description="Log decisions only.")},
+        render_template_as_native_obj=True,
+        tags=["tpu", "maintenance"],
+        doc_md="Deletes TPU VMs labelled by this provider whose DAG run is over or whose expiry label passed "
+        "(a user marked the run failed, a crash, a deleted DAG). Never touches other instances.",
+    )
+    with dag:
+        for i, ((conn_id, project_id), zones) in enumerate(sorted(sweeps.items(), key=str)):
+            TpuVmReaperOperator(
+                task_id=f"reap_{i}_{conn_id}",
+                gcp_conn_id=conn_id,
+                project_id=project_id,
+                zones=sorted(zones),
+                dry_run="{{ params.dry_run }}",
+                retries=1,
+                execution_timeout=timedelta(minutes=every_minutes),
+            )
+    return dag
