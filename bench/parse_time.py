@@ -19,7 +19,15 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = ("google.cloud.compute_v1", "googleapiclient", "huggingface_hub", "jax", "paramiko", "asyncssh", "transformers")
+HEAVY = (
+    "google.cloud.compute_v1",
+    "googleapiclient",
+    "huggingface_hub",
+    "jax",
+    "paramiko",
+    "asyncssh",
+    "transformers",
+)
 PROBE = """
 import importlib.util, json, sys, time
 t0 = time.perf_counter()
@@ -43,7 +51,10 @@ def measure(dag_file: Path, runs: int) -> dict:
     samples = []
     for _ in range(runs):
         out = subprocess.run(
-            [sys.executable, "-c", PROBE, str(dag_file), json.dumps(HEAVY)], capture_output=True, text=True, env=env,
+            [sys.executable, "-c", PROBE, str(dag_file), json.dumps(HEAVY)],
+            capture_output=True,
+            text=True,
+            env=env,
             check=True,
         )
         samples.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -59,7 +70,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    print(f"{'DAG file':28} {'DAGs':>4} {'Airflow + warm-up':>17} {'DAG file':>10} {'per DAG':>9}  heavy imports")
+    print(
+        f"{'DAG file':28} {'DAGs':>4} {'Airflow + warm-up':>17} {'DAG file':>10} {'per DAG':>9}  heavy imports"
+    )
     for dag_file in sorted((REPO / "dags").glob("*.py")):
         result = measure(dag_file, args.runs)
         dags = result["dags"]

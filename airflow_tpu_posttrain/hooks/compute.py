@@ -15,7 +15,13 @@ from typing import Any
 from airflow.providers.google.common.hooks.base_google import GoogleBaseAsyncHook, GoogleBaseHook
 
 # Errors a retry can fix: rate limits and server-side hiccups.
-_TRANSIENT_NAMES = ("TooManyRequests", "ServiceUnavailable", "InternalServerError", "BadGateway", "GatewayTimeout")
+_TRANSIENT_NAMES = (
+    "TooManyRequests",
+    "ServiceUnavailable",
+    "InternalServerError",
+    "BadGateway",
+    "GatewayTimeout",
+)
 
 
 def _message_to_dict(message: Any) -> dict:
@@ -93,7 +99,9 @@ class TpuVmHook(GoogleBaseHook):
         from google.api_core.exceptions import NotFound
 
         try:
-            return _message_to_dict(self.instances.get(project=project, zone=zone, instance=name, retry=self.retry))
+            return _message_to_dict(
+                self.instances.get(project=project, zone=zone, instance=name, retry=self.retry)
+            )
         except NotFound:
             return None
 
@@ -111,7 +119,12 @@ class TpuVmHook(GoogleBaseHook):
         resource = compute_v1.Instance.from_json(json.dumps(body))
         try:
             operation = self.instances.insert(
-                request={"project": project, "zone": zone, "instance_resource": resource, "request_id": request_id},
+                request={
+                    "project": project,
+                    "zone": zone,
+                    "instance_resource": resource,
+                    "request_id": request_id,
+                },
                 retry=self.retry,
             )
         except Conflict:
@@ -134,7 +147,9 @@ class TpuVmHook(GoogleBaseHook):
     def get_operation(self, project: str, operation: str, zone: str | None = None) -> dict:
         """A zonal operation (``zone`` given) or a global one (firewalls)."""
         if zone:
-            message = self.zone_operations.get(project=project, zone=zone, operation=operation, retry=self.retry)
+            message = self.zone_operations.get(
+                project=project, zone=zone, operation=operation, retry=self.retry
+            )
         else:
             message = self.global_operations.get(project=project, operation=operation, retry=self.retry)
         return _message_to_dict(message)

@@ -43,7 +43,9 @@ def main(recipe: str = "sft") -> int:
     stack = LocalStack(LOCAL)
     with stack as env:
         os.environ.update(env)
-        Pool.create_or_update_pool("tpu_vms", slots=2, description="Concurrent TPU VMs", include_deferred=True)
+        Pool.create_or_update_pool(
+            "tpu_vms", slots=2, description="Concurrent TPU VMs", include_deferred=True
+        )
         bag = DagBag(dag_folder=str(REPO / "dags"))
         if bag.import_errors:
             print(bag.import_errors, file=sys.stderr)
@@ -60,11 +62,17 @@ def main(recipe: str = "sft") -> int:
         model_dir = Path(result["storage_uri"].removeprefix("file://"))
         hub = result["hub"]
         print(f"demo: trained model (Hugging Face format): {model_dir}")
-        print(f"demo: published to the local Hub: {hub['url']} (revision {hub['revision']}, commit {hub['commit_sha']})")
+        print(
+            f"demo: published to the local Hub: {hub['url']} (revision {hub['revision']}, commit {hub['commit_sha']})"
+        )
     check = subprocess.run(
-        [str(LOCAL / "hfcheck-venv" / "bin" / "python"), str(Path(__file__).with_name("check_hf_model.py")),
-         str(model_dir)],
-        capture_output=True, text=True,
+        [
+            str(LOCAL / "hfcheck-venv" / "bin" / "python"),
+            str(Path(__file__).with_name("check_hf_model.py")),
+            str(model_dir),
+        ],
+        capture_output=True,
+        text=True,
     )
     print(check.stdout.strip() or check.stderr.strip())
     return check.returncode

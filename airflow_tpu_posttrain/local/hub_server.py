@@ -40,8 +40,23 @@ log = logging.getLogger(__name__)
 
 # Files matching these patterns (or larger than LFS_MIN_SIZE) are stored as LFS objects, as with the
 # .gitattributes the real Hub puts into every new repo.
-LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx",
-                "*.gguf", "*.model", "*.npy", "*.npz", "*.tar", "*.gz", "*.zip")
+LFS_PATTERNS = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.msgpack",
+    "*.onnx",
+    "*.gguf",
+    "*.model",
+    "*.npy",
+    "*.npz",
+    "*.tar",
+    "*.gz",
+    "*.zip",
+)
 LFS_MIN_SIZE = 10 * 1024 * 1024
 GITATTRIBUTES = "".join(f"{pattern} filter=lfs diff=lfs merge=lfs -text\n" for pattern in LFS_PATTERNS)
 RECORDED_BODY_LIMIT = 1024 * 1024
@@ -151,8 +166,9 @@ class RepoStore:
             (repo_dir / "objects").mkdir()
             entry = self.store_content(repo_id, GITATTRIBUTES.encode(), lfs=False)
             sha = self.write_commit(repo_id, None, "initial commit", "", {".gitattributes": entry})
-            self.save_repo(repo_id, {"id": repo_id, "private": private, "createdAt": _now(),
-                                     "branches": {"main": sha}})
+            self.save_repo(
+                repo_id, {"id": repo_id, "private": private, "createdAt": _now(), "branches": {"main": sha}}
+            )
             return True
 
     def object_path(self, repo_id: str, sha256: str) -> Path:
@@ -173,10 +189,16 @@ class RepoStore:
         oid = _git_blob_sha(_lfs_pointer(sha256, size) if lfs else content)
         return {"sha256": sha256, "size": size, "lfs": lfs, "oid": oid}
 
-    def write_commit(self, repo_id: str, parent: str | None, title: str, description: str,
-                     files: dict[str, dict]) -> str:
-        commit = {"parent": parent, "title": title, "description": description, "date": _now(),
-                  "files": files}
+    def write_commit(
+        self, repo_id: str, parent: str | None, title: str, description: str, files: dict[str, dict]
+    ) -> str:
+        commit = {
+            "parent": parent,
+            "title": title,
+            "description": description,
+            "date": _now(),
+            "files": files,
+        }
         sha = hashlib.sha1(json.dumps(commit, sort_keys=True).encode()).hexdigest()
         _write_json_atomically(self.repo_dir(repo_id) / "commits" / f"{sha}.json", {"id": sha, **commit})
         return sha
@@ -188,9 +210,10 @@ class RepoStore:
         """Branch name or commit sha -> commit sha."""
         if revision in repo["branches"]:
             return repo["branches"][revision]
-        if _COMMIT_SHA_RE.fullmatch(revision) and (
-            self.repo_dir(repo_id) / "commits" / f"{revision}.json"
-        ).exists():
+        if (
+            _COMMIT_SHA_RE.fullmatch(revision)
+            and (self.repo_dir(repo_id) / "commits" / f"{revision}.json").exists()
+        ):
             return revision
         raise HubError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
 
@@ -243,10 +266,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _record(self) -> None:
         """Called just before the response goes out, so a client that got its answer finds the record."""
-        headers = {key.lower(): (REDACTED if key.lower() == "authorization" else value)
-                   for key, value in self.headers.items()}
-        self.server.hub.requests.append(RecordedRequest(
-            self.command, self.path, headers, bytes(self._recorded_body), self._body_size))
+        headers = {
+            key.lower(): (REDACTED if key.lower() == "authorization" else value)
+            for key, value in self.headers.items()
+        }
+        self.server.hub.requests.append(
+            RecordedRequest(self.command, self.path, headers, bytes(self._recorded_body), self._body_size)
+        )
 
     def _iter_body(self) -> Iterator[bytes]:
         """The request body in chunks (Content-Length or chunked encoding), also kept for the record."""
@@ -285,8 +311,15 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(400, "JSON body must be an object")
         return data
 
-    def _send(self, body: bytes, *, status: int = 200, content_type: str = "application/json",
-              headers: dict[str, str] | None = None, content_length: int | None = None) -> None:
+    def _send(
+        self,
+        body: bytes,
+        *,
+        status: int = 200,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+        content_length: int | None = None,
+    ) -> None:
         self._record()
         self._responded = True
         self.send_response(status)
@@ -298,8 +331,14 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _send_json(self, data: object, *, status: int = 200, headers: dict[str, str] | None = None,
-                   content_type: str = "application/json") -> None:
+    def _send_json(
+        self,
+        data: object,
+        *,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
         self._send(json.dumps(data).encode(), status=status, content_type=content_type, headers=headers)
 
     # ---- auth and lookups -----------------------------------------------------------------------
@@ -366,8 +405,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _list_refs(self, repo: str) -> None:
         repo_data = self._repo(repo)
-        branches = [{"name": name, "ref": f"refs/heads/{name}", "targetCommit": sha}
-                    for name, sha in sorted(repo_data["branches"].items())]
+        branches = [
+            {"name": name, "ref": f"refs/heads/{name}", "targetCommit": sha}
+            for name, sha in sorted(repo_data["branches"].items())
+        ]
         self._send_json({"branches": branches, "converts": [], "tags": [], "pullRequests": []})
 
     def _model_info(self, repo: str, rev: str = "main") -> None:
@@ -380,16 +421,31 @@ class _Handler(BaseHTTPRequestHandler):
             if with_blobs:
                 sibling.update(size=entry["size"], blobId=entry["oid"])
                 if entry["lfs"]:
-                    sibling["lfs"] = {"size": entry["size"], "sha256": entry["sha256"],
-                                      "pointerSize": len(_lfs_pointer(entry["sha256"], entry["size"]))}
+                    sibling["lfs"] = {
+                        "size": entry["size"],
+                        "sha256": entry["sha256"],
+                        "pointerSize": len(_lfs_pointer(entry["sha256"], entry["size"])),
+                    }
             siblings.append(sibling)
-        self._send_json({
-            "_id": hashlib.sha1(repo.encode()).hexdigest()[:24], "id": repo, "modelId": repo,
-            "author": repo.split("/")[0], "sha": commit["id"], "lastModified": commit["date"],
-            "createdAt": repo_data["createdAt"], "private": repo_data["private"], "gated": False,
-            "disabled": False, "downloads": 0, "likes": 0, "tags": [], "siblings": siblings,
-            "usedStorage": sum(entry["size"] for entry in commit["files"].values()),
-        })
+        self._send_json(
+            {
+                "_id": hashlib.sha1(repo.encode()).hexdigest()[:24],
+                "id": repo,
+                "modelId": repo,
+                "author": repo.split("/")[0],
+                "sha": commit["id"],
+                "lastModified": commit["date"],
+                "createdAt": repo_data["createdAt"],
+                "private": repo_data["private"],
+                "gated": False,
+                "disabled": False,
+                "downloads": 0,
+                "likes": 0,
+                "tags": [],
+                "siblings": siblings,
+                "usedStorage": sum(entry["size"] for entry in commit["files"].values()),
+            }
+        )
 
     def _list_tree(self, repo: str, rev: str, path: str = "") -> None:
         files = self._head_commit(repo, rev)["files"]
@@ -401,12 +457,13 @@ class _Handler(BaseHTTPRequestHandler):
         for name, entry in sorted(files.items()):
             if not name.startswith(prefix):
                 continue
-            parts = name[len(prefix):].split("/")
+            parts = name[len(prefix) :].split("/")
             for depth in range(1, len(parts) if recursive else min(len(parts), 2)):
                 folder = prefix + "/".join(parts[:depth])
                 folder_oid = hashlib.sha1(f"{rev}:{folder}".encode()).hexdigest()
-                listing.setdefault(folder, {"type": "directory", "oid": folder_oid, "size": 0,
-                                            "path": folder})
+                listing.setdefault(
+                    folder, {"type": "directory", "oid": folder_oid, "size": 0, "path": folder}
+                )
             if recursive or len(parts) == 1:
                 listing[name] = self._tree_file(name, entry)
         self._send_json(list(listing.values()))
@@ -424,8 +481,15 @@ class _Handler(BaseHTTPRequestHandler):
         history = []
         while commit is not None:
             message = commit["title"] + (f"\n\n{commit['description']}" if commit["description"] else "")
-            history.append({"id": commit["id"], "title": commit["title"], "message": message,
-                            "date": commit["date"], "authors": []})
+            history.append(
+                {
+                    "id": commit["id"],
+                    "title": commit["title"],
+                    "message": message,
+                    "date": commit["date"],
+                    "authors": [],
+                }
+            )
             commit = self.store.load_commit(repo, commit["parent"]) if commit["parent"] else None
         self._send_json(history)
 
@@ -468,13 +532,22 @@ class _Handler(BaseHTTPRequestHandler):
             elif self.store.object_path(repo, oid).exists():
                 objects.append({"oid": oid, "size": size})  # no actions: already uploaded
             else:
-                upload_url = (f"{self.server.hub.url}/lfs-upload/{repo}/{oid}"
-                              f"?size={size}&signature={self.server.hub.sign(repo, oid, size)}")
+                upload_url = (
+                    f"{self.server.hub.url}/lfs-upload/{repo}/{oid}"
+                    f"?size={size}&signature={self.server.hub.sign(repo, oid, size)}"
+                )
                 verify_url = f"{self.server.hub.url}/{repo}.git/info/lfs/objects/verify"
-                objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
-                    "upload": {"href": upload_url}, "verify": {"href": verify_url}}})
-        self._send_json({"transfer": "basic", "objects": objects},
-                        content_type="application/vnd.git-lfs+json")
+                objects.append(
+                    {
+                        "oid": oid,
+                        "size": size,
+                        "authenticated": True,
+                        "actions": {"upload": {"href": upload_url}, "verify": {"href": verify_url}},
+                    }
+                )
+        self._send_json(
+            {"transfer": "basic", "objects": objects}, content_type="application/vnd.git-lfs+json"
+        )
 
     def _lfs_upload(self, repo: str, oid: str) -> None:
         size = int(self.query.get("size", ["-1"])[0])
@@ -537,8 +610,14 @@ class _Handler(BaseHTTPRequestHandler):
             sha = self.store.write_commit(repo, head, header["summary"], header.get("description", ""), files)
             repo_data["branches"][rev] = sha
             self.store.save_repo(repo, repo_data)
-        self._send_json({"success": True, "commitOid": sha,
-                         "commitUrl": f"{self.server.hub.url}/{repo}/commit/{sha}", "hookOutput": ""})
+        self._send_json(
+            {
+                "success": True,
+                "commitOid": sha,
+                "commitUrl": f"{self.server.hub.url}/{repo}/commit/{sha}",
+                "hookOutput": "",
+            }
+        )
 
     # ---- downloads ------------------------------------------------------------------------------
 
@@ -549,8 +628,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(404, f"{path} does not exist on {rev}", "EntryNotFound")
         etag = entry["sha256"] if entry["lfs"] else entry["oid"]
         headers = {"X-Repo-Commit": commit["id"], "ETag": f'"{etag}"'}
-        self._send(b"", content_type="application/octet-stream", headers=headers,
-                   content_length=entry["size"])
+        self._send(
+            b"", content_type="application/octet-stream", headers=headers, content_length=entry["size"]
+        )
         if self.command == "GET":
             with self.store.object_path(repo, entry["sha256"]).open("rb") as content:
                 while chunk := content.read(1 << 20):

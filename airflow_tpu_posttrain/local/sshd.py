@@ -38,8 +38,20 @@ START_TIMEOUT_S = 15.0
 
 # Environment the "VM"'s sessions share with this machine.
 _VM_ENV = (
-    "PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "UV_NATIVE_TLS", "UV_INDEX_URL", "UV_DEFAULT_INDEX",
-    "PIP_INDEX_URL", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "PATH",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "UV_NATIVE_TLS",
+    "UV_INDEX_URL",
+    "UV_DEFAULT_INDEX",
+    "PIP_INDEX_URL",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
 )
 
 

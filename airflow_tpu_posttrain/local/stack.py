@@ -33,11 +33,16 @@ def find_python312() -> str:
     candidates = [os.environ.get("TPU_POSTTRAIN_PYTHON312", ""), shutil.which("python3.12") or ""]
     candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))
     for candidate in filter(None, candidates):
-        probe = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
-                               capture_output=True, text=True)
+        probe = subprocess.run(
+            [candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
+            capture_output=True,
+            text=True,
+        )
         if probe.stdout.strip() == "True":
             return candidate
-    raise RuntimeError("Python 3.12 not found: install it (e.g. pyenv install 3.12) or set TPU_POSTTRAIN_PYTHON312")
+    raise RuntimeError(
+        "Python 3.12 not found: install it (e.g. pyenv install 3.12) or set TPU_POSTTRAIN_PYTHON312"
+    )
 
 
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
@@ -94,7 +99,11 @@ class LocalStack:
     def environment(self) -> dict[str, str]:
         compute = {
             "conn_type": "google_cloud_platform",
-            "extra": {"is_anonymous": True, "project": LOCAL_PROJECT, "compute_api_endpoint": self.compute.url},
+            "extra": {
+                "is_anonymous": True,
+                "project": LOCAL_PROJECT,
+                "compute_api_endpoint": self.compute.url,
+            },
         }
         hub = {"conn_type": "generic", "host": self.hub.url, "password": self.hf_token}
         return {

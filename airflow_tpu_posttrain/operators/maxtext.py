@@ -48,7 +48,9 @@ _METRIC_LINES = r"Train step|completed step|Train loop finished|Restored params|
 class Job:
     """What one step runs: the script, the marker that says its output is complete, and what it produced."""
 
-    def __init__(self, script: str, done_marker: str | None, outputs: dict[str, Any], token: str | None = None):
+    def __init__(
+        self, script: str, done_marker: str | None, outputs: dict[str, Any], token: str | None = None
+    ):
         self.script = script
         self.done_marker = done_marker
         self.outputs = outputs
@@ -88,7 +90,14 @@ class MaxTextJobOperator(BaseOperator):
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
     """
 
-    template_fields: Sequence[str] = ("ssh_conn_id", "remote_host", "model", "accelerator_type", "root_dir", "workdir")
+    template_fields: Sequence[str] = (
+        "ssh_conn_id",
+        "remote_host",
+        "model",
+        "accelerator_type",
+        "root_dir",
+        "workdir",
+    )
     ui_color = "#e4f0e8"
     step_title = "MaxText"
 
@@ -147,8 +156,12 @@ class MaxTextJobOperator(BaseOperator):
     def _runtime(self) -> Runtime:
         if self.runtime == "cpu":
             if not self.maxtext_venv:
-                raise SpecError("maxtext_venv", None, "is required on the cpu runtime", "give the venv's path")
-            return cpu_runtime(f"{self.workdir}/launchers", self.maxtext_venv, self.base_python or "python3.12")
+                raise SpecError(
+                    "maxtext_venv", None, "is required on the cpu runtime", "give the venv's path"
+                )
+            return cpu_runtime(
+                f"{self.workdir}/launchers", self.maxtext_venv, self.base_python or "python3.12"
+            )
         validation.one_of("runtime", self.runtime, ("tpu", "cpu"))
         return tpu_runtime(self.maxtext_venv or "maxtext_venv")
 
@@ -191,7 +204,9 @@ class MaxTextJobOperator(BaseOperator):
             raise AirflowFailException(f"{self.task_id}: hf_conn_id is required (the Hugging Face token)")
         token = BaseHook.get_connection(self.hf_conn_id).password
         if not token:
-            raise AirflowFailException(f"{self.task_id}: connection {self.hf_conn_id!r} has no password (token)")
+            raise AirflowFailException(
+                f"{self.task_id}: connection {self.hf_conn_id!r} has no password (token)"
+            )
         return token
 
     def _job_script(self, job: Job, paths: RemoteJobPaths) -> tuple[str, str | None]:
@@ -199,9 +214,15 @@ class MaxTextJobOperator(BaseOperator):
         token_file = f"{self.workdir}/secrets/{paths.job_id}.token" if job.token else None
         lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
         if job.token == "env":
-            lines += [f"export HF_TOKEN=\"$(cat {shlex.quote(token_file)})\"", f"rm -f {shlex.quote(token_file)}"]
+            lines += [
+                f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"',
+                f"rm -f {shlex.quote(token_file)}",
+            ]
         elif job.token == "file":
-            lines += [f"export HF_TOKEN_FILE={shlex.quote(token_file)}", f"trap 'rm -f {shlex.quote(token_file)}' EXIT"]
+            lines += [
+                f"export HF_TOKEN_FILE={shlex.quote(token_file)}",
+                f"trap 'rm -f {shlex.quote(token_file)}' EXIT",
+            ]
         step_script = f"{paths.job_dir}.step.sh"
         lines.append(f"bash {shlex.quote(step_script)}")
         if job.done_marker:
@@ -222,7 +243,9 @@ class MaxTextJobOperator(BaseOperator):
         paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
         with self._vm() as vm:
             if job.done_marker and vm.exists(job.done_marker):
-                self.log.info("%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker)
+                self.log.info(
+                    "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
+                )
                 return self.finish(context, vm, job, paths, reused=True)
             state, log_size = self._job_state(vm, paths)
             if state == "running":
@@ -232,8 +255,11 @@ class MaxTextJobOperator(BaseOperator):
                 self.log.info("Job %s already finished successfully on the VM", paths.job_id)
                 return self.finish(context, vm, job, paths, reused=True)
             if state != "absent":
-                self.log.info("Earlier job %s %s; starting it again (training resumes from its checkpoint)",
-                              paths.job_id, state)
+                self.log.info(
+                    "Earlier job %s %s; starting it again (training resumes from its checkpoint)",
+                    paths.job_id,
+                    state,
+                )
                 vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
             self.prepare(vm, spec, job)
             script, token_file = self._job_script(job, paths)
@@ -253,10 +279,10 @@ class MaxTextJobOperator(BaseOperator):
     def _job_state(vm: VmHook, paths: RemoteJobPaths) -> tuple[str, int]:
         d = shlex.quote(paths.job_dir)
         out = vm.run(
-            f"d={d}; size=$(stat -c %s \"$d/stdout.log\" 2>/dev/null || echo 0); "
-            f"if [ -f \"$d/exit_code\" ]; then echo \"exit:$(cat \"$d/exit_code\") $size\"; "
-            f"elif [ -f \"$d/pid\" ] && kill -0 \"$(cat \"$d/pid\")\" 2>/dev/null; then echo \"running $size\"; "
-            f"elif [ -d \"$d\" ]; then echo \"died $size\"; else echo \"absent 0\"; fi"
+            f'd={d}; size=$(stat -c %s "$d/stdout.log" 2>/dev/null || echo 0); '
+            f'if [ -f "$d/exit_code" ]; then echo "exit:$(cat "$d/exit_code") $size"; '
+            f'elif [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then echo "running $size"; '
+            f'elif [ -d "$d" ]; then echo "died $size"; else echo "absent 0"; fi'
         ).split()
         state, size = out[0], int(out[1])
         if state.startswith("exit:"):
@@ -309,7 +335,9 @@ class MaxTextJobOperator(BaseOperator):
                 f"a retry resumes from the newest checkpoint (log: {paths.log_file})"
             )
         if exit_code is None:
-            raise AirflowException(f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}")
+            raise AirflowException(
+                f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}"
+            )
         if exit_code != 0:
             raise AirflowException(
                 f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
@@ -369,7 +397,11 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         version = self.maxtext_version or spec.model.maxtext_version
-        return Job(install.install_script(spec.runtime, version), None, {"venv": spec.runtime.venv, "maxtext_version": version})
+        return Job(
+            install.install_script(spec.runtime, version),
+            None,
+            {"venv": spec.runtime.venv, "maxtext_version": version},
+        )
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         if not spec.runtime.is_cpu:
@@ -431,7 +463,12 @@ class SftTrainOperator(_TrainOperator):
     """
 
     template_fields: Sequence[str] = (
-        *_TrainOperator.template_fields, "steps", "dataset", "train_split", "train_data_columns", "checkpoint_period",
+        *_TrainOperator.template_fields,
+        "steps",
+        "dataset",
+        "train_split",
+        "train_data_columns",
+        "checkpoint_period",
     )
     step_title = "SFT"
 
@@ -463,7 +500,11 @@ class SftTrainOperator(_TrainOperator):
             eval_split=base.eval_split,
         )
         command = maxtext.train_sft(
-            spec, steps=steps, dataset=dataset, checkpoint_period=int(self.checkpoint_period), overrides=self._overrides()
+            spec,
+            steps=steps,
+            dataset=dataset,
+            checkpoint_period=int(self.checkpoint_period),
+            overrides=self._overrides(),
         )
         run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
         return Job(
@@ -486,7 +527,13 @@ class GrpoTrainOperator(_TrainOperator):
     template_fields: Sequence[str] = (*_TrainOperator.template_fields, "num_batches", "num_test_batches")
     step_title = "GRPO"
 
-    def __init__(self, *, num_batches: int | str | None = None, num_test_batches: int | str | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        num_batches: int | str | None = None,
+        num_test_batches: int | str | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.num_batches = num_batches
         self.num_test_batches = num_test_batches
@@ -494,12 +541,18 @@ class GrpoTrainOperator(_TrainOperator):
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         batches = int(self.num_batches) if self.num_batches not in (None, "") else spec.model.rl_num_batches
         tests = int(self.num_test_batches) if self.num_test_batches not in (None, "") else None
-        command = maxtext.train_rl(spec, num_batches=batches, num_test_batches=tests, overrides=self._overrides())
+        command = maxtext.train_rl(
+            spec, num_batches=batches, num_test_batches=tests, overrides=self._overrides()
+        )
         run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
         return Job(
             command.script(),
             f"{run_dir}/.complete-{batches}",
-            {"checkpoint": spec.layout.rl_params(batches), "run_name": spec.layout.run_name, "num_batches": batches},
+            {
+                "checkpoint": spec.layout.rl_params(batches),
+                "run_name": spec.layout.run_name,
+                "num_batches": batches,
+            },
             token="env" if not spec.model.is_local else None,
         )
 
@@ -519,7 +572,10 @@ class HfExportOperator(MaxTextJobOperator):
     """
 
     template_fields: Sequence[str] = (
-        *MaxTextJobOperator.template_fields, "trained_checkpoint", "hub_repo_id", "storage_uri",
+        *MaxTextJobOperator.template_fields,
+        "trained_checkpoint",
+        "hub_repo_id",
+        "storage_uri",
     )
     operator_extra_links = (PublishedModelLink(),)
     step_title = "Export"
@@ -535,7 +591,9 @@ class HfExportOperator(MaxTextJobOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.trained_checkpoint = trained_checkpoint or f"{{{{ ti.xcom_pull(task_ids='{train_task_id}')['checkpoint'] }}}}"
+        self.trained_checkpoint = (
+            trained_checkpoint or f"{{{{ ti.xcom_pull(task_ids='{train_task_id}')['checkpoint'] }}}}"
+        )
         self.hub_repo_id = hub_repo_id
         self.hub_private = hub_private
         self.storage_uri = storage_uri
@@ -556,15 +614,21 @@ class HfExportOperator(MaxTextJobOperator):
         publish = [
             f"{spec.runtime.venv}/bin/python",
             self._publish_script_path(),
-            "--model-dir", spec.layout.export_dir,
-            "--result-file", result_file,
+            "--model-dir",
+            spec.layout.export_dir,
+            "--result-file",
+            result_file,
         ]
         if self.hub_repo_id:
             publish += [
-                "--hub-repo", validation.hf_repo_id("hub_repo_id", self.hub_repo_id),
-                "--hub-revision", f"run-{spec.layout.run_name}",
-                "--hub-private", "true" if self.hub_private else "false",
-                "--commit-message", f"Post-trained by Airflow: dag {dag_run.dag_id}, run {dag_run.run_id}",
+                "--hub-repo",
+                validation.hf_repo_id("hub_repo_id", self.hub_repo_id),
+                "--hub-revision",
+                f"run-{spec.layout.run_name}",
+                "--hub-private",
+                "true" if self.hub_private else "false",
+                "--commit-message",
+                f"Post-trained by Airflow: dag {dag_run.dag_id}, run {dag_run.run_id}",
             ]
             endpoint = self._hub_endpoint()
             if endpoint:
@@ -613,7 +677,12 @@ class HfExportOperator(MaxTextJobOperator):
         published = json.loads(text)
         hub = published.get("hub")
         if hub:
-            self.log.info("Published to the Hub: %s (revision %s, commit %s)", hub["url"], hub["revision"], hub["commit_sha"])
+            self.log.info(
+                "Published to the Hub: %s (revision %s, commit %s)",
+                hub["url"],
+                hub["revision"],
+                hub["commit_sha"],
+            )
         if published.get("storage_uri"):
             self.log.info("Copied to %s", published["storage_uri"])
         link = hub["url"] if hub else published.get("storage_uri")

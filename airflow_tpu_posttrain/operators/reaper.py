@@ -28,7 +28,9 @@ class TpuVmReaperOperator(_ComputeOperator):
     template_fields: Sequence[str] = ("project_id", "zones", "api_endpoint", "dry_run")
     ui_color = "#f0e4d5"
 
-    def __init__(self, *, zones: Sequence[str] | str, grace_period_s: int = 900, dry_run: bool = False, **kwargs: Any):
+    def __init__(
+        self, *, zones: Sequence[str] | str, grace_period_s: int = 900, dry_run: bool = False, **kwargs: Any
+    ):
         super().__init__(**kwargs)
         self.zones = zones
         self.grace_period_s = grace_period_s
@@ -50,7 +52,9 @@ class TpuVmReaperOperator(_ComputeOperator):
         for zone in _as_list(self.zones):
             for instance in self.hook.list_instances(self.project, zone, reaper.LABEL_FILTER):
                 counts["seen"] += 1
-                decision = reaper.decide(instance, self._run_state(context, instance), now, self.grace_period_s)
+                decision = reaper.decide(
+                    instance, self._run_state(context, instance), now, self.grace_period_s
+                )
                 name = instance["name"]
                 if not decision.delete:
                     counts["kept"] += 1

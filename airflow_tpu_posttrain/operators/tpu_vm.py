@@ -38,7 +38,11 @@ def _as_list(value: Sequence[str] | str | None) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [part.strip() for part in value.strip("[]").replace("'", "").replace('"', "").split(",") if part.strip()]
+        return [
+            part.strip()
+            for part in value.strip("[]").replace("'", "").replace('"', "").split(",")
+            if part.strip()
+        ]
     return list(value)
 
 
@@ -77,7 +81,9 @@ class _ComputeOperator(BaseOperator):
         from airflow_tpu_posttrain.hooks.compute import TpuVmHook
 
         return TpuVmHook(
-            gcp_conn_id=self.gcp_conn_id, api_endpoint=self.api_endpoint, impersonation_chain=self.impersonation_chain
+            gcp_conn_id=self.gcp_conn_id,
+            api_endpoint=self.api_endpoint,
+            impersonation_chain=self.impersonation_chain,
         )
 
     @property
@@ -227,7 +233,9 @@ class TpuVmCreateOperator(_ComputeOperator):
                 raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
         return compute.instance_name(context["dag"].dag_id, context["run_id"], self.name_prefix)
 
-    def _record(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str | None, **more: Any) -> dict:
+    def _record(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str | None, **more: Any
+    ) -> dict:
         record = {
             "name": name,
             "project": spec.project_id,
@@ -253,8 +261,12 @@ class TpuVmCreateOperator(_ComputeOperator):
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
                 self._record(context, spec, name, zone, status=status)
-                self._defer_on([], {"name": name, "zone": zone}, phase="wait", zone_index=spec.zones.index(zone))
-            self.log.info("Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status)
+                self._defer_on(
+                    [], {"name": name, "zone": zone}, phase="wait", zone_index=spec.zones.index(zone)
+                )
+            self.log.info(
+                "Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status
+            )
             operation = self.hook.delete_instance(
                 spec.project_id, zone, name, _request_id(context, name, zone, "replace")
             )
@@ -306,7 +318,11 @@ class TpuVmCreateOperator(_ComputeOperator):
         else:
             self.log.info("Instance %s already exists in %s: waiting for it instead", name, zone)
         self._defer_on(
-            operations, {"name": name, "zone": zone}, phase="create", zone_index=zone_index, stockouts=stockouts
+            operations,
+            {"name": name, "zone": zone},
+            phase="create",
+            zone_index=zone_index,
+            stockouts=stockouts,
         )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
@@ -331,8 +347,13 @@ class TpuVmCreateOperator(_ComputeOperator):
                 external_ip=access.get("natIP"),
                 self_link=instance.get("selfLink"),
             )
-            self.log.info("TPU VM %s is RUNNING in %s (internal %s, external %s)", name, zone,
-                          record["internal_ip"], record["external_ip"])
+            self.log.info(
+                "TPU VM %s is RUNNING in %s (internal %s, external %s)",
+                name,
+                zone,
+                record["internal_ip"],
+                record["external_ip"],
+            )
             return record
 
         errors = event.get("errors", [])
@@ -348,7 +369,10 @@ class TpuVmCreateOperator(_ComputeOperator):
                 )
                 if operation:
                     self._defer_on(
-                        [{"name": operation, "zone": zone}], None, phase="replace", zone_index=zone_index + 1,
+                        [{"name": operation, "zone": zone}],
+                        None,
+                        phase="replace",
+                        zone_index=zone_index + 1,
                         stockouts=stockouts,
                     )
             return self._insert(context, spec, name, zone_index + 1, stockouts)
@@ -370,7 +394,9 @@ class TpuVmCreateOperator(_ComputeOperator):
         """Delete-on-error: a teardown does not run when its setup failed, so a failing create cleans up."""
         if self.hook.get_instance(spec.project_id, zone, name) is None:
             return
-        self.log.warning("Deleting %s in %s: the create failed and the instance must not outlive it", name, zone)
+        self.log.warning(
+            "Deleting %s in %s: the create failed and the instance must not outlive it", name, zone
+        )
         self.hook.delete_instance(spec.project_id, zone, name, _request_id(context, name, zone, "on-error"))
 
 
@@ -414,7 +440,9 @@ class TpuDeleteOperator(_ComputeOperator):
             self.project_id = self.project_id or record.get("project")
             zones = [record["zone"]] if record.get("zone") else list(record.get("zones") or [])
             return record["name"], zones or _as_list(self.zones), record.get("firewall")
-        name = self.instance_name or compute.instance_name(context["dag"].dag_id, context["run_id"], self.name_prefix)
+        name = self.instance_name or compute.instance_name(
+            context["dag"].dag_id, context["run_id"], self.name_prefix
+        )
         self.log.info("No XCom from %s: looking for %s by its deterministic name", self.create_task_id, name)
         return name, _as_list(self.zones), compute.firewall_name(name) if self.iap_firewall else None
 
@@ -422,17 +450,26 @@ class TpuDeleteOperator(_ComputeOperator):
         name, zones, firewall = self._target(context)
         operations, zone_found = [], None
         for zone in zones:
-            operation = self.hook.delete_instance(self.project, zone, name, _request_id(context, name, zone, "delete"))
+            operation = self.hook.delete_instance(
+                self.project, zone, name, _request_id(context, name, zone, "delete")
+            )
             if operation:
                 operations.append({"name": operation, "zone": zone})
                 zone_found = zone
         firewall_deleted = False
         if firewall:
-            operation = self.hook.delete_firewall(self.project, firewall, _request_id(context, firewall, "delete"))
+            operation = self.hook.delete_firewall(
+                self.project, firewall, _request_id(context, firewall, "delete")
+            )
             if operation:
                 operations.append({"name": operation, "zone": None})
                 firewall_deleted = True
-        result = {"deleted": zone_found is not None, "name": name, "zone": zone_found, "firewall_deleted": firewall_deleted}
+        result = {
+            "deleted": zone_found is not None,
+            "name": name,
+            "zone": zone_found,
+            "firewall_deleted": firewall_deleted,
+        }
         if not operations:
             self.log.info("Nothing to delete: %s was not found in %s", name, zones)
             return result
@@ -441,8 +478,13 @@ class TpuDeleteOperator(_ComputeOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         result = event["state"]["result"]
         if event["status"] != "success":
-            raise AirflowException(f"Deleting {result['name']} failed: {compute.describe_errors(event.get('errors', []))}")
+            raise AirflowException(
+                f"Deleting {result['name']} failed: {compute.describe_errors(event.get('errors', []))}"
+            )
         self.log.info(
-            "Deleted %s in %s%s", result["name"], result["zone"], " and its firewall rule" if result["firewall_deleted"] else ""
+            "Deleted %s in %s%s",
+            result["name"],
+            result["zone"],
+            " and its firewall rule" if result["firewall_deleted"] else "",
         )
         return result

@@ -42,52 +42,126 @@ class FailRunOperator(BaseOperator):
     ui_color = "#f7d5d5"
 
     def execute(self, context: Any) -> None:
-        raise AirflowException("A post-training step failed (see the failed task's log); the VM is deleted by the teardown.")
+        raise AirflowException(
+            "A post-training step failed (see the failed task's log); the VM is deleted by the teardown."
+        )
 
 
 def _params(cfg: PipelineConfig) -> dict[str, Param]:
     accelerators = ["cpu"] if cfg.local else TPU_ACCELERATORS
     params: dict[str, Param] = {
-        "model": Param(cfg.model, type="string", enum=[cfg.model], title="Model",
-                       description="The model this DAG post-trains (one DAG per model and recipe)."),
-        "accelerator_type": Param(cfg.accelerator_type, type="string", enum=accelerators, title="Accelerator",
-                                  description="TPU slice; the machine type is derived from it (v6e-8 → ct6e-standard-8t)."),
-        "zones": Param(list(cfg.zones), type="array", minItems=1, items={"type": "string", "pattern": ZONE_PATTERN},
-                       title="Zones (in order)", description="Tried in order; a stock-out moves on to the next."),
-        "provisioning_model": Param(cfg.provisioning_model, type="string", enum=PROVISIONING_MODELS,
-                                    title="Provisioning model",
-                                    description="RESERVATION_BOUND needs a reservation; SPOT can be preempted; "
-                                    "FLEX_START waits up to 2 h for capacity."),
-        "reservation": Param(cfg.reservation, type=["null", "string"], pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?" + END,
-                             title="Reservation", description="Name of the specific reservation (RESERVATION_BOUND only)."),
-        "maxtext_version": Param(cfg.maxtext_version, type=["null", "string"], pattern=r"^\d+\.\d+\.\d+" + END,
-                                 title="MaxText version", description="Empty: the model's (tutorials: 0.2.2 SFT, 0.2.3 RL)."),
-        "hub_repo_id": Param(cfg.hub_repo_id, type=["null", "string"],
-                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*" + END,
-                             title="Hub repo", description="owner/name; the model goes to branch run-<run name> (private)."),
-        "storage_uri": Param(cfg.storage_uri, type=["null", "string"],
-                             pattern=r"^(?!.*\.\.)(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*" + END,
-                             title="Storage URI", description="gs://bucket/prefix or a directory; one folder per run."),
-        "overrides": Param(list(cfg.overrides), type="array", items={"type": "string", "pattern": OVERRIDE_PATTERN},
-                           title="MaxText overrides", description="Extra key=value pairs for the trainer."),
+        "model": Param(
+            cfg.model,
+            type="string",
+            enum=[cfg.model],
+            title="Model",
+            description="The model this DAG post-trains (one DAG per model and recipe).",
+        ),
+        "accelerator_type": Param(
+            cfg.accelerator_type,
+            type="string",
+            enum=accelerators,
+            title="Accelerator",
+            description="TPU slice; the machine type is derived from it (v6e-8 → ct6e-standard-8t).",
+        ),
+        "zones": Param(
+            list(cfg.zones),
+            type="array",
+            minItems=1,
+            items={"type": "string", "pattern": ZONE_PATTERN},
+            title="Zones (in order)",
+            description="Tried in order; a stock-out moves on to the next.",
+        ),
+        "provisioning_model": Param(
+            cfg.provisioning_model,
+            type="string",
+            enum=PROVISIONING_MODELS,
+            title="Provisioning model",
+            description="RESERVATION_BOUND needs a reservation; SPOT can be preempted; "
+            "FLEX_START waits up to 2 h for capacity.",
+        ),
+        "reservation": Param(
+            cfg.reservation,
+            type=["null", "string"],
+            pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?" + END,
+            title="Reservation",
+            description="Name of the specific reservation (RESERVATION_BOUND only).",
+        ),
+        "maxtext_version": Param(
+            cfg.maxtext_version,
+            type=["null", "string"],
+            pattern=r"^\d+\.\d+\.\d+" + END,
+            title="MaxText version",
+            description="Empty: the model's (tutorials: 0.2.2 SFT, 0.2.3 RL).",
+        ),
+        "hub_repo_id": Param(
+            cfg.hub_repo_id,
+            type=["null", "string"],
+            pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*" + END,
+            title="Hub repo",
+            description="owner/name; the model goes to branch run-<run name> (private).",
+        ),
+        "storage_uri": Param(
+            cfg.storage_uri,
+            type=["null", "string"],
+            pattern=r"^(?!.*\.\.)(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*" + END,
+            title="Storage URI",
+            description="gs://bucket/prefix or a directory; one folder per run.",
+        ),
+        "overrides": Param(
+            list(cfg.overrides),
+            type="array",
+            items={"type": "string", "pattern": OVERRIDE_PATTERN},
+            title="MaxText overrides",
+            description="Extra key=value pairs for the trainer.",
+        ),
     }
     if cfg.recipe == "sft":
         params |= {
-            "dataset": Param(cfg.dataset or "", type="string", pattern=r"^(?![\s\S])|^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?" + END,
-                             title="Dataset", description="Hub dataset id (empty: the model's default)."),
-            "train_split": Param(cfg.train_split or "", type="string", pattern=r"^(?![\s\S])|" + NAME_PATTERN, title="Split"),
-            "train_data_columns": Param(cfg.train_data_columns or "", type="string",
-                                        pattern=r"^(?![\s\S])|^\[('[A-Za-z0-9_]+'(, ?)?)+\]" + END, title="Columns",
-                                        description="e.g. ['messages']"),
-            "steps": Param(cfg.steps, type=["null", "integer"], minimum=1, maximum=1_000_000, title="Steps",
-                           description="Empty: the model's (tutorial: 1000)."),
+            "dataset": Param(
+                cfg.dataset or "",
+                type="string",
+                pattern=r"^(?![\s\S])|^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?" + END,
+                title="Dataset",
+                description="Hub dataset id (empty: the model's default).",
+            ),
+            "train_split": Param(
+                cfg.train_split or "", type="string", pattern=r"^(?![\s\S])|" + NAME_PATTERN, title="Split"
+            ),
+            "train_data_columns": Param(
+                cfg.train_data_columns or "",
+                type="string",
+                pattern=r"^(?![\s\S])|^\[('[A-Za-z0-9_]+'(, ?)?)+\]" + END,
+                title="Columns",
+                description="e.g. ['messages']",
+            ),
+            "steps": Param(
+                cfg.steps,
+                type=["null", "integer"],
+                minimum=1,
+                maximum=1_000_000,
+                title="Steps",
+                description="Empty: the model's (tutorial: 1000).",
+            ),
         }
     else:
         params |= {
-            "num_batches": Param(cfg.num_batches, type=["null", "integer"], minimum=1, maximum=100_000,
-                                 title="Batches", description="Empty: the model's (tutorial: 50)."),
-            "num_test_batches": Param(cfg.num_test_batches, type=["null", "integer"], minimum=1, maximum=10_000,
-                                      title="Test batches", description="Empty: the model's (tutorial: 10)."),
+            "num_batches": Param(
+                cfg.num_batches,
+                type=["null", "integer"],
+                minimum=1,
+                maximum=100_000,
+                title="Batches",
+                description="Empty: the model's (tutorial: 50).",
+            ),
+            "num_test_batches": Param(
+                cfg.num_test_batches,
+                type=["null", "integer"],
+                minimum=1,
+                maximum=10_000,
+                title="Test batches",
+                description="Empty: the model's (tutorial: 10).",
+            ),
         }
     return params
 
@@ -125,7 +199,9 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         params=_params(cfg),
         render_template_as_native_obj=True,
         tags=["tpu", "maxtext", cfg.recipe, cfg.model, *cfg.tags],
-        doc_md=DOC.format(recipe=cfg.recipe.upper(), model=cfg.model, train="SFT" if cfg.recipe == "sft" else "GRPO"),
+        doc_md=DOC.format(
+            recipe=cfg.recipe.upper(), model=cfg.model, train="SFT" if cfg.recipe == "sft" else "GRPO"
+        ),
     )
     vm = {
         "ssh_conn_id": cfg.ssh_conn_id,
@@ -151,11 +227,17 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             pool=POOL,
         )
         install = MaxTextInstallOperator(
-            task_id="install_maxtext", maxtext_version="{{ params.maxtext_version }}", execution_timeout=t.install,
-            poll_interval=2 if cfg.local else 15, **vm,
+            task_id="install_maxtext",
+            maxtext_version="{{ params.maxtext_version }}",
+            execution_timeout=t.install,
+            poll_interval=2 if cfg.local else 15,
+            **vm,
         )
         convert = MaxTextConvertOperator(
-            task_id="convert_to_maxtext", execution_timeout=t.convert, poll_interval=2 if cfg.local else 15, **vm
+            task_id="convert_to_maxtext",
+            execution_timeout=t.convert,
+            poll_interval=2 if cfg.local else 15,
+            **vm,
         )
         if cfg.recipe == "sft":
             train = SftTrainOperator(

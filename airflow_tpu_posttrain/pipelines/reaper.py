@@ -22,7 +22,9 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
         catchup=False,
         max_active_runs=1,
         dagrun_timeout=timedelta(minutes=every_minutes),
-        params={"dry_run": Param(dry_run, type="boolean", title="Dry run", description="Log decisions only.")},
+        params={
+            "dry_run": Param(dry_run, type="boolean", title="Dry run", description="Log decisions only.")
+        },
         render_template_as_native_obj=True,
         tags=["tpu", "maintenance"],
         doc_md="Deletes TPU VMs labelled by this provider whose DAG run is over or whose expiry label passed "

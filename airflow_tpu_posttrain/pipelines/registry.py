@@ -106,7 +106,9 @@ def load_registry(path: str | Path) -> list[PipelineConfig]:
                 continue
             vm_dir = os.environ.get("TPU_POSTTRAIN_VM_DIR", f"{local_dir}/vm")
             merged.update(
-                local=local_settings(local_dir, vm_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
+                local=local_settings(
+                    local_dir, vm_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")
+                ),
                 timeouts=LOCAL_TIMEOUTS,
             )
         for key in ("zones", "overrides", "tags"):

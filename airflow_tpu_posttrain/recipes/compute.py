@@ -86,7 +86,9 @@ class TpuVmSpec:
 
     def __post_init__(self) -> None:
         if not self.project_id or not re.fullmatch(r"[a-z][a-z0-9-]{4,61}[a-z0-9]", self.project_id):
-            raise SpecError("project_id", self.project_id, "is not a Google Cloud project id", "use e.g. 'my-project'")
+            raise SpecError(
+                "project_id", self.project_id, "is not a Google Cloud project id", "use e.g. 'my-project'"
+            )
         if not self.zones:
             raise SpecError("zones", self.zones, "is empty", "list at least one zone, e.g. ['us-east5-b']")
         for i, zone in enumerate(self.zones):
@@ -96,7 +98,10 @@ class TpuVmSpec:
         accelerator(self.accelerator_type)
         if self.provisioning_model not in PROVISIONING_MODELS:
             raise SpecError(
-                "provisioning_model", self.provisioning_model, "is unknown", f"use one of {list(PROVISIONING_MODELS)}"
+                "provisioning_model",
+                self.provisioning_model,
+                "is unknown",
+                f"use one of {list(PROVISIONING_MODELS)}",
             )
         if self.provisioning_model == "RESERVATION_BOUND":
             if not self.reservation:
@@ -118,7 +123,9 @@ class TpuVmSpec:
         for i, tag in enumerate(self.tags):
             validation.gce_name(f"tags[{i}]", tag)
         if not 10 <= self.boot_disk_size_gb <= 65536:
-            raise SpecError("boot_disk_size_gb", self.boot_disk_size_gb, "is out of range", "use 10..65536 GB")
+            raise SpecError(
+                "boot_disk_size_gb", self.boot_disk_size_gb, "is out of range", "use 10..65536 GB"
+            )
         validation.gce_name("image_project", self.image_project)
         validation.gce_name("image_family", self.image_family)
         if self.max_run_duration_s is not None and not (
@@ -235,4 +242,6 @@ def classify_errors(errors: list[dict]) -> str:
 
 
 def describe_errors(errors: list[dict]) -> str:
-    return "; ".join(f"{e.get('code', '?')}: {e.get('message', '')}".strip() for e in errors) or "unknown error"
+    return (
+        "; ".join(f"{e.get('code', '?')}: {e.get('message', '')}".strip() for e in errors) or "unknown error"
+    )

@@ -68,7 +68,7 @@ def install_script(runtime: Runtime, maxtext_version: str) -> str:
                 "  echo \"Reusing the MaxText environment in $venv (installed: ${wanted//$'\\n'/, })\"",
                 "  exit 0",
                 "fi",
-                f"echo {shlex.quote('Installing ' + ' '.join(wanted[1:]) + ' into')} \"$venv\"",
+                f'echo {shlex.quote("Installing " + " ".join(wanted[1:]) + " into")} "$venv"',
                 *steps,
                 'printf "%s\\n" "$wanted" >"$marker"',
                 "echo \"Installed MaxText in $venv (${wanted//$'\\n'/, })\"",

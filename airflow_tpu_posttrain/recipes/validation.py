@@ -35,7 +35,10 @@ def _no_shell_meta(field: str, value: str) -> None:
     bad = _SHELL_META.search(value)
     if bad:
         raise SpecError(
-            field, value, f"contains the shell metacharacter {bad.group()!r}", "remove it; this value is never a command"
+            field,
+            value,
+            f"contains the shell metacharacter {bad.group()!r}",
+            "remove it; this value is never a command",
         )
 
 
@@ -48,7 +51,10 @@ def safe_name(field: str, value: str, max_len: int = 128) -> str:
         raise SpecError(field, value, "is a path, not a name", "use a plain name without '/' or '..'")
     if len(value) > max_len or not _SAFE_NAME.fullmatch(value):
         raise SpecError(
-            field, value, f"is not a plain name (max {max_len} chars)", "use letters, digits, '.', '_' and '-' only"
+            field,
+            value,
+            f"is not a plain name (max {max_len} chars)",
+            "use letters, digits, '.', '_' and '-' only",
         )
     return value
 
@@ -61,7 +67,9 @@ def _path_segments(field: str, value: str) -> list[str]:
         if segment in (".", ".."):
             raise SpecError(field, value, "contains '.' or '..'", "give a normalised path without '..'")
         if len(segment) > 255 or not _SAFE_SEGMENT.fullmatch(segment):
-            raise SpecError(field, value, f"has an invalid segment {segment!r}", "use letters, digits, '.', '_', '-'")
+            raise SpecError(
+                field, value, f"has an invalid segment {segment!r}", "use letters, digits, '.', '_', '-'"
+            )
     return segments
 
 
@@ -76,7 +84,9 @@ def safe_absolute_path(field: str, value: str) -> str:
 def safe_relative_path(field: str, value: str) -> str:
     """A relative path of plain segments, e.g. a Hub dataset id 'HuggingFaceH4/ultrachat_200k'."""
     if not isinstance(value, str) or not value:
-        raise SpecError(field, value, "must be a non-empty string", "give a relative name such as 'owner/name'")
+        raise SpecError(
+            field, value, "must be a non-empty string", "give a relative name such as 'owner/name'"
+        )
     if value.startswith("/"):
         raise SpecError(field, value, "is an absolute path where a name is expected", "give a relative name")
     _no_shell_meta(field, value)
@@ -127,11 +137,17 @@ def labels(field: str, value: dict[str, str]) -> dict[str, str]:
     for key, val in value.items():
         if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
             raise SpecError(
-                f"{field}.{key}", key, "is not a valid label key", "use lowercase letters, digits, '_' and '-'"
+                f"{field}.{key}",
+                key,
+                "is not a valid label key",
+                "use lowercase letters, digits, '_' and '-'",
             )
         if not isinstance(val, str) or not _LABEL_VALUE.fullmatch(val):
             raise SpecError(
-                f"{field}.{key}", val, "is not a valid label value", "use <=63 lowercase letters, digits, '_', '-'"
+                f"{field}.{key}",
+                val,
+                "is not a valid label value",
+                "use <=63 lowercase letters, digits, '_', '-'",
             )
     return dict(value)
 
@@ -146,13 +162,20 @@ def override_pairs(field: str, pairs: Sequence[str], reserved: frozenset[str] = 
             raise SpecError(where, pair, "is not a 'key=value' pair", "write it as key=value")
         key, val = pair.split("=", 1)
         if not _OVERRIDE_KEY.fullmatch(key):
-            raise SpecError(where, pair, f"has an invalid key {key!r}", "use a MaxText config key (lowercase, '_')")
+            raise SpecError(
+                where, pair, f"has an invalid key {key!r}", "use a MaxText config key (lowercase, '_')"
+            )
         if key in reserved:
-            raise SpecError(where, pair, f"overrides {key!r}, which the pipeline sets", f"use the {key} parameter")
+            raise SpecError(
+                where, pair, f"overrides {key!r}, which the pipeline sets", f"use the {key} parameter"
+            )
         _no_shell_meta(where, val)
         if not _OVERRIDE_VALUE.fullmatch(val) or ".." in val:
             raise SpecError(
-                where, pair, "has characters a MaxText value does not need", "use letters, digits and . , : / + - [ ] '"
+                where,
+                pair,
+                "has characters a MaxText value does not need",
+                "use letters, digits and . , : / + - [ ] '",
             )
     return list(pairs)
 
@@ -170,7 +193,9 @@ def positive_int(field: str, value: int) -> int:
 
 def one_of(field: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise SpecError(field, value, "is not a supported value", f"use one of: {', '.join(map(repr, choices))}")
+        raise SpecError(
+            field, value, "is not a supported value", f"use one of: {', '.join(map(repr, choices))}"
+        )
     return value
 
 

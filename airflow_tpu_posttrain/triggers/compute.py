@@ -75,7 +75,9 @@ class ComputeOperationsTrigger(BaseTrigger):
                 failures += 1
                 if failures > self.max_transient_failures:
                     raise
-                self.log.warning("Compute API answered %s; retrying (%d/%d)", err, failures, self.max_transient_failures)
+                self.log.warning(
+                    "Compute API answered %s; retrying (%d/%d)", err, failures, self.max_transient_failures
+                )
                 await asyncio.sleep(min(self.poll_interval * failures, 60))
 
     def _event(self, payload: dict[str, Any]) -> TriggerEvent:
@@ -113,9 +115,13 @@ class ComputeOperationsTrigger(BaseTrigger):
                     return
                 if status is None or status in DEAD_STATES:
                     message = f"instance {name} in {zone} is {status or 'gone'} instead of RUNNING"
-                    yield self._event({"status": "error", "errors": [{"code": "INSTANCE_NOT_RUNNING", "message": message}]})
+                    yield self._event(
+                        {"status": "error", "errors": [{"code": "INSTANCE_NOT_RUNNING", "message": message}]}
+                    )
                     return
                 self.log.info("Instance %s is %s; waiting for RUNNING", name, status)
                 await asyncio.sleep(self.poll_interval)
         except Exception as err:
-            yield self._event({"status": "error", "errors": [{"code": type(err).__name__, "message": str(err)}]})
+            yield self._event(
+                {"status": "error", "errors": [{"code": type(err).__name__, "message": str(err)}]}
+            )

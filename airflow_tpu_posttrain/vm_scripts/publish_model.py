@@ -28,12 +28,32 @@ from pathlib import Path
 from urllib.parse import quote
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
-                        "num_hidden_layers")
+REQUIRED_CONFIG_KEYS = (
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "num_hidden_layers",
+)
 # Config keys that fix tensor shapes: an export must agree with the expected config on these.
 SHAPE_CONFIG_KEYS = (*REQUIRED_CONFIG_KEYS, "num_key_value_heads", "head_dim", "tie_word_embeddings")
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-               "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
 MAX_LISTED_PROBLEMS = 20
 
 
@@ -79,8 +99,10 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         except (KeyError, TypeError, ValueError):
             raise PublishError(f"{path.name}: malformed header entry for tensor {name}: {info}") from None
         if not 0 <= begin <= end <= data_size or end - begin != expected_bytes:
-            raise PublishError(f"{path.name}: tensor {name} has data offsets {info['data_offsets']} that do "
-                               f"not fit its shape/dtype or the file ({data_size} data bytes)")
+            raise PublishError(
+                f"{path.name}: tensor {name} has data offsets {info['data_offsets']} that do "
+                f"not fit its shape/dtype or the file ({data_size} data bytes)"
+            )
     return header
 
 
@@ -97,8 +119,10 @@ def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     # transformers' defaults: Gemma ties the output head to the embeddings, Llama does not.
     tied = config.get("tie_word_embeddings", model_type.startswith("gemma"))
 
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
-                                          "model.norm.weight": (hidden,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
     if not tied:
         shapes["lm_head.weight"] = (vocab, hidden)
     for layer in range(config["num_hidden_layers"]):
@@ -132,15 +156,18 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
     if not model_dir.is_dir():
         raise PublishError(f"model directory not found: {model_dir}")
     config = read_json_file(model_dir / "config.json", "config.json")
-    problems = [f"missing tokenizer file {name}" for name in TOKENIZER_FILES
-                if not (model_dir / name).is_file()]
+    problems = [
+        f"missing tokenizer file {name}" for name in TOKENIZER_FILES if not (model_dir / name).is_file()
+    ]
 
     expected_config = config
     if expected_config_path is not None:
         expected_config = read_json_file(expected_config_path, "expected config")
-        problems += [f"config.json has {key}={config.get(key)!r}, expected {expected_config[key]!r}"
-                     for key in SHAPE_CONFIG_KEYS
-                     if key in expected_config and config.get(key) != expected_config[key]]
+        problems += [
+            f"config.json has {key}={config.get(key)!r}, expected {expected_config[key]!r}"
+            for key in SHAPE_CONFIG_KEYS
+            if key in expected_config and config.get(key) != expected_config[key]
+        ]
     expected = expected_tensor_shapes(expected_config)
 
     shard_paths = sorted(model_dir.glob("*.safetensors"))
@@ -156,13 +183,20 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.exists():
         weight_map = read_json_file(index_path, "safetensors index").get("weight_map", {})
-        problems += [f"index maps {name} to {shard}, but it is in {shard_of.get(name, 'no shard')}"
-                     for name, shard in sorted(weight_map.items()) if shard_of.get(name) != shard]
+        problems += [
+            f"index maps {name} to {shard}, but it is in {shard_of.get(name, 'no shard')}"
+            for name, shard in sorted(weight_map.items())
+            if shard_of.get(name) != shard
+        ]
 
-    problems += [f"missing tensor {name} {list(shape)}"
-                 for name, shape in expected.items() if name not in found]
-    problems += [f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
-                 for name, shape in expected.items() if name in found and found[name] != shape]
+    problems += [
+        f"missing tensor {name} {list(shape)}" for name, shape in expected.items() if name not in found
+    ]
+    problems += [
+        f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]
     if problems:
         listed = problems[:MAX_LISTED_PROBLEMS]
         if len(problems) > len(listed):
@@ -186,15 +220,23 @@ def read_hub_token() -> str:
     try:
         token = Path(token_file).read_text().strip()
     except OSError as error:
-        raise PublishError(f"cannot read the Hub token file named by HF_TOKEN_FILE: {error.strerror}"
-                           ) from None
+        raise PublishError(
+            f"cannot read the Hub token file named by HF_TOKEN_FILE: {error.strerror}"
+        ) from None
     if not token:
         raise PublishError("the Hub token file named by HF_TOKEN_FILE is empty")
     return token
 
 
-def publish_to_hub(model_dir: Path, repo_id: str, revision: str, private: bool, commit_message: str,
-                   endpoint: str | None, token: str) -> dict:
+def publish_to_hub(
+    model_dir: Path,
+    repo_id: str,
+    revision: str,
+    private: bool,
+    commit_message: str,
+    endpoint: str | None,
+    token: str,
+) -> dict:
     from huggingface_hub import HfApi
     from huggingface_hub.utils import disable_progress_bars
 
@@ -203,13 +245,19 @@ def publish_to_hub(model_dir: Path, repo_id: str, revision: str, private: bool, 
     api.create_repo(repo_id, private=private, exist_ok=True)
     # create_repo ignores `private` for an existing repo: never put a private model into a public repo.
     if private and not api.model_info(repo_id).private:
-        raise PublishError(f"{repo_id} already exists and is public; "
-                           "refusing to publish a private model to it")
+        raise PublishError(
+            f"{repo_id} already exists and is public; refusing to publish a private model to it"
+        )
     api.create_branch(repo_id, branch=revision, exist_ok=True)
-    commit = api.upload_folder(repo_id=repo_id, folder_path=model_dir, revision=revision,
-                               commit_message=commit_message)
-    return {"repo_id": repo_id, "revision": revision, "commit_sha": commit.oid,
-            "url": f"{api.endpoint}/{repo_id}/tree/{quote(revision, safe='')}"}
+    commit = api.upload_folder(
+        repo_id=repo_id, folder_path=model_dir, revision=revision, commit_message=commit_message
+    )
+    return {
+        "repo_id": repo_id,
+        "revision": revision,
+        "commit_sha": commit.oid,
+        "url": f"{api.endpoint}/{repo_id}/tree/{quote(revision, safe='')}",
+    }
 
 
 def file_digest(path: Path, algorithm: str) -> bytes:
@@ -297,8 +345,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", required=True, type=Path, help="exported Hugging Face model folder")
     parser.add_argument("--result-file", required=True, type=Path, help="where to write the result JSON")
-    parser.add_argument("--expect-tensors-from", default="", metavar="HF_CONFIG_JSON",
-                        help="config.json to derive the expected tensors from (default: the export's own)")
+    parser.add_argument(
+        "--expect-tensors-from",
+        default="",
+        metavar="HF_CONFIG_JSON",
+        help="config.json to derive the expected tensors from (default: the export's own)",
+    )
     hub = parser.add_argument_group("Hugging Face Hub (token: file named by $HF_TOKEN_FILE)")
     hub.add_argument("--hub-repo", help="owner/name; omit to skip the Hub")
     hub.add_argument("--hub-revision", default="main", help="branch to commit to (created if missing)")
@@ -317,8 +369,15 @@ def run(args: argparse.Namespace, token: str | None) -> dict:
     validated = validate_export(args.model_dir, expected_config)
     hub = None
     if args.hub_repo:
-        hub = publish_to_hub(args.model_dir, args.hub_repo, args.hub_revision, args.hub_private,
-                             args.commit_message, args.hub_endpoint, token)
+        hub = publish_to_hub(
+            args.model_dir,
+            args.hub_repo,
+            args.hub_revision,
+            args.hub_private,
+            args.commit_message,
+            args.hub_endpoint,
+            token,
+        )
     storage_uri, storage_outcome = None, None
     if args.storage_uri:
         storage_uri = args.storage_uri.rstrip("/")
