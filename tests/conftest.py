@@ -92,3 +92,63 @@ def stack(airflow_db, tmp_path_factory):
             shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
         Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
         yield local
+
+
+# ------------------------------------------------------------------------------------------- fault matrix
+# Fault tests record one row each, after their assertions passed (a row means "verified"); the terminal summary
+# prints the rows as a Markdown table and, if $TPU_POSTTRAIN_FAULT_MATRIX is set, writes them to that file.
+
+FAULT_MATRIX_COMMAND = (
+    "TPU_POSTTRAIN_FAULT_MATRIX=docs/fault-matrix.md .venv/bin/python -m pytest tests/test_pipeline_failures.py "
+    "tests/test_maxtext_faults.py tests/test_tpu_vm_operators.py tests/test_reaper.py -q -p no:cacheprovider"
+)
+_FAULT_ROWS: list[tuple[str, bool | None, str, bool | None, str]] = []
+
+
+class FaultMatrix:
+    rows = _FAULT_ROWS
+
+    @staticmethod
+    def record(case: str, vm_deleted: bool | None, run_state: str, model_intact: bool | None, message: str) -> None:
+        _FAULT_ROWS.append((case, vm_deleted, str(run_state), model_intact, message))
+
+
+@pytest.fixture(scope="session")
+def fault_matrix() -> FaultMatrix:
+    return FaultMatrix()
+
+
+def log_excerpt(text: str, needle: str, width: int = 80) -> str:
+    """The first log line holding ``needle``, from ``needle`` on, at most ``width`` characters."""
+    line = next(line for line in text.splitlines() if needle in line)
+    return line[line.index(needle) :][:width].strip()
+
+
+def fault_matrix_markdown() -> str:
+    def cell(value: object) -> str:
+        text = {True: "yes", False: "**no**", None: "n/a"}[value] if value is None or isinstance(value, bool) else value
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| case | VM deleted | run state | model intact | message |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in _FAULT_ROWS]
+    return "\n".join(lines) + "\n"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _FAULT_ROWS:
+        return
+    table = fault_matrix_markdown()
+    terminalreporter.write_sep("=", f"fault matrix ({len(_FAULT_ROWS)} verified cases)")
+    terminalreporter.write(table)
+    target = os.environ.get("TPU_POSTTRAIN_FAULT_MATRIX")
+    if target:
+        header = (
+            "# Fault matrix\n\n"
+            "Written by the fault tests (each row is recorded only after its test's assertions passed):\n"
+            f"`{FAULT_MATRIX_COMMAND}`\n\n"
+            "Columns: VM deleted (no instance left in the Compute emulator; n/a where no VM is in play), final "
+            "state of the DAG run (or of the failing task), model intact (the run's checkpoint / exported model "
+            "is still there; n/a where the case produces none), and what the logs say.\n\n"
+        )
+        Path(target).write_text(header + table)
+        terminalreporter.write_line(f"fault matrix written to {target}")

@@ -112,6 +112,7 @@ def test_setup_teardown_pair(dags, dag_id):
     create, delete = dag.get_task(CREATE), dag.get_task(DELETE)
     assert create.is_setup and not create.is_teardown
     assert delete.is_teardown and not delete.is_setup
+    assert delete.on_failure_fail_dagrun  # a VM that could not be deleted makes the run FAILED, not green
     # The pairing: the teardown's setup is the create task.
     assert [t.task_id for t in delete.upstream_list if t.is_setup] == [CREATE]
     assert delete.trigger_rule == "all_done_setup_success"

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HF_TOKEN
+from conftest import HF_TOKEN, log_excerpt
+
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__faults-sft"
 LOGICAL_DATE = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
@@ -268,7 +269,7 @@ def _diagnose(run: dict) -> str:
 # ---------------------------------------------------------------------------------------------- 1. SSH drops
 
 
-def test_ssh_drops_while_training_do_not_fail_the_task(faulted_run):
+def test_ssh_drops_while_training_do_not_fail_the_task(faulted_run, stack, fault_matrix):
     run = faulted_run
     faults: _TrainFaults = run["faults"]
     assert run["state"] == "success", _diagnose(run)
@@ -286,12 +287,17 @@ def test_ssh_drops_while_training_do_not_fail_the_task(faulted_run):
     assert re.search(r"failed .*exit code:? 137", run["logs"]), run["debug_log"]
     # After the drop, try 2 finished normally: the trainer's last step is in the log it streamed.
     assert f"completed step: {STEPS}," in run["logs"]
+    fault_matrix.record(
+        f"MaxText: SSH sessions dropped while train is deferred ({len(lost)} reconnects)",
+        run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
+        Path(run["returns"]["train"]["checkpoint"]).is_dir(), log_excerpt(run["logs"], "Lost SSH connection while polling"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- 2. resume
 
 
-def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run):
+def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fault_matrix):
     run = faulted_run
     faults: _TrainFaults = run["faults"]
     assert faults.killed, "the trainer was never killed (training finished before the kill?)"
@@ -322,12 +328,18 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run):
     assert Path(run["returns"]["train"]["checkpoint"]).is_dir()
     # The retry reused the run's VM: one instance insert for the whole run.
     assert run["instance_inserts"] == 1
+    fault_matrix.record(
+        f"MaxText: trainer SIGKILLed after step {KILL_AFTER_STEP} -> retry resumes from checkpoint",
+        run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
+        Path(run["returns"]["train"]["checkpoint"]).is_dir(),
+        log_excerpt(run["logs"], f"SFT: {STEPS} steps (resumed from {restored[0]})"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- 3. token
 
 
-def test_hf_token_leaks_nowhere(faulted_run, stack):
+def test_hf_token_leaks_nowhere(faulted_run, stack, fault_matrix):
     run = faulted_run
     assert run["state"] == "success", _diagnose(run)
     hub = run["returns"]["export_and_publish"]["hub"]
@@ -357,6 +369,11 @@ def test_hf_token_leaks_nowhere(faulted_run, stack):
     for area in ("work", "runs"):
         assert (stack.vm_dir / area).is_dir()
         assert _token_hits(stack.vm_dir / area, HF_TOKEN.encode()) == []
+    fault_matrix.record(
+        "MaxText: HF token absent from logs, XCom, rendered fields, argv, VM files",
+        run["returns"]["delete_tpu_vm"]["deleted"] is True, run["state"], bool(hub["commit_sha"]),
+        f"0 hits; {sampler.samples} process-list samples; published {hub['repo_id']}"[:80],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- 4. input
@@ -380,7 +397,7 @@ INVALID_CONF = [
 
 
 @pytest.mark.parametrize(("conf", "field"), INVALID_CONF)
-def test_unsafe_trigger_input_is_refused_before_any_api_call(stack, conf, field):
+def test_unsafe_trigger_input_is_refused_before_any_api_call(stack, conf, field, request, fault_matrix):
     requests_before = len(stack.compute.requests)
     dag = _dag()
     # A distinct logical date per case; if validation wrongly passed, every task is only marked success, so a
@@ -391,6 +408,10 @@ def test_unsafe_trigger_input_is_refused_before_any_api_call(stack, conf, field)
     assert type(raised.value).__name__ == "ParamValidationError", repr(raised.value)
     assert f"param {field}" in str(raised.value), str(raised.value)
     assert len(stack.compute.requests) == requests_before
+    fault_matrix.record(
+        f"hostile conf refused before any API call ({request.node.callspec.id})", None, "not created", None,
+        str(raised.value).splitlines()[0][:80],
+    )
 
 
 INVALID_CONF_IDS = [json.dumps(p.values[0], sort_keys=True) for p in INVALID_CONF]
@@ -413,7 +434,7 @@ def test_operator_validation_refuses_trailing_newline(check):
 # ---------------------------------------------------------------------------------------------- 2b. dead job
 
 
-def test_job_that_died_with_its_wrapper_ends_the_watch(stack):
+def test_job_that_died_with_its_wrapper_ends_the_watch(stack, fault_matrix):
     import asyncio
     import subprocess
 
@@ -443,6 +464,10 @@ def test_job_that_died_with_its_wrapper_ends_the_watch(stack):
 
     event = asyncio.run(first_event())
     assert event.payload["done"] and event.payload["exit_code"] == JOB_DIED, event.payload
+    fault_matrix.record(
+        "MaxText: job killed with its wrapper (cgroup OOM) -> the watch ends", None, "trigger event: job died",
+        None, f"payload done={event.payload['done']}, exit_code={event.payload['exit_code']}"[:80],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- 5. re-run
@@ -483,7 +508,7 @@ def rerun(faulted_run, stack, capfd):
     return _RERUN
 
 
-def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun):
+def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun, fault_matrix):
     first = faulted_run
     assert first["state"] == "success", _diagnose(first)
     assert rerun["dag_run"].run_id == RUN_ID
@@ -502,9 +527,14 @@ def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun
     assert sorted(p.name for p in jobs.glob("train-*")) == rerun["before"]["train_dirs"]
     assert (train_log.stat().st_mtime_ns, train_log.stat().st_size) == rerun["before"]["train_log"]
     assert HF_TOKEN not in rerun["logs"]
+    fault_matrix.record(
+        "MaxText: re-run of a finished run reuses conversion and training",
+        rerun["returns"]["delete_tpu_vm"]["deleted"] is True and rerun["instances_after"] == [], rerun["state"],
+        Path(train["checkpoint"]).is_dir(), log_excerpt(rerun["logs"], "output already complete"),
+    )
 
 
-def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun):
+def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun, fault_matrix):
     assert rerun["state"] == "success", rerun["states"]
     inserts = [r for r in rerun["requests"] if r["method"] == "POST" and r["path"].endswith("/instances")]
     # The first run's teardown deleted its VM, so the re-run creates exactly one (the same deterministic name).
@@ -513,3 +543,7 @@ def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun):
     assert rerun["instances_after"] == [], [i["name"] for i in rerun["instances_after"]]
     assert rerun["tries"]["create_tpu_vm"] == 1, rerun["tries"]
     assert len(inserts) == 1, inserts
+    fault_matrix.record(
+        "MaxText: re-run creates one VM at the first try, deletes it",
+        rerun["instances_after"] == [], rerun["state"], None, f"{len(inserts)} instance insert, create tries=1",
+    )

@@ -7,7 +7,8 @@ Every fault is injected through the environment the pipeline runs in, never by p
 - install: a MaxText version that does not exist (``maxtext_version`` in the run's conf);
 - convert: a regular file where the conversion's output directory goes (``<root>/mt-format``);
 - train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
-- export: a regular file where the exports' parent directory goes (``<root>/hf-trained``).
+- export: a regular file where the exports' parent directory goes (``<root>/hf-trained``);
+- publish: the Hub unreachable (the ``local_hub`` connection's host pointed at a closed port).
 
 Each failed run must end FAILED with the watcher failed, the VM deleted (by the teardown, or, when the create
 itself fails, by the create) and nothing left in the emulator; the failed task's log must say what failed.
@@ -19,13 +20,17 @@ One stack for the module (the VM's disk is a fresh temp dir); SFT runs with 2 st
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, log_excerpt
+
 DAG_ID = "posttrain_sft__tiny-llama"
 STEPS = 2
 BODY_STEPS = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
@@ -124,7 +129,7 @@ def successful_conversions(stack) -> int:
 # ------------------------------------------------------------------------------------- a fault per step
 
 
-def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd):
+def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd, fault_matrix):
     zones = local_zones()
     inserts_before = len(instance_inserts(stack))
     stack.compute.set_faults(stockout_zones=zones)
@@ -148,23 +153,29 @@ def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd):
     assert tried == zones * 2
     assert "No cpu capacity in any zone" in logs and "No instance was left behind" in logs
     assert "ZONE_RESOURCE_POOL_EXHAUSTED" in logs
+    fault_matrix.record(
+        f"pipeline: create, every zone out of capacity ({len(tried)} inserts, all rolled back)",
+        stack.compute.instances() == [], dr.state, None, log_excerpt(logs, "No cpu capacity in any zone"),
+    )
 
 
-def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, capfd):
+def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, capfd, fault_matrix):
     dr = run_pipeline({"maxtext_version": "9.9.9"})
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, dr, "install_maxtext")
     assert "Install failed on the VM with exit code" in logs
-    # The remote log, streamed into the task's, says why: uv's error about the maxtext package it was asked for.
-    # With PyPI reachable from the VM that is "no version of maxtext[tpu]==9.9.9"; where the VM cannot reach
-    # PyPI (this sandbox's sshd session has no CA bundle for its TLS proxy) it is the failed fetch of maxtext's
-    # index: the same step fails, with uv's own message.
-    uv_errors = [line for line in logs.splitlines() if "[remote] error:" in line]
-    assert uv_errors, "uv's error is not in the task log"
-    assert any("no version of maxtext[tpu]==9.9.9" in line or "/simple/maxtext/" in line for line in uv_errors), uv_errors
+    # The remote log, streamed into the task's, says what was asked for and that uv refused it (the reason follows
+    # on uv's next lines: no such version, or, where the VM cannot reach PyPI, the failed fetch of the index).
+    remote = [line for line in logs.splitlines() if "[remote]" in line]
+    assert any("Installing maxtext[tpu]==9.9.9" in line for line in remote), remote[-20:]
+    assert any("[remote] error:" in line for line in remote), remote[-20:]
+    fault_matrix.record(
+        "pipeline: install, MaxText version that does not exist", stack.compute.instances() == [], dr.state, None,
+        log_excerpt(logs, "Install failed on the VM with exit code"),
+    )
 
 
-def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd):
+def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd, fault_matrix):
     converted_dir = root(stack) / "mt-format"  # RunLayout.converted_dir
     with file_in_place_of(converted_dir):
         dr = run_pipeline()
@@ -172,18 +183,26 @@ def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd)
     assert_failed_cleanly(stack, dr, "convert_to_maxtext")
     assert "Convert failed on the VM with exit code" in logs
     assert str(converted_dir) in logs  # the remote traceback names the path it could not write
+    fault_matrix.record(
+        "pipeline: convert, output directory not writable", stack.compute.instances() == [], dr.state, None,
+        log_excerpt(logs, "Convert failed on the VM with exit code"),
+    )
 
 
-def test_train_fails_on_an_unknown_maxtext_override(stack, capfd):
+def test_train_fails_on_an_unknown_maxtext_override(stack, capfd, fault_matrix):
     dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, dr, "train")
     assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(root(stack)))
     assert "SFT failed on the VM with exit code" in logs
     assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
+    fault_matrix.record(
+        "pipeline: train, unknown MaxText override", stack.compute.instances() == [], dr.state, None,
+        log_excerpt(logs, "'no_such_maxtext_key' not in"),
+    )
 
 
-def test_export_fails_when_its_output_directory_cannot_be_written(stack, capfd):
+def test_export_fails_when_its_output_directory_cannot_be_written(stack, capfd, fault_matrix):
     with file_in_place_of(root(stack) / "hf-trained"):  # the parent of RunLayout.export_dir
         dr = run_pipeline()
     logs = "".join(capfd.readouterr())
@@ -192,12 +211,45 @@ def test_export_fails_when_its_output_directory_cannot_be_written(stack, capfd):
     assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
     assert "Export failed on the VM with exit code" in logs
     assert str(root(stack) / "hf-trained") in logs
+    fault_matrix.record(
+        "pipeline: export, output directory not writable (trained checkpoint kept)",
+        stack.compute.instances() == [], dr.state, Path(trained["checkpoint"]).is_dir(),
+        log_excerpt(logs, "Export failed on the VM with exit code"),
+    )
+
+
+def test_publish_fails_when_the_hub_is_unreachable(stack, capfd, monkeypatch, fault_matrix):
+    # HubServer.stop() closes its socket for good (no restart): point the run's Hub connection at a closed port.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    hub_conn = json.loads(os.environ["AIRFLOW_CONN_LOCAL_HUB"])
+    monkeypatch.setenv("AIRFLOW_CONN_LOCAL_HUB", json.dumps({**hub_conn, "host": f"http://127.0.0.1:{closed_port}"}))
+    hub_requests_before = len(stack.hub.requests)
+    dr = run_pipeline()
+    logs = "".join(capfd.readouterr())
+    assert_failed_cleanly(stack, dr, "export_and_publish")
+    trained = xcom(dr, "train")
+    assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
+    assert "Export failed on the VM with exit code" in logs
+    assert "publish_model: error:" in logs
+    # The error says where the exported model was, and it is there, whole: only the upload failed.
+    hint = "The exported model, if the export finished, was at"
+    assert hint in logs
+    export_dir = Path(re.search(re.escape(hint) + r" (\S+) on the VM", logs).group(1))
+    assert export_dir.is_relative_to(root(stack)) and (export_dir / ".complete").exists(), export_dir
+    assert (export_dir / "config.json").is_file() and list(export_dir.glob("*.safetensors")), sorted(export_dir.iterdir())
+    assert len(stack.hub.requests) == hub_requests_before  # nothing reached the Hub
+    fault_matrix.record(
+        "pipeline: publish, Hub unreachable (exported model kept on the VM disk)",
+        stack.compute.instances() == [], dr.state, (export_dir / "config.json").is_file(), log_excerpt(logs, hint),
+    )
 
 
 # --------------------------------------------------------------------------------------------- backfill
 
 
-def test_backfill_two_dates_then_rerun_the_first(stack, capfd):
+def test_backfill_two_dates_then_rerun_the_first(stack, capfd, fault_matrix):
     dates = [datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 12, tzinfo=UTC)]
     run_ids = [f"manual__{d.isoformat()}" for d in dates]  # dag.test makes manual runs
     runs = [run_pipeline(logical_date=d, run_id=r) for d, r in zip(dates, run_ids)]
@@ -244,3 +296,8 @@ def test_backfill_two_dates_then_rerun_the_first(stack, capfd):
     assert stack.compute.instances() == []
     # The first run's teardown deleted its VM, so the re-run needs one: exactly one more insert, no duplicate.
     assert len(instance_inserts(stack, name)) == 2, [r["query"] for r in instance_inserts(stack, name)]
+    fault_matrix.record(
+        "pipeline: backfill 2 dates, re-run the first under its run_id (reuses conversion + training)",
+        stack.compute.instances() == [], rerun.state, Path(checkpoints[0]).is_dir(),
+        f"train reused={again['reused']}, same checkpoint and Hub revision {hubs[0]['revision']}"[:80],
+    )

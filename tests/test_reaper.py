@@ -72,7 +72,7 @@ def reap_counts(dr):
     return ti.xcom_pull(task_ids="reap")
 
 
-def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag):
+def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, fault_matrix):
     # A run whose teardown never ran (e.g. marked failed): its VM outlives it.
     victim = run_dag("reaper_victim", CREATE_ONLY)
     assert victim.state == "success" and len(emulator.instances()) == 1
@@ -97,3 +97,13 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag):
     assert [i["name"] for i in emulator.instances()] == ["not-ours"]
     listed = [r for r in emulator.requests if r["method"] == "GET" and r["path"].endswith("/instances")]
     assert all("managed-by" in json.dumps(r["query"]) for r in listed)
+    fault_matrix.record(
+        "reaper: dry run deletes nothing", False, dry.state, None, f"counts {reap_counts(dry)}"[:80]
+    )
+    fault_matrix.record(
+        "reaper: a finished run's VM (teardown skipped) is deleted", True, wet.state, None,
+        f"counts {reap_counts(wet)}"[:80],
+    )
+    fault_matrix.record(
+        "reaper: an instance without our label is spared", False, wet.state, None, "'not-ours' still there; list filtered by the managed-by label",
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from conftest import log_excerpt
+
 PROJECT = "test-project"
 
 LIFECYCLE_DAG = """
@@ -22,7 +24,7 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
             task_id="delete_tpu_vm", zones={zones!r}, iap_firewall={iap_firewall!r}, poll_interval=0.2
         )
     if {tasks!r} == "create+delete":
-        create >> delete.as_teardown(setups=create)
+        create >> delete.as_teardown(setups=create, on_failure_fail_dagrun=True)  # as the pipelines do
 """
 
 
@@ -53,7 +55,7 @@ def no_instances_within(emulator, seconds=3.0):
     return emulator.instances() == []
 
 
-def test_create_then_teardown_deletes(emulator, run_dag):
+def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
     dr = run_dag("lifecycle_ok", lifecycle("lifecycle_ok", iap_firewall=True))
     assert dr.state == "success", task_states(dr)
     created = xcom(dr, "create_tpu_vm")
@@ -70,9 +72,12 @@ def test_create_then_teardown_deletes(emulator, run_dag):
         "deleted": True, "name": created["name"], "zone": "us-east5-b", "firewall_deleted": True,
     }
     assert emulator.instances() == [] and emulator.firewalls() == []
+    fault_matrix.record(
+        "compute: no fault, create then teardown", True, dr.state, None, "instance and IAP firewall rule deleted"
+    )
 
 
-def test_rerun_of_same_dag_run_reuses_the_instance(emulator, run_dag):
+def test_rerun_of_same_dag_run_reuses_the_instance(emulator, run_dag, fault_matrix):
     body = lifecycle("lifecycle_rerun", tasks="create")
     first = run_dag("lifecycle_rerun", body, run_id="manual__rerun")
     second = run_dag("lifecycle_rerun", body, run_id="manual__rerun")
@@ -80,9 +85,13 @@ def test_rerun_of_same_dag_run_reuses_the_instance(emulator, run_dag):
     assert first.run_id == second.run_id
     assert len(emulator.instances()) == 1
     assert len(inserts(emulator)) == 1
+    fault_matrix.record(
+        "compute: re-run of the same DAG run reuses its VM (create-only DAG)", None, second.state, None,
+        "1 instance, 1 insert over both runs",
+    )
 
 
-def test_terminated_instance_is_replaced_not_duplicated(emulator, run_dag):
+def test_terminated_instance_is_replaced_not_duplicated(emulator, run_dag, fault_matrix):
     body = lifecycle("lifecycle_replace", tasks="create")
     first = run_dag("lifecycle_replace", body, run_id="manual__replace")
     name = xcom(first, "create_tpu_vm")["name"]
@@ -92,18 +101,26 @@ def test_terminated_instance_is_replaced_not_duplicated(emulator, run_dag):
     [instance] = emulator.instances()
     assert instance["name"] == name and instance["status"] == "RUNNING"
     assert len(inserts(emulator)) == 2
+    fault_matrix.record(
+        "compute: re-run finds its VM TERMINATED -> replaced, not duplicated", None, second.state, None,
+        "1 instance (RUNNING, same name), 2 inserts",
+    )
 
 
-def test_stockout_moves_to_next_zone(emulator, run_dag):
+def test_stockout_moves_to_next_zone(emulator, run_dag, fault_matrix):
     emulator.set_faults(stockout_zones=["us-east5-a"])
     dr = run_dag("lifecycle_fallback", lifecycle("lifecycle_fallback", zones=("us-east5-a", "us-east5-b")))
     assert dr.state == "success", task_states(dr)
     assert xcom(dr, "create_tpu_vm")["zone"] == "us-east5-b"
     assert [r["path"].split("/zones/")[1].split("/")[0] for r in inserts(emulator)] == ["us-east5-a", "us-east5-b"]
     assert no_instances_within(emulator)
+    fault_matrix.record(
+        "compute: stock-out in the first zone -> next zone", True, dr.state, None,
+        "inserts: us-east5-a (ZONE_RESOURCE_POOL_EXHAUSTED), then us-east5-b",
+    )
 
 
-def test_all_zones_out_fails_clearly_and_leaves_nothing(emulator, run_dag, capfd):
+def test_all_zones_out_fails_clearly_and_leaves_nothing(emulator, run_dag, capfd, fault_matrix):
     emulator.set_faults(stockout_zones=["us-east5-a", "us-east5-b"])
     dr = run_dag("lifecycle_stockout", lifecycle("lifecycle_stockout", zones=("us-east5-a", "us-east5-b")))
     assert dr.state == "failed"
@@ -111,9 +128,12 @@ def test_all_zones_out_fails_clearly_and_leaves_nothing(emulator, run_dag, capfd
     logs = "".join(capfd.readouterr())
     assert "No v6e-8 capacity in any zone" in logs
     assert no_instances_within(emulator)
+    fault_matrix.record(
+        "compute: every zone out of capacity", True, dr.state, None, log_excerpt(logs, "No v6e-8 capacity in any zone")
+    )
 
 
-def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd):
+def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd, fault_matrix):
     emulator.set_faults(quota_exceeded_zones=["us-east5-a"])
     body = lifecycle("lifecycle_quota", zones=("us-east5-a", "us-east5-b"), create_kwargs="retries=3")
     dr = run_dag("lifecycle_quota", body)
@@ -123,30 +143,43 @@ def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd):
     # No retry storm, no fallback: a quota error is not a stock-out.
     assert len(inserts(emulator)) == 1
     assert no_instances_within(emulator)
+    fault_matrix.record(
+        "compute: quota exceeded -> fails at once (1 insert, no retry, no fallback)", True, dr.state, None,
+        log_excerpt(logs, "Quota exceeded"),
+    )
 
 
-def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd):
+def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd, fault_matrix):
     emulator.set_faults(missing_reservations=["my-reservation"])
     dr = run_dag("lifecycle_resv", lifecycle("lifecycle_resv"))
     assert dr.state == "failed"
     logs = "".join(capfd.readouterr())
     assert "my-reservation" in logs and "Reservation problem" in logs
+    fault_matrix.record(
+        "compute: reservation does not exist", None, dr.state, None, log_excerpt(logs, "Reservation problem")
+    )
 
 
-def test_bad_input_fails_before_any_api_call(emulator, run_dag, capfd):
+def test_bad_input_fails_before_any_api_call(emulator, run_dag, capfd, fault_matrix):
     body = lifecycle("lifecycle_badzone", zones=("us-east5-b; curl evil",), tasks="create")
     dr = run_dag("lifecycle_badzone", body)
     assert dr.state == "failed"
     logs = "".join(capfd.readouterr())
     assert "zones[0]" in logs and "Fix:" in logs
     assert emulator.requests == []
+    fault_matrix.record(
+        "compute: hostile zone refused before any API call", None, dr.state, None, log_excerpt(logs, "zones[0]")
+    )
 
 
-def test_transient_errors_are_retried(emulator, run_dag):
+def test_transient_errors_are_retried(emulator, run_dag, fault_matrix):
     emulator.set_faults(transient_errors={"insert": 2, "get": 2, "delete": 2, "operation": 2})
     dr = run_dag("lifecycle_transient", lifecycle("lifecycle_transient"))
     assert dr.state == "success", task_states(dr)
     assert no_instances_within(emulator)
+    bursts = "2 errors each, alternating 503 backendError / 429 rateLimitExceeded"
+    fault_matrix.record("compute: 429/503 bursts on insert, get, operation -> retried", True, dr.state, None, bursts)
+    fault_matrix.record("compute: delete fails transiently (503, 429) -> retried", True, dr.state, None, bursts)
 
 
 def test_delete_of_missing_instance_succeeds_from_name_alone(emulator, run_dag):
@@ -156,7 +189,7 @@ def test_delete_of_missing_instance_succeeds_from_name_alone(emulator, run_dag):
     assert xcom(dr, "delete_tpu_vm")["deleted"] is False
 
 
-def test_teardown_after_half_done_create_finds_the_vm(emulator, run_dag):
+def test_teardown_after_half_done_create_finds_the_vm(emulator, run_dag, fault_matrix):
     """A run's VM exists but its create XCom is gone: the teardown finds it by the deterministic name."""
     body = lifecycle("lifecycle_half", tasks="create")
     run_dag("lifecycle_half", body, run_id="manual__half")
@@ -167,17 +200,28 @@ def test_teardown_after_half_done_create_finds_the_vm(emulator, run_dag):
     assert dr.state == "success"
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True
     assert no_instances_within(emulator)
+    fault_matrix.record(
+        "compute: teardown without the create's XCom finds the VM by name", True, dr.state, None,
+        "deleted by its deterministic name",
+    )
 
 
-def test_failed_delete_operation_is_reported_as_failed(emulator, run_dag):
+def test_failed_delete_operation_is_reported_as_failed(emulator, run_dag, capfd, fault_matrix):
     body = lifecycle("lifecycle_faildelete")
     emulator.set_faults(fail_deletes=True)
     dr = run_dag("lifecycle_faildelete", body)
     assert task_states(dr)["delete_tpu_vm"] == "failed"
+    assert dr.state == "failed"  # a VM that could not be deleted is never a green run
     assert len(emulator.instances()) == 1
+    logs = "".join(capfd.readouterr())
+    name = xcom(dr, "create_tpu_vm")["name"]
+    assert f"Deleting {name} failed" in logs
+    fault_matrix.record(
+        "compute: delete operation fails -> run FAILED (VM left for the reaper)", False, dr.state, None, log_excerpt(logs, f"Deleting {name} failed"),
+    )
 
 
-def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag):
+def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag, fault_matrix):
     """A try died after Compute accepted its insert (worker lost before deferring): the next try adopts that VM."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
@@ -194,6 +238,10 @@ def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag):
     assert xcom(dr, "create_tpu_vm")["name"] == name
     assert len(inserts(emulator)) == 1  # only the earlier try's
     assert [i["name"] for i in emulator.instances()] == [name]
+    fault_matrix.record(
+        "compute: retry after a half-done insert adopts that VM", None, dr.state, None,
+        "no second insert; 1 instance",
+    )
 
 
 def test_trigger_survives_a_triggerer_restart(emulator):

@@ -289,6 +289,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             execution_timeout=timedelta(minutes=5),
         )
 
-        create >> install >> convert >> train >> export >> delete.as_teardown(setups=create)
+        create >> install >> convert >> train >> export >> delete.as_teardown(setups=create, on_failure_fail_dagrun=True)
         [install, convert, train, export] >> watcher
     return dag
