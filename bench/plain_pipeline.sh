@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Baseline: MaxText's post-training steps for the tiny local model, run by a plain shell script.
 #
-#   bench/plain_pipeline.sh [--resume-check] [WORK_DIR]      (WORK_DIR default: .local/bench-plain)
+#   bench/plain_pipeline.sh [--sft-only] [--resume-check] [WORK_DIR]      (WORK_DIR default: .local/bench-plain)
 #
 # convert (HF -> MaxText) -> SFT -> export to HF;  convert -> RL (GRPO) -> export to HF; then, if the
-# torch venv exists, checks that both exports load in transformers and generate. Prints each step's
+# torch venv exists, checks that the exports load in transformers and generate. Prints each step's
 # wall time and peak RSS plus its key log lines; full logs go to WORK_DIR/logs. Each run starts from
 # a clean WORK_DIR (the tiny model and data are kept: building them is idempotent).
+#
+# --sft-only stops after the SFT chain (the baseline of the SFT DAG's wall time, bench/perf.py's P4).
 #
 # --resume-check also runs SFT with steps=6 (checkpoint_period=2), SIGKILLs it once it logs step 3, and
 # re-runs the same command, which resumes from the newest complete checkpoint.
@@ -17,7 +19,15 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 resume_check=false
-if [[ "${1:-}" == --resume-check ]]; then resume_check=true; shift; fi
+sft_only=false
+while [[ "${1:-}" == --* ]]; do
+  case $1 in
+    --resume-check) resume_check=true ;;
+    --sft-only) sft_only=true ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
 work=$(realpath -m "${1:-$repo/.local/bench-plain}")
 maxtext_python=${TPU_POSTTRAIN_MAXTEXT_VENV:-$repo/.local/maxtext-venv}/bin/python
 hfcheck_python=${TPU_POSTTRAIN_HFCHECK_VENV:-$repo/.local/hfcheck-venv}/bin/python
@@ -101,14 +111,18 @@ run_step convert 'Conversion complete|Peak Memory' \
 run_step sft "$sft_pattern" \
   "$maxtext_python" -m maxtext.trainers.post_train.sft.train_sft "${sft_args[@]}" run_name=sft steps="$sft_steps"
 export_step export-sft "$work/sft/sft/checkpoints/$sft_steps/model_params" "$work/hf-sft"
-run_step rl 'Pre RL Training|Post RL Training|RL Training Completed' \
-  "$maxtext_python" "$launchers/train_rl_cpu.py" "${rl_args[@]}"
-export_step export-rl "$work/rl/rl/checkpoints/actor/$rl_batches/model_params" "$work/hf-rl"
-printf '%-14s %7s s   (convert to export-rl)\n' "pipeline total" "$(elapsed "$start")"
+last=export-sft
+if ! $sft_only; then
+  run_step rl 'Pre RL Training|Post RL Training|RL Training Completed' \
+    "$maxtext_python" "$launchers/train_rl_cpu.py" "${rl_args[@]}"
+  export_step export-rl "$work/rl/rl/checkpoints/actor/$rl_batches/model_params" "$work/hf-rl"
+  last=export-rl
+fi
+printf '%-14s %7s s   (convert to %s)\n' "pipeline total" "$(elapsed "$start")" "$last"
 
 if [[ -x "$hfcheck_python" ]]; then
   run_step check-hf-sft 'generated' "$hfcheck_python" "$local_dir/check_hf_model.py" "$work/hf-sft"
-  run_step check-hf-rl 'generated' "$hfcheck_python" "$local_dir/check_hf_model.py" "$work/hf-rl"
+  $sft_only || run_step check-hf-rl 'generated' "$hfcheck_python" "$local_dir/check_hf_model.py" "$work/hf-rl"
 else
   echo "skipping the transformers load/generate check: no $hfcheck_python"
 fi

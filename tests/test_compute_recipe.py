@@ -42,6 +42,28 @@ def test_seed_v6e8_body_equals_gcloud_mapping_field_by_field():
     assert body["networkInterfaces"][0]["network"] == "global/networks/my-net"
     assert body["tags"] == {"items": ["my-tag"]}
     assert body["labels"] == {"managed-by": "airflow-tpu-posttrain"}
+    assert "serviceAccounts" not in body  # gcloud's defaults, as in the tutorials
+
+
+def test_split_layout_cpu_vm_body_can_write_checkpoint_storage():
+    spec = compute.TpuVmSpec(
+        project_id="my-project",
+        zones=("us-east5-b",),
+        accelerator_type="cpu-highmem-16",
+        provisioning_model="STANDARD",
+        image_project=compute.CPU_IMAGE_PROJECT,
+        image_family=compute.CPU_IMAGE_FAMILY,
+        service_account_scopes=compute.STORAGE_SCOPES,
+    )
+    body = compute.instance_body(spec, "cpu-x", "us-east5-b", {})
+    assert body["machineType"] == "zones/us-east5-b/machineTypes/n2-highmem-16"
+    assert body["disks"][0]["initializeParams"]["sourceImage"] == (
+        "projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts"
+    )
+    assert body["serviceAccounts"] == [
+        {"email": "default", "scopes": ["https://www.googleapis.com/auth/devstorage.read_write"]}
+    ]
+    assert "reservationAffinity" not in body
 
 
 @pytest.mark.parametrize(
@@ -98,6 +120,7 @@ def test_ownership_labels_are_valid_compute_labels():
         ({"labels": {"team": "Has Spaces"}}, "labels.team"),
         ({"network": "Bad_Net"}, "network"),
         ({"max_run_duration_s": 10}, "max_run_duration"),
+        ({"service_account_scopes": ("cloud-platform",)}, "service_account_scopes[0]"),
     ],
 )
 def test_bad_input_names_the_field(overrides, field):

@@ -26,12 +26,16 @@ SFT_GEMMA = "posttrain_sft__gemma3-4b"
 RL_LLAMA = "posttrain_rl__llama3.1-8b-Instruct"
 SFT_TINY = "posttrain_sft__tiny-llama"
 RL_TINY = "posttrain_rl__tiny-llama"
+SEEDS_TINY = "posttrain_sft__tiny-llama__seeds"  # the tutorials' layout: every step on the TPU VM
 CLOUD_DAGS = (SFT_GEMMA, RL_LLAMA)
-LOCAL_DAGS = (SFT_TINY, RL_TINY)
+LOCAL_DAGS = (SFT_TINY, RL_TINY, SEEDS_TINY)
 ALL_DAGS = CLOUD_DAGS + LOCAL_DAGS
+SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_TINY, RL_TINY)
 
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
+CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"
 BODY = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+ON_TPU = ("install_maxtext", "train")  # split layout: the steps on the TPU VM; the others run on the CPU VM
 POOL = "tpu_vms"
 
 # Modules that must never be imported while the DAG file is parsed (the DAG processor re-parses it often).
@@ -84,10 +88,11 @@ def test_local_dags_only_with_local_dir(monkeypatch):
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_tags_and_doc(dags, dag_id):
     dag = dags[dag_id]
-    recipe, model = dag_id.removeprefix("posttrain_").split("__")
+    recipe, model = dag_id.removeprefix("posttrain_").split("__")[:2]
     assert {"tpu", "maxtext", recipe, model} <= set(dag.tags)
     assert ("local" in dag.tags) == (dag_id in LOCAL_DAGS)
-    assert dag.doc_md and model in dag.doc_md and "delete VM" in dag.doc_md
+    assert dag.doc_md and model in dag.doc_md and "delete" in dag.doc_md
+    assert ("CPU VM" in dag.doc_md) == (dag_id in SPLIT_DAGS)
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
@@ -109,24 +114,27 @@ def test_serializes_like_the_dag_processor(dags, dag_id):
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_setup_teardown_pair(dags, dag_id):
     dag = dags[dag_id]
+    pairs = [(CREATE, DELETE), (CREATE_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [(CREATE, DELETE)]
+    for setup_id, teardown_id in pairs:
+        create, delete = dag.get_task(setup_id), dag.get_task(teardown_id)
+        assert create.is_setup and not create.is_teardown
+        assert delete.is_teardown and not delete.is_setup
+        assert delete.on_failure_fail_dagrun  # a VM that could not be deleted makes the run FAILED, not green
+        # The pairing: the teardown's setup is its create task, and it deletes that task's VM.
+        assert [t.task_id for t in delete.upstream_list if t.is_setup] == [setup_id]
+        assert delete.create_task_id == setup_id and delete.name_prefix == create.name_prefix
+        assert delete.trigger_rule == "all_done_setup_success"
+    assert sorted(t.task_id for t in dag.tasks if t.is_setup) == sorted(s for s, _ in pairs)
+    assert sorted(t.task_id for t in dag.tasks if t.is_teardown) == sorted(d for _, d in pairs)
+    # Every step that uses the TPU VM is in its setup's scope: downstream of create, upstream of delete.
     create, delete = dag.get_task(CREATE), dag.get_task(DELETE)
-    assert create.is_setup and not create.is_teardown
-    assert delete.is_teardown and not delete.is_setup
-    assert delete.on_failure_fail_dagrun  # a VM that could not be deleted makes the run FAILED, not green
-    # The pairing: the teardown's setup is the create task.
-    assert [t.task_id for t in delete.upstream_list if t.is_setup] == [CREATE]
-    assert delete.trigger_rule == "all_done_setup_success"
-    # Only one setup and one teardown in the DAG.
-    assert [t.task_id for t in dag.tasks if t.is_setup] == [CREATE]
-    assert [t.task_id for t in dag.tasks if t.is_teardown] == [DELETE]
-    # Every body task is in the setup's scope: downstream of create, upstream of delete.
-    for task_id in BODY:
+    for task_id in ON_TPU if dag_id in SPLIT_DAGS else BODY:
         assert task_id in create.get_flat_relative_ids(upstream=False)
         assert task_id in delete.get_flat_relative_ids(upstream=True)
 
 
-@pytest.mark.parametrize("dag_id", ALL_DAGS)
-def test_body_chain(dags, dag_id):
+@pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
+def test_seeds_layout_chain(dags, dag_id):
     dag = dags[dag_id]
     chain = (CREATE, *BODY, DELETE)
     for up, down in zip(chain, chain[1:]):
@@ -134,6 +142,39 @@ def test_body_chain(dags, dag_id):
     assert dag.get_task(CREATE).upstream_task_ids == set()
     assert dag.get_task(BODY[0]).upstream_task_ids == {CREATE}
     assert set(dag.task_ids) == {*chain, WATCHER}
+    assert all(dag.get_task(t).checkpoint_storage is None for t in BODY)
+
+
+@pytest.mark.parametrize("dag_id", SPLIT_DAGS)
+def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
+    dag = dags[dag_id]
+    upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
+    assert set(dag.task_ids) == {CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, WATCHER}
+    # The CPU VM converts while the TPU VM is created and installed; training needs both.
+    assert upstream[CREATE] == upstream[CREATE_CPU] == set()
+    assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU}
+    assert upstream["install_maxtext"] == {CREATE}
+    assert upstream["train"] == {"install_maxtext", "convert_to_maxtext"}
+    # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.
+    assert upstream[DELETE] == {CREATE, "train"}
+    assert upstream["export_and_publish"] == {"train"} and upstream[DELETE_CPU] == {CREATE_CPU, "export_and_publish"}
+    for task_id in (INSTALL_CPU, "convert_to_maxtext", "export_and_publish"):
+        assert dag.get_task(task_id).vm_task_id == CREATE_CPU, task_id
+    for task_id in ON_TPU:
+        assert dag.get_task(task_id).vm_task_id == CREATE, task_id
+    # Checkpoints pass through storage: gs:// on Google Cloud (the VMs get the storage scope), a directory locally.
+    storage = {dag.get_task(t).checkpoint_storage for t in BODY}
+    assert len(storage) == 1
+    [uri] = storage
+    cpu, tpu = dag.get_task(CREATE_CPU), dag.get_task(CREATE)
+    if dag_id in CLOUD_DAGS:
+        assert uri.startswith("gs://")
+        assert cpu.accelerator_type == "cpu-highmem-16" and cpu.provisioning_model == "STANDARD"
+        assert cpu.service_account_scopes == tpu.service_account_scopes != ()
+    else:
+        assert uri.startswith("/") and uri.endswith("/storage")
+        assert cpu.accelerator_type == "cpu"
+    assert cpu.name_prefix == "cpu" and tpu.name_prefix == "tpu"
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
@@ -143,24 +184,25 @@ def test_watcher_fails_the_run_when_a_body_step_fails(dags, dag_id):
     assert watcher.trigger_rule == "one_failed"
     assert watcher.retries == 0
     assert set(BODY) <= watcher.upstream_task_ids
+    if dag_id in SPLIT_DAGS:
+        assert INSTALL_CPU in watcher.upstream_task_ids
     assert watcher.downstream_task_ids == set()
-    # Teardowns do not count toward the run's state: the watcher must not wait for (or depend on) the teardown,
-    assert DELETE not in watcher.get_flat_relative_ids(upstream=True)
+    # Teardowns do not count toward the run's state: the watcher must not wait for (or depend on) a teardown,
+    assert not {DELETE, DELETE_CPU} & set(watcher.get_flat_relative_ids(upstream=True))
     # and a non-ALL_SUCCESS task may not follow a setup directly.
-    assert CREATE not in watcher.upstream_task_ids
+    assert not {CREATE, CREATE_CPU} & watcher.upstream_task_ids
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_retries_and_pools(dags, dag_id):
     dag = dags[dag_id]
-    for task_id in (CREATE, *BODY):
-        task = dag.get_task(task_id)
-        assert task.retries > 0, task_id
-        assert task.pool == POOL, task_id
-    # The teardown retries at least as often, and never queues for a slot behind other runs' VM work.
-    delete = dag.get_task(DELETE)
-    assert delete.retries >= 3
-    assert delete.pool != POOL
+    on_tpu = (CREATE, *ON_TPU) if dag_id in SPLIT_DAGS else (CREATE, *BODY)
+    for task in dag.tasks:
+        if task.task_id != WATCHER:
+            assert task.retries > 0, task.task_id
+        # The TPU pool counts the TPU VM's work only; a teardown never queues for a slot behind other runs.
+        assert (task.pool == POOL) == (task.task_id in on_tpu), task.task_id
+    assert dag.get_task(DELETE).retries >= 3
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
@@ -234,6 +276,7 @@ def test_train_fails_without_retry_on_bad_override(dags):
     # What the templates would render to, with one bad override.
     train.accelerator_type, train.model, train.steps = "v6e-8", "gemma3-4b", None
     train.dataset = train.train_split = train.train_data_columns = ""
+    train.converted_params = "/dev/shm/gemma3-4b/mt-format/0/items"
     train.overrides = ["learning_rate=1e-5", "steps=1 && id"]
     with pytest.raises(AirflowFailException, match="overrides"):
         train.execute(_context(dag))  # fails before any SSH connection is attempted

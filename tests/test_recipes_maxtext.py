@@ -13,7 +13,7 @@ import pytest
 
 from airflow_tpu_posttrain.recipes import install, maxtext
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, accelerator, tpu_env
-from airflow_tpu_posttrain.recipes.layout import RunLayout, run_name
+from airflow_tpu_posttrain.recipes.layout import RunLayout, conversion_key, run_name
 from airflow_tpu_posttrain.recipes.models import SftDataset, model_profile, tiny_llama_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.shell import ShellExpansion
@@ -311,18 +311,17 @@ def test_cpu_runtime_commands():
 
 
 def test_runtime_refuses_mismatched_combinations():
+    tiny_on_tpu = maxtext.RunSpec(
+        model_profile("tiny-llama"), accelerator("v6e-8"), cpu_runtime("/l", "/v"), RunLayout("tiny-llama", "r")
+    )
     with pytest.raises(SpecError) as err:
-        maxtext.RunSpec(
-            model_profile("tiny-llama"),
-            accelerator("v6e-8"),
-            cpu_runtime("/l", "/v"),
-            RunLayout("tiny-llama", "r"),
-        )
+        maxtext.train_sft(tiny_on_tpu)
     assert err.value.field == "accelerator_type"
+    gemma_on_cpu_vm = maxtext.RunSpec(
+        model_profile("gemma3-4b"), accelerator("cpu-highmem-16"), tpu_runtime(), RunLayout("gemma3-4b", "r")
+    )
     with pytest.raises(SpecError) as err:
-        maxtext.RunSpec(
-            model_profile("gemma3-4b"), accelerator("cpu"), tpu_runtime(), RunLayout("gemma3-4b", "r")
-        )
+        maxtext.train_sft(gemma_on_cpu_vm)
     assert err.value.field == "accelerator_type"
     with pytest.raises(SpecError) as err:
         maxtext.RunSpec(
@@ -337,6 +336,57 @@ def test_runtime_refuses_mismatched_combinations():
             model_profile("gemma3-4b"), accelerator("v6e-8"), tpu_runtime(), RunLayout("tiny-llama", "r")
         )
     assert err.value.field == "model"
+
+
+def test_conversions_on_a_cpu_vm_are_the_seeds_commands_with_jax_on_the_cpu():
+    """The split layout's CPU VM runs the tutorials' conversion and export (tpu runtime), JAX on its CPU."""
+    on_tpu, on_cpu_vm = _seed_spec("gemma3-4b"), maxtext.RunSpec(
+        model_profile("gemma3-4b"), accelerator("cpu-highmem-16"), tpu_runtime(), RunLayout("gemma3-4b", SEED_RUN)
+    )
+    assert maxtext.to_maxtext(on_cpu_vm).argv == maxtext.to_maxtext(on_tpu).argv
+    assert maxtext.to_maxtext(on_tpu).env == {}
+    assert maxtext.to_maxtext(on_cpu_vm).env == {"JAX_PLATFORMS": "cpu"}
+    trained = on_tpu.layout.sft_params(1000)
+    assert maxtext.to_huggingface(on_cpu_vm, trained).argv == maxtext.to_huggingface(on_tpu, trained).argv
+    assert accelerator("cpu-highmem-16").machine_type == "n2-highmem-16"
+
+
+def test_split_layout_puts_checkpoints_in_storage_and_keys_the_conversion():
+    storage = "gs://bucket/prefix/"
+    keyed = RunLayout("gemma3-4b", "run-1", storage=storage, conversion_key="mt0.2.2-0123456789abcdef")
+    assert keyed.converted_dir == "gs://bucket/prefix/conversions/gemma3-4b/mt0.2.2-0123456789abcdef"
+    assert keyed.converted_params == f"{keyed.converted_dir}/0/items"
+    assert keyed.sft_params(1000) == "gs://bucket/prefix/post-train/run-1/checkpoints/1000/model_params"
+    assert keyed.export_dir == "/dev/shm/gemma3-4b/hf-trained/run-1"  # the export stays on the exporting VM
+    with pytest.raises(SpecError) as err:
+        RunLayout("gemma3-4b", "run-1", storage=storage).converted_dir
+    assert err.value.field == "conversion_key"
+    assert RunLayout("m", "r", storage="file:///shared/ckpt").post_train_dir == "/shared/ckpt/post-train"
+    for hostile in ("gs://bucket/$(id)", "relative/dir", "/a/../b", "gs://b/x;rm"):
+        with pytest.raises(SpecError) as err:
+            RunLayout("m", "r", storage=hostile)
+        assert err.value.field == "checkpoint_storage"
+
+    spec = maxtext.RunSpec(model_profile("gemma3-4b"), accelerator("v6e-8"), tpu_runtime(), keyed)
+    command = maxtext.train_sft(spec, converted_params=keyed.converted_params)
+    assert f"load_parameters_path={keyed.converted_params}" in command.argv
+    assert "base_output_directory=gs://bucket/prefix/post-train" in command.argv
+    assert f"load_parameters_path={keyed.sft_params(1000)}" in maxtext.to_huggingface(spec, keyed.sft_params(1000)).argv
+
+
+def test_conversion_key_changes_with_what_determines_the_conversion():
+    base = conversion_key("0.2.2", "abc123", ["model_name=gemma3-4b", "scan_layers=True"])
+    assert base == conversion_key("0.2.2", "abc123", ["model_name=gemma3-4b", "scan_layers=True"])
+    assert base.startswith("mt0.2.2-") and len(base) == len("mt0.2.2-") + 16
+    others = {
+        conversion_key("0.2.3", "abc123", ["model_name=gemma3-4b", "scan_layers=True"]),
+        conversion_key("0.2.2", "def456", ["model_name=gemma3-4b", "scan_layers=True"]),
+        conversion_key("0.2.2", "abc123", ["model_name=gemma3-4b", "scan_layers=False"]),
+    }
+    assert base not in others and len(others) == 3
+    with pytest.raises(SpecError) as err:
+        conversion_key("latest", "abc123", [])
+    assert err.value.field == "maxtext_version"
 
 
 def test_overrides_and_recipe_knobs():
@@ -450,7 +500,7 @@ def test_unknown_values_list_the_valid_ones():
     with pytest.raises(SpecError, match="v6e-8") as err:
         accelerator("v5e-8")
     assert err.value.field == "accelerator_type"
-    assert set(ACCELERATORS) == {"v6e-1", "v6e-4", "v6e-8", "cpu"}
+    assert set(ACCELERATORS) == {"v6e-1", "v6e-4", "v6e-8", "cpu", "cpu-highmem-16"}
     with pytest.raises(SpecError, match="gemma3-4b"):
         model_profile("gpt-5")
 

@@ -60,5 +60,8 @@ class VmHook(SSHHook):
                 return None
             return buffer.getvalue().decode(errors="replace")
 
-    def exists(self, path: str) -> bool:
-        return self.run(f"test -e {shlex.quote(path)} && echo yes || echo no").strip() == "yes"
+    def exists(self, uri: str) -> bool:
+        """Whether a path on the VM, or a ``gs://`` object or prefix (read with the VM's credentials), exists."""
+        from airflow_tpu_posttrain.recipes.storage import exists_command
+
+        return self.run(f"{exists_command(uri)} && echo yes || echo no").strip() == "yes"

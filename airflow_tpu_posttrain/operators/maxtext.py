@@ -8,7 +8,9 @@ parse; they import the protocol's pieces when they run. What they add:
 
 - a deterministic job id per (task, DAG run), so a retry finds its earlier job: still running → re-attach;
   finished → reuse; failed → start again (MaxText resumes from the newest checkpoint of the same run name);
-- a completion marker per step output, so a re-run whose output is complete does not redo it;
+- a completion marker per step output, so a re-run whose output is complete does not redo it; with checkpoint
+  storage (the split layout) the markers and checkpoints are in storage, conversions are cached by a key of
+  what determines them, and a training checkpoint must be in storage before the training task succeeds;
 - the job script is uploaded over SFTP (the command line holds only its path), and the Hugging Face token
   reaches the VM as a 0600 file read by the job and deleted at once, never in a command line or a template;
 - metrics parsed from the trainers' log lines into XCom and a one-line summary.
@@ -16,6 +18,7 @@ parse; they import the protocol's pieces when they run. What they add:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import re
@@ -27,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, validation
+from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset, model_profile, tiny_llama_profile
-from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
+from airflow_tpu_posttrain.recipes.runtime import Runtime, Step, cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -83,6 +86,8 @@ class MaxTextJobOperator(BaseOperator):
     :param base_python: the interpreter uv builds the venv from (``3.12`` on TPU, a path on cpu).
     :param model_source_dir: cpu runtime: where the local model and its data live on the VM.
     :param root_dir: where the run's files go on the VM (default ``/dev/shm/<model>``, as in the tutorials).
+    :param checkpoint_storage: ``gs://bucket/prefix`` (or, locally, a directory every VM sees) for the converted
+        and trained checkpoints (the split layout); empty: everything under ``root_dir`` (the tutorials').
     :param workdir: the jobs' scripts, logs and launchers on the VM.
     :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
         endpoint); needed to read gated models and to publish.
@@ -96,6 +101,7 @@ class MaxTextJobOperator(BaseOperator):
         "model",
         "accelerator_type",
         "root_dir",
+        "checkpoint_storage",
         "workdir",
     )
     ui_color = "#e4f0e8"
@@ -115,6 +121,7 @@ class MaxTextJobOperator(BaseOperator):
         base_python: str | None = None,
         model_source_dir: str | None = None,
         root_dir: str | None = None,
+        checkpoint_storage: str | None = None,
         workdir: str = DEFAULT_WORKDIR,
         hf_conn_id: str | None = None,
         poll_interval: int = 10,
@@ -125,6 +132,7 @@ class MaxTextJobOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         ip_key = "internal_ip" if use_internal_ip else "external_ip"
+        self.vm_task_id = vm_task_id
         if vm_task_id:
             remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key=ip_key)
             accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
@@ -137,6 +145,7 @@ class MaxTextJobOperator(BaseOperator):
         self.base_python = base_python
         self.model_source_dir = model_source_dir
         self.root_dir = root_dir
+        self.checkpoint_storage = checkpoint_storage
         self.workdir = workdir
         self.hf_conn_id = hf_conn_id
         self.poll_interval = poll_interval
@@ -171,7 +180,7 @@ class MaxTextJobOperator(BaseOperator):
             return tiny_llama_profile(self.model_source_dir)
         return profile
 
-    def run_spec(self, context: Context) -> maxtext.RunSpec:
+    def run_spec(self, context: Context, conversion_key: str = "") -> maxtext.RunSpec:
         """Everything the user gave, validated; bad input fails the task at once, without retries."""
         try:
             validation.safe_absolute_path("workdir", self.workdir)
@@ -182,7 +191,9 @@ class MaxTextJobOperator(BaseOperator):
                 model=profile,
                 accelerator=accelerator(self.accelerator_type),
                 runtime=self._runtime(),
-                layout=layout.RunLayout(profile.key, name, self.root_dir or ""),
+                layout=layout.RunLayout(
+                    profile.key, name, self.root_dir or "", self.checkpoint_storage or "", conversion_key
+                ),
             )
         except SpecError as err:
             raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
@@ -196,6 +207,13 @@ class MaxTextJobOperator(BaseOperator):
         from airflow_tpu_posttrain.hooks.vm import VmHook
 
         return VmHook(ssh_conn_id=self.ssh_conn_id, remote_host=self.remote_host or None)
+
+    def _hub_endpoint(self) -> str | None:
+        if not self.hf_conn_id:
+            return None
+        from airflow.sdk import BaseHook
+
+        return BaseHook.get_connection(self.hf_conn_id).host or None
 
     def _token(self) -> str:
         from airflow.sdk import BaseHook
@@ -226,22 +244,24 @@ class MaxTextJobOperator(BaseOperator):
         step_script = f"{paths.job_dir}.step.sh"
         lines.append(f"bash {shlex.quote(step_script)}")
         if job.done_marker:
-            lines += [
-                f"mkdir -p {shlex.quote(posixpath.dirname(job.done_marker))}",
-                f"touch {shlex.quote(job.done_marker)}",
-            ]
+            lines.append(storage.mark_command(job.done_marker))
         return "\n".join(lines) + "\n", token_file
+
+    def _job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        try:
+            return self.build_job(spec, context)
+        except SpecError as err:
+            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
 
     def execute(self, context: Context) -> Any:
         spec = self.run_spec(context)
-        try:
-            job = self.build_job(spec, context)
-        except SpecError as err:
-            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+        self.validate(spec, context)
         from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
 
         paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
         with self._vm() as vm:
+            spec = self.resolve(context, vm, spec)
+            job = self._job(spec, context)
             if job.done_marker and vm.exists(job.done_marker):
                 self.log.info(
                     "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
@@ -271,6 +291,18 @@ class MaxTextJobOperator(BaseOperator):
             vm.run(command)
         self.log.info("Started job %s on the VM (log: %s)", paths.job_id, paths.log_file)
         return self._watch(context, paths, log_offset=0, first=True)
+
+    def validate(self, spec: maxtext.RunSpec, context: Context) -> None:
+        """Bad input fails here, before the VM is touched."""
+        self._job(spec, context)
+
+    def resolve(self, context: Context, vm: VmHook, spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        """Complete ``spec`` with what only the VM or a service can tell (once per try; see ``resolved``)."""
+        return spec
+
+    def resolved(self, context: Context, spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        """``spec`` as ``resolve`` completed it earlier in this try (after the deferral)."""
+        return spec
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         """Upload what the step needs besides its script (launchers, helper scripts)."""
@@ -343,8 +375,7 @@ class MaxTextJobOperator(BaseOperator):
                 f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
                 f"{self.failure_hint(context)}"
             )
-        spec = self.run_spec(context)
-        job = self.build_job(spec, context)
+        job = self.build_job(self.resolved(context, self.run_spec(context)), context)
         with self._vm() as vm:
             return self.finish(context, vm, job, paths, reused=False)
 
@@ -415,33 +446,112 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 class MaxTextConvertOperator(MaxTextJobOperator):
     """
     Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``). Skipped when a complete conversion
-    exists. XCom: ``converted_params`` (the path the trainers load).
+    exists. XCom: ``converted_params`` (the path the trainers load), and with checkpoint storage
+    ``conversion_key`` and ``source_revision``.
 
+    With ``checkpoint_storage`` the conversion is cached there under a key of (MaxText version, source revision,
+    conversion arguments): the source revision is the Hub's current commit of the model (asked with the
+    ``hf_conn_id`` token), or a digest of a local model's files read on the VM. Scheduled retraining and
+    backfills then convert once per new revision or MaxText release.
+
+    :param maxtext_version: the MaxText release installed on the VM (default: the model profile's).
     :param use_pathways: the tutorials' USE_PATHWAYS (zarr3/ocdbt storage off when true).
     """
 
+    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
     step_title = "Convert"
 
-    def __init__(self, *, use_pathways: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *, maxtext_version: str | None = None, use_pathways: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.maxtext_version = maxtext_version
         self.use_pathways = use_pathways
+
+    @staticmethod
+    def _unkeyed(spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        """``spec`` with a placeholder conversion key, to render the conversion before its key is known."""
+        if not spec.layout.storage:
+            return spec
+        return dataclasses.replace(spec, layout=dataclasses.replace(spec.layout, conversion_key="pending"))
+
+    def validate(self, spec: maxtext.RunSpec, context: Context) -> None:
+        self._job(self._unkeyed(spec), context)
+
+    def resolve(self, context: Context, vm: VmHook, spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        if not spec.layout.storage:
+            return spec
+        revision = self._source_revision(vm, spec.model)
+        argv = maxtext.to_maxtext(self._unkeyed(spec), use_pathways=self.use_pathways).argv
+        arguments = argv[len(spec.runtime.entry_point(Step.TO_MAXTEXT)) :]
+        options = [arg for arg in arguments if not arg.startswith("base_output_directory=")]
+        try:
+            key = layout.conversion_key(self.maxtext_version or spec.model.maxtext_version, revision, options)
+        except SpecError as err:
+            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+        context["ti"].xcom_push(key="conversion", value={"conversion_key": key, "source_revision": revision})
+        self.log.info("Conversion key %s (source revision %s)", key, revision)
+        return self.resolved(context, spec)
+
+    def resolved(self, context: Context, spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        if not spec.layout.storage:
+            return spec
+        stashed = context["ti"].xcom_pull(task_ids=self.task_id, key="conversion")
+        return dataclasses.replace(
+            spec, layout=dataclasses.replace(spec.layout, conversion_key=stashed["conversion_key"])
+        )
+
+    def _source_revision(self, vm: VmHook, model: ModelProfile) -> str:
+        """Which weights the conversion reads: the Hub's commit now, or a digest of a local model's files."""
+        if model.is_local:
+            digest = vm.run(
+                f"cd {shlex.quote(model.hf_source)} && find . -type f -print0 | LC_ALL=C sort -z "
+                "| xargs -0 sha256sum | sha256sum"
+            )
+            return f"files-{digest.split()[0][:40]}"
+        from huggingface_hub import HfApi
+
+        token = self._token() if self.hf_conn_id else None
+        return HfApi(endpoint=self._hub_endpoint(), token=token).model_info(model.hf_source).sha
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         command = maxtext.to_maxtext(spec, use_pathways=self.use_pathways)
+        outputs = {"converted_params": spec.layout.converted_params}
+        if spec.layout.conversion_key:
+            outputs["conversion_key"] = spec.layout.conversion_key
         return Job(
             command.script(),
             f"{spec.layout.converted_dir}/.complete",
-            {"converted_params": spec.layout.converted_params},
+            outputs,
             token="env" if not spec.model.is_local else None,
         )
 
 
 class _TrainOperator(MaxTextJobOperator):
-    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "overrides")
+    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "overrides", "converted_params")
 
-    def __init__(self, *, overrides: Sequence[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        overrides: Sequence[str] | None = None,
+        convert_task_id: str = "convert_to_maxtext",
+        converted_params: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.overrides = overrides
+        self.converted_params = (
+            converted_params or f"{{{{ ti.xcom_pull(task_ids='{convert_task_id}')['converted_params'] }}}}"
+        )
+
+    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
+        """The final checkpoint must be durable (in storage, or on the VM in the seeds' layout) before the task
+        succeeds: the TPU VM is deleted right after."""
+        checkpoint = job.outputs["checkpoint"]
+        if not vm.exists(checkpoint):
+            raise AirflowException(
+                f"{self.step_title} finished but its final checkpoint {checkpoint} is missing; "
+                "a retry resumes from the newest checkpoint"
+            )
+        return {}
 
     def _overrides(self) -> list[str]:
         if isinstance(self.overrides, str):
@@ -451,7 +561,8 @@ class _TrainOperator(MaxTextJobOperator):
 
 class SftTrainOperator(_TrainOperator):
     """
-    Supervised fine-tuning (``train_sft``) from the converted checkpoint. The run name is deterministic per DAG
+    Supervised fine-tuning (``train_sft``) from the converted checkpoint (``converted_params``, default: the
+    convert task's XCom). The run name is deterministic per DAG
     run, so a retry resumes from the newest checkpoint; a finished run is not retrained. XCom: ``checkpoint``
     (the final ``model_params``), ``run_name``, ``metrics``.
 
@@ -505,6 +616,7 @@ class SftTrainOperator(_TrainOperator):
             dataset=dataset,
             checkpoint_period=int(self.checkpoint_period),
             overrides=self._overrides(),
+            converted_params=self.converted_params,
         )
         run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
         return Job(
@@ -542,7 +654,11 @@ class GrpoTrainOperator(_TrainOperator):
         batches = int(self.num_batches) if self.num_batches not in (None, "") else spec.model.rl_num_batches
         tests = int(self.num_test_batches) if self.num_test_batches not in (None, "") else None
         command = maxtext.train_rl(
-            spec, num_batches=batches, num_test_batches=tests, overrides=self._overrides()
+            spec,
+            num_batches=batches,
+            num_test_batches=tests,
+            overrides=self._overrides(),
+            converted_params=self.converted_params,
         )
         run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
         return Job(
@@ -655,14 +771,6 @@ class HfExportOperator(MaxTextJobOperator):
             {"export_dir": spec.layout.export_dir, "result_file": result_file},
             token="file" if self.hub_repo_id else None,
         )
-
-    def _hub_endpoint(self) -> str | None:
-        if not self.hf_conn_id:
-            return None
-        from airflow.sdk import BaseHook
-
-        host = BaseHook.get_connection(self.hf_conn_id).host
-        return host or None
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         script = resources.files("airflow_tpu_posttrain.vm_scripts") / "publish_model.py"

@@ -117,7 +117,7 @@ class _ComputeOperator(BaseOperator):
 
 class TpuVmCreateOperator(_ComputeOperator):
     """
-    Create the TPU VM of this DAG run, or find and reuse it.
+    Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
 
     The instance name is deterministic per (dag_id, run_id), so a retry or a re-run finds the instance of an
     earlier try: a live one is reused, a TERMINATED/STOPPED one is replaced, and no second one is created.
@@ -138,6 +138,8 @@ class TpuVmCreateOperator(_ComputeOperator):
     :param iap_firewall: also create the tutorials' IAP SSH firewall rule (target tag = instance name).
     :param max_run_duration: cloud-side backstop (``scheduling.maxRunDuration``, termination action DELETE).
         Default: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
+    :param service_account_scopes: OAuth scopes of the VM's default service account (e.g.
+        ``compute.STORAGE_SCOPES`` to write gs:// checkpoints); empty: Compute's defaults.
     :param instance_name: override the deterministic name (rarely needed).
     :param labels: extra labels; the ownership labels (managed-by, dag, run, task, expires-at) are always set.
     :param metadata: extra instance metadata items (e.g. ``enable-oslogin: "TRUE"``).
@@ -173,6 +175,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         image_project: str = compute.DEFAULT_IMAGE_PROJECT,
         image_family: str = compute.DEFAULT_IMAGE_FAMILY,
         max_run_duration: timedelta | int | None = None,
+        service_account_scopes: Sequence[str] = (),
         instance_name: str | None = None,
         labels: dict[str, str] | None = None,
         metadata: dict[str, str] | None = None,
@@ -190,6 +193,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         self.image_project = image_project
         self.image_family = image_family
         self.max_run_duration = max_run_duration
+        self.service_account_scopes = service_account_scopes
         self.instance_name = instance_name
         self.labels = labels
         self.metadata = metadata
@@ -219,6 +223,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 image_project=self.image_project,
                 image_family=self.image_family,
                 max_run_duration_s=self._max_run_duration_s(context),
+                service_account_scopes=tuple(self.service_account_scopes),
                 labels=dict(self.labels or {}),
                 metadata=dict(self.metadata or {}),
             )

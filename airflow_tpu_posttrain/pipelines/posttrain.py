@@ -1,8 +1,9 @@
 """The DAG factory: one post-training DAG per (recipe, model) entry of the model registry.
 
-Shape: create VM (setup) → install → convert → train → export + publish → delete VM (teardown, runs whatever
-happened) and a watcher that fails the run when a body step failed (teardowns do not count toward the run's
-state). Every value a user can change per run is a Param, validated by the trigger form and the REST API, and
+Shape (split layout, the default): a CPU VM converts (cached) and later exports while the TPU VM is created,
+installed and trains; the TPU VM's teardown follows the training directly. Seeds' layout: create VM (setup) →
+install → convert → train → export + publish → delete VM (teardown). Teardowns run whatever happened; a
+watcher fails the run when a body step failed (teardowns do not count toward the run's state). Every value a user can change per run is a Param, validated by the trigger form and the REST API, and
 again by the operators before anything is created.
 """
 
@@ -23,6 +24,7 @@ from airflow_tpu_posttrain.operators.maxtext import (
 )
 from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
+from airflow_tpu_posttrain.recipes import compute
 
 RECIPES = ("sft", "rl")
 TPU_ACCELERATORS = ["v6e-1", "v6e-4", "v6e-8"]
@@ -167,21 +169,31 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
 
 
 DOC = """
-### Post-training: {recipe} of `{model}` on a TPU VM
+### Post-training: {recipe} of `{model}` on a TPU VM ({layout} layout)
 
-create VM → install MaxText → convert HF → MaxText → {train} → export to HF + publish → delete VM
+{shape}
 
-- The VM is deleted by the teardown whatever happens (and, as a backstop, by Google at its `maxRunDuration`).
-- Each step is idempotent: a retry or re-run reuses the VM, the MaxText install, a finished conversion, and
+- Every VM is deleted by its teardown whatever happens (and, as a backstop, by Google at its `maxRunDuration`).
+- Each step is idempotent: a retry or re-run reuses the VMs, the MaxText install, a finished conversion, and
   resumes training from its newest checkpoint (run name derived from the DAG run and its logical date).
 - Long steps run as detached jobs on the VM, watched from the triggerer: no worker slot is held while waiting.
 """
+SHAPES = {
+    "split": (
+        "CPU VM: create → install MaxText → convert HF → MaxText (cached in checkpoint storage) ... export to HF + "
+        "publish → delete.  \nTPU VM, meanwhile: create → install MaxText → {train} (checkpoints to storage) → "
+        "delete as soon as the final checkpoint is in storage."
+    ),
+    "seeds": "create VM → install MaxText → convert HF → MaxText → {train} → export to HF + publish → delete VM",
+}
 
 
 def build_dag(cfg: PipelineConfig) -> DAG:
     if cfg.recipe not in RECIPES:
         raise ValueError(f"recipe={cfg.recipe!r}: use one of {RECIPES}")
     t = cfg.timeouts
+    split = cfg.layout == "split"
+    train_title = "SFT" if cfg.recipe == "sft" else "GRPO"
     default_args = {
         "retries": cfg.retries,
         "retry_delay": timedelta(minutes=1) if not cfg.local else timedelta(seconds=5),
@@ -200,44 +212,54 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         render_template_as_native_obj=True,
         tags=["tpu", "maxtext", cfg.recipe, cfg.model, *cfg.tags],
         doc_md=DOC.format(
-            recipe=cfg.recipe.upper(), model=cfg.model, train="SFT" if cfg.recipe == "sft" else "GRPO"
+            recipe=cfg.recipe.upper(),
+            model=cfg.model,
+            layout=cfg.layout,
+            shape=SHAPES[cfg.layout].format(train=train_title),
         ),
     )
-    vm = {
+    storage = cfg.checkpoint_storage if split else None
+    scopes = compute.STORAGE_SCOPES if storage and storage.startswith("gs://") else ()
+    poll = (lambda seconds: 2) if cfg.local else (lambda seconds: seconds)
+    on_vm = {
         "ssh_conn_id": cfg.ssh_conn_id,
         "hf_conn_id": cfg.hf_conn_id,
         "model": "{{ params.model }}",
-        "pool": POOL,
+        "checkpoint_storage": storage,
         **(cfg.local or {}),
     }
+    on_tpu = {**on_vm, "vm_task_id": "create_tpu_vm", "pool": POOL}
+    # The split layout's conversion and export run on the CPU VM, outside the TPU pool.
+    on_cpu = {**on_vm, "vm_task_id": "create_cpu_vm"} if split else on_tpu
+    compute_args = {"project_id": cfg.project_id, "gcp_conn_id": cfg.gcp_conn_id, "poll_interval": poll(10)}
     with dag:
-        create = TpuVmCreateOperator(
+        create_tpu = TpuVmCreateOperator(
             task_id="create_tpu_vm",
-            project_id=cfg.project_id,
-            gcp_conn_id=cfg.gcp_conn_id,
             zones="{{ params.zones }}",
             accelerator_type="{{ params.accelerator_type }}",
             provisioning_model="{{ params.provisioning_model }}",
             reservation="{{ params.reservation }}",
             network=cfg.network,
             iap_firewall=cfg.iap_firewall,
+            service_account_scopes=scopes,
             max_run_duration=t.run + timedelta(minutes=30),
             execution_timeout=t.create,
-            poll_interval=2 if cfg.local else 10,
             pool=POOL,
+            **compute_args,
         )
-        install = MaxTextInstallOperator(
+        install_tpu = MaxTextInstallOperator(
             task_id="install_maxtext",
             maxtext_version="{{ params.maxtext_version }}",
             execution_timeout=t.install,
-            poll_interval=2 if cfg.local else 15,
-            **vm,
+            poll_interval=poll(15),
+            **on_tpu,
         )
         convert = MaxTextConvertOperator(
             task_id="convert_to_maxtext",
+            maxtext_version="{{ params.maxtext_version }}",
             execution_timeout=t.convert,
-            poll_interval=2 if cfg.local else 15,
-            **vm,
+            poll_interval=poll(15),
+            **on_cpu,
         )
         if cfg.recipe == "sft":
             train = SftTrainOperator(
@@ -249,8 +271,8 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 overrides="{{ params.overrides }}",
                 checkpoint_period=2 if cfg.local else 200,
                 execution_timeout=t.train,
-                poll_interval=2 if cfg.local else 30,
-                **vm,
+                poll_interval=poll(30),
+                **on_tpu,
             )
         else:
             train = GrpoTrainOperator(
@@ -259,8 +281,8 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 num_test_batches="{{ params.num_test_batches }}",
                 overrides="{{ params.overrides }}",
                 execution_timeout=t.train,
-                poll_interval=2 if cfg.local else 30,
-                **vm,
+                poll_interval=poll(30),
+                **on_tpu,
             )
         export = HfExportOperator(
             task_id="export_and_publish",
@@ -268,27 +290,66 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             hub_repo_id="{{ params.hub_repo_id }}",
             storage_uri="{{ params.storage_uri }}",
             execution_timeout=t.export,
-            poll_interval=2 if cfg.local else 15,
-            **vm,
+            poll_interval=poll(15),
+            **on_cpu,
         )
-        delete = TpuDeleteOperator(
+        delete_tpu = TpuDeleteOperator(
             task_id="delete_tpu_vm",
-            project_id=cfg.project_id,
-            gcp_conn_id=cfg.gcp_conn_id,
+            create_task_id="create_tpu_vm",
             zones="{{ params.zones }}",
             iap_firewall=cfg.iap_firewall,
             execution_timeout=t.delete,
             retries=max(cfg.retries, 3),
-            poll_interval=2 if cfg.local else 10,
+            **compute_args,
         )
-
         watcher = FailRunOperator(
             task_id="fail_run_if_a_step_failed",
             trigger_rule=TriggerRule.ONE_FAILED,
             retries=0,
             execution_timeout=timedelta(minutes=5),
         )
+        teardown = {"on_failure_fail_dagrun": True}
+        if not split:
+            create_tpu >> install_tpu >> convert >> train >> export
+            export >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
+            [install_tpu, convert, train, export] >> watcher
+            return dag
 
-        create >> install >> convert >> train >> export >> delete.as_teardown(setups=create, on_failure_fail_dagrun=True)
-        [install, convert, train, export] >> watcher
+        create_cpu = TpuVmCreateOperator(
+            task_id="create_cpu_vm",
+            name_prefix="cpu",
+            zones="{{ params.zones }}",
+            accelerator_type=cfg.cpu_accelerator_type,
+            provisioning_model="STANDARD",
+            image_project=compute.CPU_IMAGE_PROJECT,
+            image_family=compute.CPU_IMAGE_FAMILY,
+            network=cfg.network,
+            iap_firewall=cfg.iap_firewall,
+            service_account_scopes=scopes,
+            max_run_duration=t.run + timedelta(minutes=30),
+            execution_timeout=t.create,
+            **compute_args,
+        )
+        install_cpu = MaxTextInstallOperator(
+            task_id="install_maxtext_cpu",
+            maxtext_version="{{ params.maxtext_version }}",
+            execution_timeout=t.install,
+            poll_interval=poll(15),
+            **on_cpu,
+        )
+        delete_cpu = TpuDeleteOperator(
+            task_id="delete_cpu_vm",
+            create_task_id="create_cpu_vm",
+            name_prefix="cpu",
+            zones="{{ params.zones }}",
+            iap_firewall=cfg.iap_firewall,
+            execution_timeout=t.delete,
+            retries=max(cfg.retries, 3),
+            **compute_args,
+        )
+        create_cpu >> install_cpu >> convert >> train
+        create_tpu >> install_tpu >> train
+        train >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
+        train >> export >> delete_cpu.as_teardown(setups=create_cpu, **teardown)
+        [install_cpu, install_tpu, convert, train, export] >> watcher
     return dag

@@ -40,12 +40,24 @@ LOCAL_TIMEOUTS = StepTimeouts(
 )
 
 
+LAYOUTS = ("split", "seeds")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
-    """One registry entry: which model, which recipe, where it runs, and the trigger form's defaults."""
+    """One registry entry: which model, which recipe, where it runs, and the trigger form's defaults.
+
+    ``layout``: ``split`` converts and exports on a CPU VM (``cpu_accelerator_type``) while the TPU VM is
+    created and installed, passes checkpoints through ``checkpoint_storage`` and deletes the TPU VM as soon as
+    the final checkpoint is there; ``seeds`` runs every step on the TPU VM, as the tutorials do (DAG id suffix
+    ``__seeds``).
+    """
 
     model: str
     recipe: str
+    layout: str = "split"
+    checkpoint_storage: str | None = None
+    cpu_accelerator_type: str = "cpu-highmem-16"
     schedule: str | None = None
     project_id: str | None = None
     zones: tuple[str, ...] = ("us-east5-b",)
@@ -72,9 +84,19 @@ class PipelineConfig:
     local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
     tags: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{self.model}: layout={self.layout!r}: use one of {LAYOUTS}")
+        if self.layout == "split" and not self.checkpoint_storage:
+            raise ValueError(
+                f"{self.model}: checkpoint_storage is required by the split layout: set it to a gs://bucket/prefix "
+                "the VMs may write (or use layout: seeds)"
+            )
+
     @property
     def dag_id(self) -> str:
-        return f"posttrain_{self.recipe}__{self.model}"
+        suffix = "__seeds" if self.layout == "seeds" else ""
+        return f"posttrain_{self.recipe}__{self.model}{suffix}"
 
 
 def local_settings(local_dir: str, vm_dir: str, python312: str) -> dict[str, str]:
@@ -110,6 +132,8 @@ def load_registry(path: str | Path) -> list[PipelineConfig]:
                     local_dir, vm_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")
                 ),
                 timeouts=LOCAL_TIMEOUTS,
+                checkpoint_storage=f"{vm_dir}/storage",  # the directory both local "VMs" see
+                cpu_accelerator_type="cpu",
             )
         for key in ("zones", "overrides", "tags"):
             if key in merged:

@@ -45,6 +45,9 @@ ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType(
             # on 2 cores); the local Compute emulator records it, and a real e2-standard-2 could run it too.
             # chips=1 because MaxText sees one CPU device (train_rl's chips_per_vm).
             Accelerator("cpu", "e2-standard-2", 1),
+            # The CPU VM that converts and exports while the TPU VM trains (split layout): 16 vCPUs, 128 GB,
+            # room for an 8B model's weights loaded eagerly during conversion, at ~1/20 of a v6e-8's price.
+            Accelerator("cpu-highmem-16", "n2-highmem-16", 1),
         )
     }
 )

@@ -19,6 +19,11 @@ MANAGED_BY = "airflow-tpu-posttrain"
 PROVISIONING_MODELS = ("RESERVATION_BOUND", "STANDARD", "SPOT", "FLEX_START")
 DEFAULT_IMAGE_PROJECT = "ubuntu-os-accelerator-images"
 DEFAULT_IMAGE_FAMILY = "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
+# The CPU VM (split layout): a plain Ubuntu 22.04, as the TPU image's base.
+CPU_IMAGE_PROJECT = "ubuntu-os-cloud"
+CPU_IMAGE_FAMILY = "ubuntu-2204-lts"
+# What a VM needs to read and write gs:// checkpoints (the default scopes only read storage).
+STORAGE_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 IAP_SOURCE_RANGE = "35.235.240.0/20"
 # Compute accepts 30 s .. 120 days for scheduling.maxRunDuration.
 MIN_RUN_DURATION_S = 30
@@ -81,6 +86,7 @@ class TpuVmSpec:
     image_project: str = DEFAULT_IMAGE_PROJECT
     image_family: str = DEFAULT_IMAGE_FAMILY
     max_run_duration_s: int | None = None
+    service_account_scopes: tuple[str, ...] = ()  # empty: Compute's defaults, as the tutorials' gcloud
     labels: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
 
@@ -141,6 +147,14 @@ class TpuVmSpec:
             raise SpecError(
                 "max_run_duration", None, "is required for FLEX_START VMs", "set it (10 minutes to 7 days)"
             )
+        for i, scope in enumerate(self.service_account_scopes):
+            if not re.fullmatch(r"https://www\.googleapis\.com/auth/[a-z0-9._-]+", scope):
+                raise SpecError(
+                    f"service_account_scopes[{i}]",
+                    scope,
+                    "is not an OAuth scope URL",
+                    "use e.g. https://www.googleapis.com/auth/devstorage.read_write",
+                )
         validation.labels("labels", self.labels)
         for key in self.metadata:
             validation.safe_name(f"metadata.{key}", key)
@@ -191,6 +205,8 @@ def instance_body(
         }
     elif spec.provisioning_model in ("SPOT", "FLEX_START"):
         body["reservationAffinity"] = {"consumeReservationType": "NO_RESERVATION"}
+    if spec.service_account_scopes:
+        body["serviceAccounts"] = [{"email": "default", "scopes": list(spec.service_account_scopes)}]
     tags = list(spec.tags) + ([name] if spec.iap_firewall and name not in spec.tags else [])
     if tags:
         body["tags"] = {"items": tags}

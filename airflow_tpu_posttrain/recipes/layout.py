@@ -1,18 +1,26 @@
-"""Where a run's files live on the VM, following the tutorials' /dev/shm layout.
+"""Where a run's files live: the tutorials' /dev/shm layout on one VM, or checkpoint storage shared by VMs.
 
-Every path derives from (model, run name, root), so any task of a DAG run, or a retry of one, computes the
-same paths without asking the VM. The converted checkpoint is per model (a later run on the same machine may
-reuse it), training output is per run. Runs that may share a machine at the same time (the local "VM") need
-different roots: two conversions or exports of one model would otherwise write the same directory.
+Every path derives from (model, run name, root, storage, conversion key), so any task of a DAG run, or a retry
+of one, computes the same paths without asking the VM. Training output is per run.
+
+- Seeds' layout (``storage`` empty): everything under ``root`` on the TPU VM, as in the tutorials; the
+  converted checkpoint is per model, so a later run on the same machine may reuse it.
+- Split layout (``storage`` set, ``gs://`` or a shared directory): the converted checkpoint lives in a
+  conversion cache keyed by what determines it (:func:`conversion_key`), training checkpoints next to it, so a
+  conversion made on a CPU VM is read by the TPU VM, a retried training on a new VM resumes, and later runs
+  (scheduled retraining, backfills) convert once. Only the export stays on the exporting VM's ``root``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from airflow_tpu_posttrain.recipes import storage as checkpoint_storage
 from airflow_tpu_posttrain.recipes import validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -26,17 +34,29 @@ class RunLayout:
     model_key: str
     run_name: str
     root: str = ""  # default: /dev/shm/<model_key>, as in the tutorials
+    storage: str = ""  # checkpoint storage (split layout); empty: the seeds' layout, all under root
+    conversion_key: str = ""  # split layout: which cached conversion (see conversion_key())
 
     def __post_init__(self) -> None:
         validation.safe_name("model", self.model_key)
         validation.safe_name("run_name", self.run_name, max_len=RUN_NAME_MAX_LEN)
         root = validation.safe_absolute_path("root", self.root or f"/dev/shm/{self.model_key}")
         object.__setattr__(self, "root", root)  # normalised (no trailing '/'), so paths join cleanly
+        if self.storage:
+            object.__setattr__(self, "storage", checkpoint_storage.checkpoint_uri("checkpoint_storage", self.storage))
+        if self.conversion_key:
+            validation.safe_name("conversion_key", self.conversion_key)
 
     @property
     def converted_dir(self) -> str:
-        """to_maxtext's output (the tutorials' MODEL_CHECKPOINT_DIRECTORY)."""
-        return f"{self.root}/mt-format"
+        """to_maxtext's output (the tutorials' MODEL_CHECKPOINT_DIRECTORY), or its place in the cache."""
+        if not self.storage:
+            return f"{self.root}/mt-format"
+        if not self.conversion_key:
+            raise SpecError(
+                "conversion_key", "", "is needed to find a conversion in storage", "pass conversion_key()"
+            )
+        return f"{self.storage}/conversions/{self.model_key}/{self.conversion_key}"
 
     @property
     def converted_params(self) -> str:
@@ -46,7 +66,7 @@ class RunLayout:
     @property
     def post_train_dir(self) -> str:
         """The trainers' base_output_directory (BASE_OUTPUT_DIRECTORY); a run writes ``<it>/<run_name>``."""
-        return f"{self.root}/post-train"
+        return f"{self.storage or self.root}/post-train"
 
     @property
     def checkpoints_dir(self) -> str:
@@ -64,6 +84,15 @@ class RunLayout:
     def export_dir(self) -> str:
         """to_huggingface's output (HF_EXPORT), one per run so runs sharing a root never mix exports."""
         return f"{self.root}/hf-trained/{self.run_name}"
+
+
+def conversion_key(maxtext_version: str, source_revision: str, options: Sequence[str]) -> str:
+    """``mt<version>-<digest>``: names a converted checkpoint by everything that determines it — the MaxText
+    release, the source weights' revision (a Hub commit, or a digest of a local model's files) and the
+    conversion's arguments (model name, layer scan, storage format, ...; the output path excluded)."""
+    version = validation.package_version("maxtext_version", maxtext_version)
+    blob = json.dumps([version, source_revision, list(options)], separators=(",", ":"))
+    return f"mt{version}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
 def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None) -> str:

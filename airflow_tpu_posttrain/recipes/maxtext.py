@@ -10,8 +10,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from airflow_tpu_posttrain.recipes import validation
-from airflow_tpu_posttrain.recipes.accelerators import Accelerator, tpu_env
+from airflow_tpu_posttrain.recipes import storage, validation
+from airflow_tpu_posttrain.recipes.accelerators import CPU_JAX_ENV, Accelerator, tpu_env
 from airflow_tpu_posttrain.recipes.layout import RunLayout
 from airflow_tpu_posttrain.recipes.models import ModelProfile, RlDataset, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step
@@ -53,7 +53,7 @@ class RunSpec:
     layout: RunLayout
 
     def __post_init__(self) -> None:
-        self.runtime.check(self.accelerator, self.model)
+        self.runtime.check_model(self.model)
         if self.layout.model_key != self.model.key:
             raise SpecError(
                 "model",
@@ -73,9 +73,18 @@ def _command(
     for pair in validation.override_pairs("overrides", overrides, reserved=frozenset(args)):
         key, value = pair.split("=", 1)
         args[key] = value
-    env = {**tpu_env(spec.accelerator), **spec.runtime.env} if training else spec.runtime.env
+    if training:
+        spec.runtime.check_accelerator(spec.accelerator)
+        env = {**tpu_env(spec.accelerator), **spec.runtime.env}
+    else:  # conversions run on the host CPU: on a TPU VM as in the tutorials, or on a CPU VM
+        env = {**({} if spec.accelerator.is_tpu else CPU_JAX_ENV), **spec.runtime.env}
     argv = spec.runtime.entry_point(step) + tuple(f"{key}={value}" for key, value in args.items())
     return RemoteCommand(argv=argv, env=env, venv=spec.runtime.venv)
+
+
+def _checkpoint(path: str, field: str = "converted_params") -> str:
+    """A checkpoint MaxText loads: a path on the VM or in ``gs://`` storage."""
+    return storage.checkpoint_uri(field, path)
 
 
 def _count(field: str, value: int | None, default: int) -> str:
@@ -119,14 +128,16 @@ def train_sft(
     checkpoint_period: int = DEFAULT_SFT_CHECKPOINT_PERIOD,
     profiler: str = "xplane",
     overrides: Sequence[str] = (),
+    converted_params: str | None = None,
 ) -> RemoteCommand:
-    """Supervised fine-tuning from the converted checkpoint; steps and dataset default to the model's."""
+    """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``); steps and
+    dataset default to the model's."""
     data = dataset or spec.model.sft_dataset
     args = {
         "run_name": spec.layout.run_name,
         "base_output_directory": spec.layout.post_train_dir,
         "model_name": spec.model.maxtext_model_name,
-        "load_parameters_path": spec.layout.converted_params,
+        "load_parameters_path": _checkpoint(converted_params or spec.layout.converted_params),
         "per_device_batch_size": str(validation.positive_int("per_device_batch_size", per_device_batch_size)),
         "steps": _count("steps", steps, spec.model.sft_steps),
         "hf_path": data.hf_path,
@@ -149,12 +160,14 @@ def train_rl(
     num_test_batches: int | None = None,
     dataset: RlDataset | None = None,
     overrides: Sequence[str] = (),
+    converted_params: str | None = None,
 ) -> RemoteCommand:
-    """GRPO from the converted checkpoint; the batch counts and dataset default to the model's."""
+    """GRPO from the converted checkpoint (default: ``layout.converted_params``); the batch counts and dataset
+    default to the model's."""
     data = dataset or spec.model.rl_dataset
     args = {
         "model_name": spec.model.maxtext_model_name,
-        "load_parameters_path": spec.layout.converted_params,
+        "load_parameters_path": _checkpoint(converted_params or spec.layout.converted_params),
         "run_name": spec.layout.run_name,
         "base_output_directory": spec.layout.post_train_dir,
         "chips_per_vm": str(spec.accelerator.chips),
@@ -178,7 +191,7 @@ def to_huggingface(spec: RunSpec, trained_params: str) -> RemoteCommand:
         Step.TO_HUGGINGFACE,
         {
             "model_name": spec.model.hf_export_name,
-            "load_parameters_path": validation.safe_absolute_path("trained_params", trained_params),
+            "load_parameters_path": _checkpoint(trained_params, "trained_params"),
             "base_output_directory": spec.layout.export_dir,
             "scan_layers": "True",
             "use_multimodal": "False",

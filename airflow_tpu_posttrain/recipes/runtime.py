@@ -72,18 +72,22 @@ class Runtime:
         """Environment for every step (training steps add the accelerator's)."""
         return dict(CPU_JAX_ENV) if self.is_cpu else {}
 
-    def check(self, accelerator: Accelerator, model: ModelProfile) -> None:
-        """Refuses what cannot run: a TPU on the cpu runtime and vice versa, a Hub model on cpu."""
+    def check_model(self, model: ModelProfile) -> None:
+        """The cpu runtime runs local models only (no Hub access, a tiny model)."""
+        if self.is_cpu and not model.is_local:
+            raise SpecError(
+                "model", model.key, "is a Hub model; the cpu runtime runs local models", "use 'tiny-llama'"
+            )
+
+    def check_accelerator(self, accelerator: Accelerator) -> None:
+        """Training needs the runtime's accelerator: a TPU on ``tpu``, the CPU on ``cpu`` (conversions run on any
+        host's CPU, so they may run on a CPU VM with the ``tpu`` runtime's environment)."""
         if accelerator.is_tpu == self.is_cpu:
             raise SpecError(
                 "accelerator_type",
                 accelerator.type,
-                f"does not run on the {self.name} runtime",
-                "use 'cpu' locally",
-            )
-        if self.is_cpu and not model.is_local:
-            raise SpecError(
-                "model", model.key, "is a Hub model; the cpu runtime runs local models", "use 'tiny-llama'"
+                f"does not train on the {self.name} runtime",
+                "use a TPU (v6e-*) on Google Cloud, 'cpu' locally",
             )
 
     def entry_point(self, step: Step) -> tuple[str, ...]:

@@ -1,0 +1,267 @@
+"""The pipeline's performance figures (P1-P5), measured on this machine, printed as one table.
+
+    .venv/bin/python bench/perf.py [--quick]
+
+In order, so that no two measurements share the machine: P3, DAG file parse times (bench/parse_time.py, fresh
+interpreters); P4's baseline, the SFT chain as a plain shell script (bench/plain_pipeline.sh --sft-only); then
+the local stack (Compute emulator, sshd "VM", Hub server; VM disk .local/bench/vm, emptied first) and Airflow's
+real components with LocalExecutor (bench/local_airflow.py, home .local/bench/airflow), started before any
+clock runs, and these DAG runs, each watched by bench/run_probe.py:
+
+  cold    posttrain_sft__tiny-llama, first run, nothing cached      P1, P2, P4 cold
+  warm    the same DAG, another run id                               P1, P2, P4 warm, conversions repeated
+  seeds   posttrain_sft__tiny-llama__seeds (the tutorials' layout)   P1, P2 (row skipped if the DAG is absent)
+  fault   our DAG with steps=8, trainer SIGKILLed at step 5          P5 (not with --quick)
+
+--quick also parses each DAG file once instead of 5 times. Everything started is stopped on exit, Ctrl-C or
+SIGTERM included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import parse_time
+from local_airflow import LocalAirflow, stop_group
+from run_probe import RunRecord, TrainerKiller, kill_vm_jobs, watch_run
+
+from airflow_tpu_posttrain.local.stack import LocalStack
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / ".local" / "bench"
+OURS = "posttrain_sft__tiny-llama"
+SEEDS = "posttrain_sft__tiny-llama__seeds"
+KILL_AT_STEP = 5
+FAULT_STEPS = 8
+CHECKPOINT_PERIOD = 2  # the local SFT DAGs' checkpoint_period (pipelines/posttrain.py)
+TARGETS = {"P1": 1.15, "P2": 0.05, "P3": 100.0, "P4": 1.10, "P5": CHECKPOINT_PERIOD, "conversions": 0}
+
+
+# -- P1 from the tutorials' stated durations ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Minutes:
+    """Step durations on Google Cloud. Stated by the tutorials: convert (on the VM) and train (v6e-8).
+    The rest are assumptions."""
+
+    convert: float = 5.0
+    train: float = 10.0
+    create_vm: float = 2.0  # assumed, any VM
+    install: float = 5.0  # assumed: MaxText installed from scratch (the tutorials)
+    install_restored: float = 1.0  # assumed: ours, the install cached / restored
+    export: float = 3.0  # assumed
+    delete_vm: float = 1.0  # assumed
+
+
+def modelled_p1(m: Minutes) -> dict[str, float]:
+    """TPU-held ÷ training time. The tutorials hold the TPU VM through every step. Ours holds it from its
+    creation through training; a CPU VM, created at the same time, converts (training waits for it) and exports
+    off the TPU's clock; a later run finds the conversion cached."""
+    tpu_ready = m.create_vm + m.install_restored
+    converted = m.create_vm + m.install_restored + m.convert  # on the CPU VM, first run
+    return {
+        "tutorials": (m.create_vm + m.install + m.convert + m.train + m.export + m.delete_vm) / m.train,
+        "ours, first run": (max(tpu_ready, converted) + m.train + m.delete_vm) / m.train,
+        "ours, conversion cached": (tpu_ready + m.train + m.delete_vm) / m.train,
+    }
+
+
+# -- measurements -------------------------------------------------------------------------------------
+
+
+def run_in_group(command: list[str]) -> str:
+    """Run ``command`` in its own process group (stopped with it on any exit); its output."""
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate()
+    finally:
+        stop_group(proc, grace=5)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{output[-3000:]}")
+    return output
+
+
+def plain_baseline() -> dict[str, float]:
+    """Seconds per step of bench/plain_pipeline.sh --sft-only, and ``pipeline total`` (convert → export)."""
+    output = run_in_group(["bash", "bench/plain_pipeline.sh", "--sft-only", str(BENCH / "plain")])
+    return {
+        m["step"]: float(m["s"])
+        for m in re.finditer(r"^(?P<step>\S+(?: total)?) +(?P<s>\d+\.\d) s\b", output, re.MULTILINE)
+    }
+
+
+def parse_times(runs: int) -> dict[str, dict]:
+    return {f.name: parse_time.measure(f, runs) for f in sorted((REPO / "dags").glob("*.py"))}
+
+
+def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
+    """The DAG runs in real Airflow; returns the records by label and notes on runs that were skipped."""
+    shutil.rmtree(BENCH / "vm", ignore_errors=True)
+    stack = LocalStack(local_dir=REPO / ".local", vm_dir=BENCH / "vm")
+    jobs_dir = stack.vm_dir / "work" / "jobs"
+    records: dict[str, RunRecord] = {}
+    skipped: dict[str, str] = {}
+    try:
+        with stack as env, LocalAirflow(BENCH / "airflow", env) as airflow:
+            airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
+            present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
+            plan = [("cold", OURS, {}, None), ("warm", OURS, {}, None), ("seeds", SEEDS, {}, None)]
+            if not quick:
+                killer = TrainerKiller(jobs_dir, OURS, "bench-fault", KILL_AT_STEP)
+                plan.append(("fault", OURS, {"steps": FAULT_STEPS}, killer))
+            for label, dag_id, conf, killer in plan:
+                if not present[dag_id]:
+                    skipped[label] = f"{dag_id} does not exist (yet)"
+                    continue
+                print(f"perf: running {dag_id} ({label}) ...", file=sys.stderr, flush=True)
+                records[label] = watch_run(airflow, stack.compute, dag_id, f"bench-{label}", conf, killer)
+    finally:
+        kill_vm_jobs(jobs_dir)
+    return records, skipped
+
+
+# -- figures and table --------------------------------------------------------------------------------
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def p1(record: RunRecord) -> tuple[float | None, str]:
+    held, train = record.vm_held("create_tpu_vm"), record.tasks.get("train")
+    train_s = train.seconds if train else None
+    return ratio(held, train_s), f"TPU VM held {fmt(held)} s / train {fmt(train_s)} s"
+
+
+def p2(record: RunRecord) -> tuple[float | None, str]:
+    running, deferred = record.state_seconds["running"], record.state_seconds["deferred"]
+    how = f"running {running:.0f} s (deferred {deferred:.0f} s) / run {fmt(record.wall)} s"
+    return ratio(running, record.wall), how
+
+
+def p5_steps(record: RunRecord) -> tuple[float | None, str]:
+    if not record.killed or record.killed_at_step is None:
+        return None, "the trainer was not killed (training ended first?)"
+    metrics = (record.xcom.get("train") or {}).get("metrics") or {}
+    resumed = metrics.get("resumed_from_step", 0)  # absent: the retry started over
+    return (
+        record.killed_at_step - resumed,
+        f"killed after step {record.killed_at_step}, resumed from {resumed}",
+    )
+
+
+def p5_conversions(record: RunRecord) -> tuple[float, str]:
+    """Conversion jobs that ran rather than being reused (the convert task's XCom says which)."""
+    converts = {
+        task: bool((value or {}).get("reused")) for task, value in record.xcom.items() if "convert" in task
+    }
+    how = ", ".join(f"{task} {'reused' if reused else 'ran'}" for task, reused in converts.items())
+    return sum(not reused for reused in converts.values()), how or "no conversion task"
+
+
+def print_report(records: dict[str, RunRecord], skipped: dict[str, str], plain: dict, parsed: dict) -> None:
+    rows = []
+
+    def row(figure: str, subject: str, result: tuple[float | None, str], target: float, digits: int = 2):
+        value, how = result
+        ok = "n/a" if value is None else ("ok" if value <= target else "MISS")
+        rows.append((figure, subject, fmt(value, digits), f"<= {target:g}", ok, how))
+
+    runs = [(label, r) for label, r in records.items() if label in ("cold", "warm", "seeds")]
+    for label, r in runs:
+        row("P1", f"{r.dag_id} ({label})", p1(r), TARGETS["P1"])
+    for name, value in modelled_p1(Minutes()).items():
+        row("P1", f"modelled: {name}", (value, "stated / assumed minutes, see notes"), TARGETS["P1"])
+    for label, r in runs:
+        row("P2", f"{r.dag_id} ({label})", p2(r), TARGETS["P2"], digits=3)
+    for name, result in parsed.items():
+        how = f"ms; {result['dags']} DAGs, {result['dag_file_ms'] / max(result['dags'], 1):.0f} ms per DAG"
+        row("P3", f"dags/{name}", (result["dag_file_ms"], how), TARGETS["P3"], digits=0)
+    total, sft_export = plain.get("pipeline total"), plain.get("sft", 0) + plain.get("export-sft", 0)
+    for label in ("cold", "warm"):
+        if label in records:
+            wall = records[label].wall
+            how = f"DAG run {fmt(wall)} s / plain convert→SFT→export {fmt(total)} s"
+            row("P4", f"{OURS} ({label})", (ratio(wall, total), how), TARGETS["P4"])
+    if "warm" in records:
+        wall = records["warm"].wall
+        how = f"DAG run {fmt(wall)} s / plain SFT→export {sft_export:.0f} s (its conversion cached too)"
+        row("P4", f"{OURS} (warm, vs plain w/o convert)", (ratio(wall, sft_export), how), TARGETS["P4"])
+    if "fault" in records:
+        row("P5", "training steps repeated by the retry", p5_steps(records["fault"]), TARGETS["P5"], digits=0)
+    if "warm" in records:
+        row(
+            "P5",
+            "conversions repeated (warm run)",
+            p5_conversions(records["warm"]),
+            TARGETS["conversions"],
+            0,
+        )
+
+    header = ("fig", "subject", "value", "target", "", "how")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+    for r in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + "  " + r[5])
+
+    m = Minutes()
+    print("\nnotes:")
+    for label, why in skipped.items():
+        print(f"  {label} run skipped: {why}")
+    print(
+        f"  modelled P1, minutes: convert {m.convert:g} and train {m.train:g} (the tutorials, v6e-8); assumed: VM "
+        f"creation {m.create_vm:g}, MaxText install {m.install:g} (tutorials) / {m.install_restored:g} (ours, "
+        f"restored), export {m.export:g}, delete {m.delete_vm:g}"
+    )
+    print(f"  plain baseline (bench/plain_pipeline.sh --sft-only), seconds: {plain}")
+    print(
+        "  runs: state, run wall s, queued→start s, train tries, most tasks running+deferred at once, mean load:"
+    )
+    for label, r in records.items():
+        train = r.tasks.get("train")
+        held = ", ".join(f"{task} {fmt(r.vm_held(task))} s" for task in r.vms)
+        print(
+            f"    {label:5} {r.dag_id}: {r.state}, {fmt(r.wall)}, {fmt(r.latency, 1)}, "
+            f"{train.try_number if train else 'n/a'}, {r.peak_busy}, {fmt(r.mean_load, 2)}; VMs held: {held}"
+        )
+        for command in r.killed:
+            print(f"          SIGKILLed: {command}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="parse once per file; no fault run")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through every finally: all is stopped
+    started = time.monotonic()
+    print("perf: P3 parse times ...", file=sys.stderr, flush=True)
+    parsed = parse_times(1 if args.quick else 5)
+    print("perf: P4 baseline (plain shell script) ...", file=sys.stderr, flush=True)
+    plain = plain_baseline()
+    records, skipped = measure_runs(args.quick)
+    print_report(records, skipped, plain, parsed)
+    if args.quick:
+        print("  --quick: each DAG file parsed in 1 interpreter (not 5); no fault run (P5 training steps)")
+    print(
+        f"\n(perf.py took {(time.monotonic() - started) / 60:.0f} min; load average now {os.getloadavg()[0]:.2f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""One DAG run in the local Airflow, watched: task-instance states sampled from the metadata DB, the VMs'
+lives read from the Compute emulator, and optionally the trainer SIGKILLed at a given step (P5).
+
+``watch_run(...)`` triggers the run, samples every ``SAMPLE_S`` until it ends and returns a ``RunRecord``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from airflow_tpu_posttrain.recipes.compute import run_hash
+
+SAMPLE_S = 0.5
+RUN_TIMEOUT_S = 3600
+FINISHED = ("success", "failed")
+COMPLETED_STEP = re.compile(rb"completed step: (\d+),")
+
+
+def epoch(value: str | None) -> float | None:
+    """A DB or emulator timestamp as epoch seconds (SQLite stores naive UTC)."""
+    if not value:
+        return None
+    moment = datetime.fromisoformat(value)
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@dataclass
+class Vm:
+    created: float
+    deleted: float | None = None
+
+
+@dataclass
+class TaskTry:
+    state: str
+    try_number: int
+    start: float | None
+    end: float | None
+
+    @property
+    def seconds(self) -> float | None:
+        return self.end - self.start if self.start and self.end else None
+
+
+@dataclass
+class RunRecord:
+    dag_id: str
+    run_id: str
+    state: str = "unknown"
+    queued: float | None = None
+    start: float | None = None
+    end: float | None = None
+    tasks: dict[str, TaskTry] = field(default_factory=dict)
+    xcom: dict[str, object] = field(default_factory=dict)  # task_id -> return value
+    vms: dict[str, Vm] = field(default_factory=dict)  # the create task's id -> the VM it made
+    state_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # summed over tasks
+    peak_busy: int = 0  # most task instances running or deferred at one sample
+    load_samples: list[float] = field(default_factory=list)  # the 1-minute load average at each sample
+    killed: list[str] = field(default_factory=list)  # P5: the trainer processes SIGKILLed
+    killed_at_step: int | None = None  # P5: the last step the killed try logged
+
+    @property
+    def wall(self) -> float | None:
+        return self.end - self.start if self.start and self.end else None
+
+    @property
+    def latency(self) -> float | None:
+        """Triggered (queued) → started by the scheduler."""
+        return self.start - self.queued if self.start and self.queued else None
+
+    @property
+    def mean_load(self) -> float | None:
+        return sum(self.load_samples) / len(self.load_samples) if self.load_samples else None
+
+    def vm_held(self, create_task: str) -> float | None:
+        vm = self.vms.get(create_task)
+        return vm.deleted - vm.created if vm and vm.deleted else None
+
+
+class _Sampler(threading.Thread):
+    """Every SAMPLE_S: the run's task-instance states (one SELECT on SQLite) and the emulator's instances.
+
+    The time between two samples is credited to each task instance's state at the first of them."""
+
+    def __init__(self, db, compute, record: RunRecord) -> None:
+        super().__init__(daemon=True)
+        self.db, self.compute, self.record = db, compute, record
+        self.hash = run_hash(record.dag_id, record.run_id)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            previous: list[str] = []
+            last = time.monotonic()
+            while True:
+                states = [
+                    s
+                    for (s,) in self.db.execute(
+                        "SELECT state FROM task_instance WHERE dag_id = ? AND run_id = ?",
+                        (self.record.dag_id, self.record.run_id),
+                    )
+                ]
+                now = time.monotonic()
+                for state in previous:
+                    self.record.state_seconds[state or "none"] += now - last
+                previous, last = states, now
+                busy = sum(s in ("running", "deferred") for s in states)
+                self.record.peak_busy = max(self.record.peak_busy, busy)
+                self.record.load_samples.append(os.getloadavg()[0])
+                self._observe_vms()
+                if self.stop.wait(SAMPLE_S):
+                    return
+        except Exception as err:  # noqa: BLE001 (any error ends the sampling; watch_run reports it)
+            self.error = err
+
+    def _observe_vms(self) -> None:
+        now = time.time()
+        live = {}
+        for instance in self.compute.instances():
+            labels = instance.get("labels", {})
+            if labels.get("airflow-run-hash") == self.hash:
+                live[labels["airflow-task"].replace("-", "_")] = epoch(instance["creationTimestamp"])
+        for task, created in live.items():
+            self.record.vms.setdefault(task, Vm(created))
+        for task, vm in self.record.vms.items():
+            if task not in live and vm.deleted is None:
+                vm.deleted = now
+
+
+class TrainerKiller(threading.Thread):
+    """P5: SIGKILLs the SFT trainer of one DAG run once its log shows step ``at_step``.
+
+    The trainer is a process of the train job's session on the "VM" (the job's pid file names the session
+    leader) whose command line holds ``train_sft``; other processes on this machine are never touched."""
+
+    def __init__(self, jobs_dir: Path, dag_id: str, run_id: str, at_step: int) -> None:
+        super().__init__(daemon=True)
+        self.job_dir = jobs_dir / f"train-{run_hash(dag_id, run_id)}"
+        self.at_step = at_step
+        self.stop = threading.Event()
+        self.killed: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2) and not self.killed:
+            try:
+                leader = int((self.job_dir / "pid").read_text())
+                log = (self.job_dir / "stdout.log").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if max(map(int, COMPLETED_STEP.findall(log)), default=0) >= self.at_step:
+                self.killed = kill_session(leader, b"train_sft")
+
+    def killed_at_step(self) -> int | None:
+        """The last step the killed try logged (the retry set its job dir aside as ``<dir>.<time>``)."""
+        logs = sorted(self.job_dir.parent.glob(f"{self.job_dir.name}.*/stdout.log"))
+        return max(map(int, COMPLETED_STEP.findall(logs[0].read_bytes())), default=None) if logs else None
+
+
+def _session(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[3])  # "pid (comm) state ppid pgrp session ..."
+
+
+def kill_session(leader: int, needle: bytes = b"") -> list[str]:
+    """SIGKILL the processes of session ``leader`` whose command line holds ``needle``; their command lines."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or _session(int(entry.name)) != leader:
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if needle in cmdline:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(cmdline.replace(b"\0", b" ").decode(errors="replace")[:160])
+    return killed
+
+
+def kill_vm_jobs(jobs_dir: Path) -> None:
+    """Kill every job still running on the local "VM" (after an interruption: they outlive Airflow)."""
+    for pid_file in jobs_dir.glob("*/pid"):
+        with contextlib.suppress(OSError, ValueError):
+            leader = int(pid_file.read_text())
+            if _session(leader) == leader:
+                kill_session(leader)
+
+
+def _finish(db, record: RunRecord) -> None:
+    """Fill the record from the DB once the run is over."""
+    record.state, queued, start, end = db.execute(
+        "SELECT state, queued_at, start_date, end_date FROM dag_run WHERE dag_id = ? AND run_id = ?",
+        (record.dag_id, record.run_id),
+    ).fetchone()
+    record.queued, record.start, record.end = epoch(queued), epoch(start), epoch(end)
+    for task_id, state, try_number, start, end in db.execute(
+        "SELECT task_id, state, try_number, start_date, end_date FROM task_instance "
+        "WHERE dag_id = ? AND run_id = ?",
+        (record.dag_id, record.run_id),
+    ):
+        record.tasks[task_id] = TaskTry(state, try_number, epoch(start), epoch(end))
+    for task_id, value in db.execute(
+        "SELECT task_id, value FROM xcom WHERE dag_id = ? AND run_id = ? AND key = 'return_value'",
+        (record.dag_id, record.run_id),
+    ):
+        record.xcom[task_id] = json.loads(value) if isinstance(value, str | bytes) else value
+
+
+def watch_run(
+    airflow, compute, dag_id: str, run_id: str, conf: dict, killer: TrainerKiller | None = None
+) -> RunRecord:
+    """Trigger ``dag_id`` as ``run_id`` and sample it until it ends (or RUN_TIMEOUT_S, then it is failed)."""
+    record = RunRecord(dag_id, run_id)
+    db = airflow.db()
+    sampler = _Sampler(airflow.db(), compute, record)  # a connection per thread
+    airflow.trigger(dag_id, run_id, conf)
+    sampler.start()
+    if killer:
+        killer.start()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while True:
+            (state,) = db.execute(
+                "SELECT state FROM dag_run WHERE dag_id = ? AND run_id = ?", (dag_id, run_id)
+            ).fetchone()
+            if state in FINISHED:
+                break
+            if time.monotonic() > deadline or sampler.error:
+                airflow.api("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed"})
+                break
+            time.sleep(2)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        if killer:
+            killer.stop.set()
+            killer.join()
+            record.killed = killer.killed
+            record.killed_at_step = killer.killed_at_step()
+    if sampler.error:
+        raise RuntimeError(f"sampling {dag_id}/{run_id} failed") from sampler.error
+    _finish(db, record)
+    db.close()
+    return record
