@@ -537,13 +537,17 @@ def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun
 def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun, fault_matrix):
     assert rerun["state"] == "success", rerun["states"]
     inserts = [r for r in rerun["requests"] if r["method"] == "POST" and r["path"].endswith("/instances")]
-    # The first run's teardown deleted its VM, so the re-run creates exactly one (the same deterministic name).
-    assert rerun["returns"]["create_tpu_vm"]["name"] == faulted_run["returns"]["create_tpu_vm"]["name"]
-    assert rerun["returns"]["delete_tpu_vm"]["deleted"] is True
+    # The first run's teardowns deleted its VMs, so the re-run creates exactly one of each (the same
+    # deterministic names): the TPU VM and the CPU VM.
+    vms = [(f"create_{kind}_vm", f"delete_{kind}_vm") for kind in ("tpu", "cpu")]
+    for create, delete in vms:
+        assert rerun["returns"][create]["name"] == faulted_run["returns"][create]["name"]
+        assert rerun["returns"][delete]["deleted"] is True
+        assert rerun["tries"][create] == 1, rerun["tries"]
     assert rerun["instances_after"] == [], [i["name"] for i in rerun["instances_after"]]
-    assert rerun["tries"]["create_tpu_vm"] == 1, rerun["tries"]
-    assert len(inserts) == 1, inserts
+    assert sorted(r["body"]["name"] for r in inserts) == sorted(rerun["returns"][c]["name"] for c, _ in vms)
     fault_matrix.record(
-        "MaxText: re-run creates one VM at the first try, deletes it",
-        rerun["instances_after"] == [], rerun["state"], None, f"{len(inserts)} instance insert, create tries=1",
+        "MaxText: re-run creates each VM once at the first try, deletes them",
+        rerun["instances_after"] == [], rerun["state"], None,
+        f"{len(inserts)} instance inserts (TPU + CPU VM), create tries=1",
     )

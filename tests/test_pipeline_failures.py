@@ -5,13 +5,14 @@ Every fault is injected through the environment the pipeline runs in, never by p
 
 - create: every zone of the DAG out of capacity (the emulator's stock-out fault);
 - install: a MaxText version that does not exist (``maxtext_version`` in the run's conf);
-- convert: a regular file where the conversion's output directory goes (``<root>/mt-format``);
+- convert: a regular file where the conversion cache goes (``<checkpoint storage>/conversions``);
 - train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
 - export: a regular file where the exports' parent directory goes (``<root>/hf-trained``);
 - publish: the Hub unreachable (the ``local_hub`` connection's host pointed at a closed port).
 
-Each failed run must end FAILED with the watcher failed, the VM deleted (by the teardown, or, when the create
-itself fails, by the create) and nothing left in the emulator; the failed task's log must say what failed.
+The DAG has the split layout: a CPU VM converts and exports, the TPU VM trains. Each failed run must end FAILED
+with the watcher failed, both VMs deleted (by their teardowns, or, when a create itself fails, by the create) and
+nothing left in the emulator; the failed task's log must say what failed.
 Then the SFT DAG is backfilled for two logical dates and the first date is run again under its own run_id.
 
 One stack for the module (the VM's disk is a fresh temp dir); SFT runs with 2 steps. Slow (minutes).
@@ -33,7 +34,8 @@ from conftest import REPO, log_excerpt
 
 DAG_ID = "posttrain_sft__tiny-llama"
 STEPS = 2
-BODY_STEPS = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+BODY_STEPS = ("install_maxtext_cpu", "install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+VMS = (("create_tpu_vm", "delete_tpu_vm"), ("create_cpu_vm", "delete_cpu_vm"))
 WATCHER = "fail_run_if_a_step_failed"
 
 
@@ -84,8 +86,13 @@ def local_zones() -> list[str]:
 
 
 def root(stack) -> Path:
-    """The run files' root on the "VM" (the DAG's root_dir, posttrain.local_settings)."""
+    """The run files' root on the "VMs" (the DAG's root_dir, posttrain.local_settings)."""
     return stack.vm_dir / "runs"
+
+
+def checkpoint_storage(stack) -> Path:
+    """The directory both local "VMs" share for checkpoints (registry: checkpoint_storage)."""
+    return stack.vm_dir / "storage"
 
 
 @contextlib.contextmanager
@@ -105,18 +112,18 @@ def file_in_place_of(path: Path):
 
 
 def assert_failed_cleanly(stack, dr, failed_step: str) -> None:
-    """The run failed at ``failed_step``: the later steps did not run, the watcher failed the run, the teardown
-    deleted the VM and the emulator holds nothing."""
+    """The run failed at ``failed_step``: the steps after it did not run, the watcher failed the run, the
+    teardowns deleted both VMs and the emulator holds nothing."""
     st = states(dr)
     assert dr.state == "failed", st
     assert st[failed_step] == "failed", st
-    later = BODY_STEPS[BODY_STEPS.index(failed_step) + 1 :]
-    assert all(st[step] == "upstream_failed" for step in later), st
-    assert st["create_tpu_vm"] == "success", st
-    assert st["delete_tpu_vm"] == "success", st
+    later = set(_dag().get_task(failed_step).get_flat_relative_ids(upstream=False)) & set(BODY_STEPS)
+    assert later and all(st[step] == "upstream_failed" for step in later), st
+    for create, delete in VMS:
+        assert st[create] == "success" and st[delete] == "success", st
+        deleted = xcom(dr, delete)
+        assert deleted["deleted"] is True and deleted["name"] == xcom(dr, create)["name"]
     assert st[WATCHER] == "failed", st
-    deleted = xcom(dr, "delete_tpu_vm")
-    assert deleted["deleted"] is True and deleted["name"] == xcom(dr, "create_tpu_vm")["name"]
     assert stack.compute.instances() == []
 
 
@@ -140,21 +147,22 @@ def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd, fault_mat
     logs = "".join(capfd.readouterr())
     st = states(dr)
     assert dr.state == "failed", st
-    assert st["create_tpu_vm"] == "failed", st
     assert all(st[step] == "upstream_failed" for step in BODY_STEPS), st
-    # The setup failed, so its teardown does not run: the create cleans up after itself.
-    assert st["delete_tpu_vm"] == "upstream_failed", st
+    for create, delete in VMS:  # locally both VMs are the "cpu" shape: both are out of capacity
+        assert st[create] == "failed", st
+        # The setup failed, so its teardown does not run: the create cleans up after itself.
+        assert st[delete] == "upstream_failed", st
+        # Each try went through every zone in order (retries=1: two tries), and left nothing behind.
+        name = xcom(dr, create)["name"]
+        tried = [r["path"].split("/zones/")[1].split("/")[0] for r in instance_inserts(stack, name)]
+        assert tried == zones * 2
     assert st[WATCHER] == "failed", st
     assert stack.compute.instances() == []
-    # Each try went through every zone in order (retries=1: two tries), and left nothing behind.
-    name = xcom(dr, "create_tpu_vm")["name"]
-    tried = [r["path"].split("/zones/")[1].split("/")[0] for r in instance_inserts(stack, name)]
-    assert len(instance_inserts(stack)) - inserts_before == len(tried) == 2 * len(zones)
-    assert tried == zones * 2
+    assert len(instance_inserts(stack)) - inserts_before == 2 * len(tried)
     assert "No cpu capacity in any zone" in logs and "No instance was left behind" in logs
     assert "ZONE_RESOURCE_POOL_EXHAUSTED" in logs
     fault_matrix.record(
-        f"pipeline: create, every zone out of capacity ({len(tried)} inserts, all rolled back)",
+        f"pipeline: create, every zone out of capacity ({2 * len(tried)} inserts for 2 VMs, all rolled back)",
         stack.compute.instances() == [], dr.state, None, log_excerpt(logs, "No cpu capacity in any zone"),
     )
 
@@ -176,7 +184,7 @@ def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, capfd, fa
 
 
 def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd, fault_matrix):
-    converted_dir = root(stack) / "mt-format"  # RunLayout.converted_dir
+    converted_dir = checkpoint_storage(stack) / "conversions"  # above RunLayout.converted_dir
     with file_in_place_of(converted_dir):
         dr = run_pipeline()
     logs = "".join(capfd.readouterr())
@@ -193,7 +201,7 @@ def test_train_fails_on_an_unknown_maxtext_override(stack, capfd, fault_matrix):
     dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, dr, "train")
-    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(root(stack)))
+    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(checkpoint_storage(stack)))
     assert "SFT failed on the VM with exit code" in logs
     assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
     fault_matrix.record(
@@ -275,10 +283,13 @@ def test_backfill_two_dates_then_rerun_the_first(stack, capfd, fault_matrix):
     assert [h["revision"] for h in hubs] == [f"run-{n}" for n in names]
     assert hubs[0]["commit_sha"] != hubs[1]["commit_sha"]
 
-    # One conversion per model: the second date reuses it (the module converted once, whatever ran first).
+    # One conversion per model: the second date reuses it from the cache (the module converted once, whatever
+    # ran first), found by the same key: same MaxText version, same source files, same conversion arguments.
     converted = [xcom(dr, "convert_to_maxtext") for dr in runs]
     assert converted[1]["reused"] is True
     assert converted[0]["converted_params"] == converted[1]["converted_params"]
+    assert converted[0]["conversion_key"] == converted[1]["conversion_key"]
+    assert converted[0]["converted_params"].startswith(str(checkpoint_storage(stack) / "conversions"))
     assert successful_conversions(stack) == 1
 
     # The first date again, under its own run_id: the same DAG run, re-run.

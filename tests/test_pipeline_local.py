@@ -47,10 +47,17 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert dr.state == "success", states(dr)
     assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
 
+    # Split layout: the CPU VM converted into the cache in checkpoint storage, the TPU VM trained from there
+    # and wrote its checkpoints there, and both VMs are gone.
+    storage = stack.vm_dir / "storage"
     converted = xcom(dr, "convert_to_maxtext")
     assert Path(converted["converted_params"]).is_dir()
+    assert converted["converted_params"].startswith(f"{storage}/conversions/tiny-llama/mt0.2.5-")
+    assert xcom(dr, "create_cpu_vm")["machine_type"] == "e2-standard-2"
     trained = xcom(dr, "train")
     assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and Path(trained["checkpoint"]).is_dir()
+    assert trained["checkpoint"].startswith(f"{storage}/post-train/")
+    assert xcom(dr, "delete_cpu_vm")["deleted"] is True
     assert trained["metrics"]["steps_completed"] == 5 and trained["metrics"]["last_loss"] > 0
     assert "SFT: 5 steps" in logs
 
@@ -59,9 +66,9 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert hub["repo_id"] == "local/tiny-llama-sft" and hub["revision"].startswith("run-posttrain-sft-tiny-llama")
     [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
     assert export_ti.xcom_pull(task_ids="export_and_publish", key="_link_PublishedModelLink") == hub["url"]
-    storage = Path(published["storage_uri"].removeprefix("file://"))
-    assert (storage / "model.safetensors").is_file()
-    print(loads_and_generates(storage))
+    model_copy = Path(published["storage_uri"].removeprefix("file://"))
+    assert (model_copy / "model.safetensors").is_file()
+    print(loads_and_generates(model_copy))
 
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True
     # The token: nowhere in the task logs, XCom, or left on the VM.
@@ -95,3 +102,16 @@ def test_tiny_rl_end_to_end(stack, capfd):
     print(loads_and_generates(Path(local)))
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True
     assert HF_TOKEN not in logs
+
+
+def test_tiny_sft_in_the_seeds_layout(stack, capfd):
+    """The tutorials' layout stays available: one VM does every step, files under its root, no storage."""
+    dr = run_pipeline("posttrain_sft__tiny-llama__seeds")
+    capfd.readouterr()
+    assert dr.state == "success", states(dr)
+    assert "create_cpu_vm" not in states(dr)
+    root = stack.vm_dir / "runs"
+    assert xcom(dr, "convert_to_maxtext")["converted_params"] == f"{root}/mt-format/0/items"
+    trained = xcom(dr, "train")
+    assert trained["checkpoint"].startswith(f"{root}/post-train/") and Path(trained["checkpoint"]).is_dir()
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []

@@ -8,6 +8,7 @@ import posixpath
 import shlex
 import subprocess
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
@@ -614,3 +615,75 @@ def test_install_reruns_are_noops(tmp_path):
     other_version = _bash(install.install_script(cpu_runtime("/opt/launchers", str(venv)), "0.2.3"), env)
     assert "Installed MaxText" in other_version.stdout  # a different version is not mistaken for installed
     assert len(calls.read_text().splitlines()) == len(recorded) + 1  # the venv is reused, packages installed
+
+
+def _stand_in_tools(bin_dir, calls):
+    """Stand-ins for what the tutorials' install calls (sudo apt, uv, the extra-deps script): each records its
+    call; `uv python install` and `uv venv` leave what the real ones leave in $HOME."""
+    bin_dir.mkdir()
+    record = f'echo "$(basename "$0") $*" >>{shlex.quote(str(calls))}\n'
+    tools = {
+        "sudo": record,
+        "install_tpu_post_train_extra_deps": record,
+        "uv": record
+        + 'if [[ $1 == python ]]; then mkdir -p "$HOME/.local/share/uv/python/cpython-3.12" '
+        '&& echo interpreter >"$HOME/.local/share/uv/python/cpython-3.12/python"; fi\n'
+        'if [[ $1 == venv ]]; then v="${@: -1}"; mkdir -p "$v/bin" && printf "#!/bin/sh\\n" >"$v/bin/python" '
+        '&& chmod +x "$v/bin/python" && touch "$v/bin/activate"; fi\n'
+        'if [[ $1 == pip ]]; then echo "site-packages" >"$VIRTUAL_ENV_MARK"; fi\n',
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("cache", ["directory", "gs"])
+def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
+    """The tutorials' install once: the VM that saves uploads an archive of the venv (and uv's interpreter) to the
+    cache; a fresh VM (an empty $HOME) restores it instead of running apt/uv; a new version installs again."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    _stand_in_tools(bin_dir, calls)
+    storage = tmp_path / "storage"
+    if cache == "gs":  # a stand-in gcloud storage backed by a directory, speaking `ls`, `cp - URI`, `cp URI -`
+        (bin_dir / "gcloud").write_text(
+            "#!/bin/bash\n"
+            f'root={shlex.quote(str(storage))}; path() {{ echo "$root/${{1#gs://}}"; }}\n'
+            'case "$2 $3" in\n'
+            '  "ls "*) test -e "$(path "$3")" ;;\n'
+            '  "cp -") mkdir -p "$(dirname "$(path "$4")")" && cat >"$(path "$4")" ;;\n'
+            '  *) cat "$(path "$3")" ;;\n'
+            "esac\n"
+        )
+        (bin_dir / "gcloud").chmod(0o755)
+        cache_uri = "gs://bucket/posttrain/environments"
+    else:
+        cache_uri = str(storage / "environments")
+
+    def new_vm(name: str) -> dict[str, str]:
+        home = tmp_path / name
+        home.mkdir()
+        mark = home / "maxtext_venv" / "lib-installed"
+        return {**os.environ, "HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}", "VIRTUAL_ENV_MARK": str(mark)}
+
+    saver = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=True)
+    first_vm = new_vm("cpu-vm")
+    first = _bash(saver, first_vm)
+    assert first.returncode == 0, first.stderr
+    assert "Installed MaxText" in first.stdout and "Saving the MaxText environment" in first.stdout
+    installed = calls.read_text().splitlines()
+    assert any(c.startswith("sudo ") for c in installed) and "install_tpu_post_train_extra_deps " in installed
+    [archive] = list(storage.rglob("*.tar.gz"))
+    assert archive.name.startswith("maxtext-env-tpu-") and not list(storage.rglob("*.partial"))
+
+    restorer = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=False)
+    second_vm = new_vm("tpu-vm")
+    second = _bash(restorer, second_vm)
+    assert second.returncode == 0, second.stderr
+    assert "Restored the MaxText environment" in second.stdout
+    assert calls.read_text().splitlines() == installed  # no apt, no uv, no pip on the second VM
+    home = Path(second_vm["HOME"])
+    assert (home / "maxtext_venv" / "lib-installed").read_text() == "site-packages\n"
+    assert (home / ".local/share/uv/python/cpython-3.12/python").is_file()  # the interpreter the venv links to
+
+    other = _bash(install.install_script(tpu_runtime(), "0.2.5", cache_uri), new_vm("newer"))
+    assert "Installed MaxText" in other.stdout and "Restored" not in other.stdout

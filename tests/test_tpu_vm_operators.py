@@ -273,3 +273,39 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     assert event.payload["status"] == "success" and event.payload["instance"]["status"] == "RUNNING"
     assert event.payload["state"] == {"phase": "create"}
     assert len(inserts(emulator)) == 1
+
+
+_TEARDOWN_PROBE = """
+import json, sys
+from types import SimpleNamespace
+from airflow.sdk.exceptions import TaskDeferred
+from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator
+
+op = TpuDeleteOperator(task_id="delete_tpu_vm", project_id="test-project", zones=["us-east5-b"], iap_firewall=True)
+ti = SimpleNamespace(id="0190-ti", xcom_pull=lambda **_: None)
+context = {"ti": ti, "dag": SimpleNamespace(dag_id="probe_dag"), "run_id": "manual__probe"}
+try:
+    op.execute(context)
+except TaskDeferred as deferred:
+    print(json.dumps({
+        "deletes": deferred.trigger.deletes,
+        "compute_client_loaded": "google.cloud.compute_v1" in sys.modules,
+    }))
+"""
+
+
+def test_teardown_defers_at_once_and_deletes_from_the_triggerer():
+    """The teardown's worker part only names what to delete: the API calls happen in the triggerer, which has the
+    Compute client loaded, so the worker never pays its import (seconds) while the TPU VM is still billed."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert probe["compute_client_loaded"] is False
+    [vm, firewall] = probe["deletes"]
+    assert vm["name"].startswith("tpu-probe-dag-") and vm["zone"] == "us-east5-b"
+    assert firewall == {"name": f"{vm['name'][:54]}-iap-ssh", "zone": None, "request_id": firewall["request_id"]}
+    assert vm["request_id"] != firewall["request_id"]

@@ -192,3 +192,11 @@ class TpuVmAsyncHook(GoogleBaseAsyncHook):
     async def get_instance(self, project: str, zone: str, name: str) -> dict | None:
         hook = await self.get_sync_hook()
         return await asyncio.to_thread(hook.get_instance, project, zone, name)
+
+    async def delete_instance(self, project: str, zone: str, name: str, request_id: str) -> str | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.delete_instance, project, zone, name, request_id)
+
+    async def delete_firewall(self, project: str, name: str, request_id: str) -> str | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.delete_firewall, project, name, request_id)

@@ -414,22 +414,28 @@ class MaxTextJobOperator(BaseOperator):
 class MaxTextInstallOperator(MaxTextJobOperator):
     """
     Install MaxText on the VM, as the tutorials do (or the CPU recipe locally). Cached: a marker in the venv keyed
-    by version and extras makes a re-run a no-op in seconds.
+    by version and extras makes a re-run a no-op in seconds; with ``checkpoint_storage`` a new VM restores the
+    environment from an archive in ``<checkpoint_storage>/environments`` (see recipes/install.py).
 
     :param maxtext_version: default: the model profile's (the tutorials: 0.2.2 for SFT, 0.2.3 for RL).
+    :param save_environment: after a fresh install, save the archive for later VMs (one VM of a run does).
     """
 
     template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
     step_title = "Install"
 
-    def __init__(self, *, maxtext_version: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, maxtext_version: str | None = None, save_environment: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.maxtext_version = maxtext_version
+        self.save_environment = save_environment
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         version = self.maxtext_version or spec.model.maxtext_version
+        cache = f"{spec.layout.storage}/environments" if spec.layout.storage else None
         return Job(
-            install.install_script(spec.runtime, version),
+            install.install_script(spec.runtime, version, cache, save=self.save_environment),
             None,
             {"venv": spec.runtime.venv, "maxtext_version": version},
         )

@@ -95,8 +95,10 @@ class _ComputeOperator(BaseOperator):
             )
         return project
 
-    def _defer_on(self, operations: list[dict], instance: dict | None, **state: Any) -> None:
-        """Wait in the triggerer; ``state`` comes back in the event (``event["state"]``)."""
+    def _defer_on(
+        self, operations: list[dict], instance: dict | None, deletes: list[dict] | None = None, **state: Any
+    ) -> None:
+        """Wait (and delete) in the triggerer; ``state`` comes back in the event (``event["state"]``)."""
         from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
 
         self.defer(
@@ -104,6 +106,7 @@ class _ComputeOperator(BaseOperator):
                 project_id=self.project,
                 operations=operations,
                 instance=instance,
+                deletes=deletes,
                 gcp_conn_id=self.gcp_conn_id,
                 api_endpoint=self.api_endpoint,
                 impersonation_chain=self.impersonation_chain,
@@ -407,7 +410,8 @@ class TpuVmCreateOperator(_ComputeOperator):
 
 class TpuDeleteOperator(_ComputeOperator):
     """
-    Delete the TPU VM of this DAG run (and its IAP firewall rule), deferrably. Built to be the teardown.
+    Delete the TPU VM (or CPU VM) of this DAG run and its IAP firewall rule, from the triggerer. Built to be the
+    teardown: the worker only works out what to delete and defers at once.
 
     It finds the VM from the create task's XCom (also the partial record a failed create leaves) and, when
     there is none, from the deterministic name in each of ``zones``. A VM that is already gone counts as
@@ -453,43 +457,32 @@ class TpuDeleteOperator(_ComputeOperator):
 
     def execute(self, context: Context) -> Any:
         name, zones, firewall = self._target(context)
-        operations, zone_found = [], None
-        for zone in zones:
-            operation = self.hook.delete_instance(
-                self.project, zone, name, _request_id(context, name, zone, "delete")
-            )
-            if operation:
-                operations.append({"name": operation, "zone": zone})
-                zone_found = zone
-        firewall_deleted = False
+        deletes = [
+            {"name": name, "zone": zone, "request_id": _request_id(context, name, zone, "delete")} for zone in zones
+        ]
         if firewall:
-            operation = self.hook.delete_firewall(
-                self.project, firewall, _request_id(context, firewall, "delete")
-            )
-            if operation:
-                operations.append({"name": operation, "zone": None})
-                firewall_deleted = True
-        result = {
-            "deleted": zone_found is not None,
-            "name": name,
-            "zone": zone_found,
-            "firewall_deleted": firewall_deleted,
-        }
-        if not operations:
-            self.log.info("Nothing to delete: %s was not found in %s", name, zones)
-            return result
-        self._defer_on(operations, None, result=result)
+            deletes.append({"name": firewall, "zone": None, "request_id": _request_id(context, firewall, "delete")})
+        self.log.info("Deleting %s (looking in %s)%s", name, zones, f" and firewall rule {firewall}" if firewall else "")
+        self._defer_on([], None, deletes=deletes, name=name, zones=zones, firewall=firewall)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
-        result = event["state"]["result"]
+        state = event["state"]
         if event["status"] != "success":
             raise AirflowException(
-                f"Deleting {result['name']} failed: {compute.describe_errors(event.get('errors', []))}"
+                f"Deleting {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
             )
-        self.log.info(
-            "Deleted %s in %s%s",
-            result["name"],
-            result["zone"],
-            " and its firewall rule" if result["firewall_deleted"] else "",
-        )
+        deleted = event.get("deleted", [])
+        zone = next((d["zone"] for d in deleted if d["zone"]), None)
+        result = {
+            "deleted": zone is not None,
+            "name": state["name"],
+            "zone": zone,
+            "firewall_deleted": any(d["zone"] is None for d in deleted),
+        }
+        if zone is None:
+            self.log.info("Nothing to delete: %s was not found in %s", state["name"], state["zones"])
+        else:
+            self.log.info(
+                "Deleted %s in %s%s", state["name"], zone, " and its firewall rule" if result["firewall_deleted"] else ""
+            )
         return result

@@ -333,6 +333,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         install_cpu = MaxTextInstallOperator(
             task_id="install_maxtext_cpu",
             maxtext_version="{{ params.maxtext_version }}",
+            save_environment=True,  # the TPU VM only restores: its time is the expensive one
             execution_timeout=t.install,
             poll_interval=poll(15),
             **on_cpu,

@@ -1,16 +1,22 @@
-"""The script that installs MaxText on the VM: the tutorials' steps, made idempotent.
+"""The script that installs MaxText on the VM: the tutorials' steps, made idempotent and cached.
 
 A marker file in the venv records what was installed (runtime, packages, version). When it matches, the
 script prints that it reuses the environment and exits 0 in well under a second; otherwise it (re)runs every
 step, each of which is safe to repeat, and writes the marker last, so an interrupted install is completed by
 the next run.
+
+With an environment cache (a ``gs://`` prefix or a directory, in checkpoint storage) a new VM restores the
+environment from an archive keyed by what the marker records instead of installing it (a minute instead of
+the tutorials' install), and the VM told to ``save`` it uploads the archive after a fresh install. Only venvs
+under ``$HOME`` (the tutorials' ``maxtext_venv``) are cached, with uv's interpreters, which they link to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 
-from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.recipes import storage, validation
 from airflow_tpu_posttrain.recipes.runtime import Runtime
 from airflow_tpu_posttrain.recipes.shell import remote_path
 
@@ -47,8 +53,43 @@ def _cpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
     ]
 
 
-def install_script(runtime: Runtime, maxtext_version: str) -> str:
-    """The install script for ``runtime.venv``; ``maxtext_version`` is usually the model profile's."""
+def _restore_lines(archive: str) -> list[str]:
+    fetch = f"gcloud storage cp {shlex.quote(archive)} -" if storage.is_gcs(archive) else f"cat {shlex.quote(archive)}"
+    return [
+        f"if {storage.exists_command(archive)}; then",
+        f'  echo {shlex.quote("Restoring the MaxText environment from " + archive)}',
+        f'  {fetch} | tar -xz -C "$HOME" || echo "Restoring failed; installing instead"',
+        '  if [[ -f "$marker" && "$(<"$marker")" == "$wanted" ]]; then',
+        '    echo "Restored the MaxText environment in $venv"',
+        "    exit 0",
+        "  fi",
+        "fi",
+    ]
+
+
+def _save_lines(archive: str, venv: str) -> list[str]:
+    members = f"{shlex.quote(venv)} $(cd \"$HOME\" && ls -d .local/share/uv/python 2>/dev/null || true)"
+    tar = f'tar -cz -C "$HOME" {members}'
+    if storage.is_gcs(archive):
+        save = f"{tar} | gcloud storage cp - {shlex.quote(archive)}"
+    else:
+        partial = shlex.quote(archive + ".partial")
+        parent = shlex.quote(archive.rsplit("/", 1)[0])
+        save = f"mkdir -p {parent} && {tar} >{partial} && mv {partial} {shlex.quote(archive)}"
+    return [
+        f"echo {shlex.quote('Saving the MaxText environment to ' + archive)}",
+        f"{{ {save}; }} || echo 'Could not save the environment archive; the next VM installs again'",
+    ]
+
+
+def install_script(
+    runtime: Runtime, maxtext_version: str, cache_uri: str | None = None, save: bool = False
+) -> str:
+    """The install script for ``runtime.venv``; ``maxtext_version`` is usually the model profile's.
+
+    ``cache_uri``: where environment archives are kept (restored from before installing); ``save``: upload the
+    archive after a fresh install (one VM of a run does, so two do not upload the same archive).
+    """
     version = validation.package_version("maxtext_version", maxtext_version)
     extra = "tpu" if runtime.is_cpu else "tpu-post-train"
     maxtext = f"maxtext[{extra}]=={version}"
@@ -56,6 +97,10 @@ def install_script(runtime: Runtime, maxtext_version: str) -> str:
     if runtime.is_cpu:
         wanted += [CPU_TUNIX, *(f"override:{o}" for o in CPU_OVERRIDES)]
     steps = _cpu_steps(runtime, maxtext) if runtime.is_cpu else _tpu_steps(runtime, maxtext)
+    archive = None
+    if cache_uri and not runtime.venv.startswith("/"):
+        key = hashlib.sha256("\n".join([runtime.base_python, *wanted]).encode()).hexdigest()[:16]
+        archive = f"{storage.checkpoint_uri('environment cache', cache_uri)}/maxtext-env-{runtime.name}-{key}.tar.gz"
     return (
         "\n".join(
             [
@@ -68,10 +113,12 @@ def install_script(runtime: Runtime, maxtext_version: str) -> str:
                 "  echo \"Reusing the MaxText environment in $venv (installed: ${wanted//$'\\n'/, })\"",
                 "  exit 0",
                 "fi",
+                *(_restore_lines(archive) if archive else []),
                 f'echo {shlex.quote("Installing " + " ".join(wanted[1:]) + " into")} "$venv"',
                 *steps,
                 'printf "%s\\n" "$wanted" >"$marker"',
                 "echo \"Installed MaxText in $venv (${wanted//$'\\n'/, })\"",
+                *(_save_lines(archive, runtime.venv) if archive and save else []),
             ]
         )
         + "\n"

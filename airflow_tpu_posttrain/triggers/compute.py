@@ -1,4 +1,5 @@
-"""Asynchronous wait for Compute Engine operations and, optionally, for an instance to be RUNNING."""
+"""Asynchronous Compute Engine work: deletes started from the triggerer, waits for operations and, optionally,
+for an instance to be RUNNING."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
 
 class ComputeOperationsTrigger(BaseTrigger):
     """
-    Poll operations until DONE, reading ``operation.error``; then, if ``instance`` is given, poll it to RUNNING.
+    Start ``deletes``, then poll their and the given operations until DONE, reading ``operation.error``; then,
+    if ``instance`` is given, poll it to RUNNING.
+
+    Deleting from here keeps ``google-cloud-compute`` (seconds to import) out of the worker that runs the
+    teardown: the triggerer has it loaded, so the VM's deletion starts as soon as the teardown is scheduled.
 
     :param project_id: the project of the operations and the instance.
     :param operations: ``[{"name": op, "zone": zone-or-None}]``; zone None means a global operation.
+    :param deletes: ``[{"name", "zone", "request_id"}]`` to delete first; zone None means a firewall rule.
+        The event's ``deleted`` lists those that existed.
     :param instance: ``{"name", "zone"}`` of an instance that must reach RUNNING, or None.
     :param max_transient_failures: consecutive 429/5xx answers tolerated while polling.
     :param state: the deferring operator's state, returned unchanged in the event as ``state``.
@@ -28,6 +35,7 @@ class ComputeOperationsTrigger(BaseTrigger):
         project_id: str,
         operations: list[dict[str, str | None]],
         instance: dict[str, str] | None = None,
+        deletes: list[dict[str, str | None]] | None = None,
         gcp_conn_id: str = "google_cloud_default",
         api_endpoint: str | None = None,
         impersonation_chain: str | list[str] | None = None,
@@ -39,6 +47,7 @@ class ComputeOperationsTrigger(BaseTrigger):
         self.project_id = project_id
         self.operations = operations
         self.instance = instance
+        self.deletes = deletes or []
         self.gcp_conn_id = gcp_conn_id
         self.api_endpoint = api_endpoint
         self.impersonation_chain = impersonation_chain
@@ -53,6 +62,7 @@ class ComputeOperationsTrigger(BaseTrigger):
                 "project_id": self.project_id,
                 "operations": self.operations,
                 "instance": self.instance,
+                "deletes": self.deletes,
                 "gcp_conn_id": self.gcp_conn_id,
                 "api_endpoint": self.api_endpoint,
                 "impersonation_chain": self.impersonation_chain,
@@ -90,7 +100,19 @@ class ComputeOperationsTrigger(BaseTrigger):
             impersonation_chain=self.impersonation_chain,
         )
         try:
-            for op in self.operations:
+            operations, deleted = list(self.operations), []
+            for target in self.deletes:
+                zone, name, request_id = target.get("zone"), target["name"], target["request_id"]
+                if zone:
+                    operation = await self._poll(
+                        lambda: hook.delete_instance(self.project_id, zone, name, request_id)
+                    )
+                else:
+                    operation = await self._poll(lambda: hook.delete_firewall(self.project_id, name, request_id))
+                if operation:
+                    operations.append({"name": operation, "zone": zone})
+                    deleted.append({"name": name, "zone": zone})
+            for op in operations:
                 while True:
                     operation = await self._poll(
                         lambda op=op: hook.get_operation(self.project_id, op["name"], op.get("zone"))
@@ -104,7 +126,7 @@ class ComputeOperationsTrigger(BaseTrigger):
                     return
                 self.log.info("Operation %s is DONE", op["name"])
             if not self.instance:
-                yield self._event({"status": "success"})
+                yield self._event({"status": "success", "deleted": deleted})
                 return
             zone, name = self.instance["zone"], self.instance["name"]
             while True:
