@@ -467,7 +467,9 @@ class MaxTextConvertOperator(MaxTextJobOperator):
     template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
     step_title = "Convert"
 
-    def __init__(self, *, maxtext_version: str | None = None, use_pathways: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *, maxtext_version: str | None = None, use_pathways: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.maxtext_version = maxtext_version
         self.use_pathways = use_pathways

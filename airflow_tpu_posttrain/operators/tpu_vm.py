@@ -458,11 +458,16 @@ class TpuDeleteOperator(_ComputeOperator):
     def execute(self, context: Context) -> Any:
         name, zones, firewall = self._target(context)
         deletes = [
-            {"name": name, "zone": zone, "request_id": _request_id(context, name, zone, "delete")} for zone in zones
+            {"name": name, "zone": zone, "request_id": _request_id(context, name, zone, "delete")}
+            for zone in zones
         ]
         if firewall:
-            deletes.append({"name": firewall, "zone": None, "request_id": _request_id(context, firewall, "delete")})
-        self.log.info("Deleting %s (looking in %s)%s", name, zones, f" and firewall rule {firewall}" if firewall else "")
+            deletes.append(
+                {"name": firewall, "zone": None, "request_id": _request_id(context, firewall, "delete")}
+            )
+        self.log.info(
+            "Deleting %s (looking in %s)%s", name, zones, f" and firewall rule {firewall}" if firewall else ""
+        )
         self._defer_on([], None, deletes=deletes, name=name, zones=zones, firewall=firewall)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
@@ -483,6 +488,9 @@ class TpuDeleteOperator(_ComputeOperator):
             self.log.info("Nothing to delete: %s was not found in %s", state["name"], state["zones"])
         else:
             self.log.info(
-                "Deleted %s in %s%s", state["name"], zone, " and its firewall rule" if result["firewall_deleted"] else ""
+                "Deleted %s in %s%s",
+                state["name"],
+                zone,
+                " and its firewall rule" if result["firewall_deleted"] else "",
             )
         return result

@@ -24,17 +24,23 @@ from airflow_tpu_posttrain.operators.maxtext import (
 )
 from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
-from airflow_tpu_posttrain.recipes import compute
+from airflow_tpu_posttrain.recipes import compute, validation
 
 RECIPES = ("sft", "rl")
 TPU_ACCELERATORS = ["v6e-1", "v6e-4", "v6e-8"]
 PROVISIONING_MODELS = ["RESERVATION_BOUND", "STANDARD", "SPOT", "FLEX_START"]
 # Param patterns are checked with re.search (and by the UI in JavaScript), where "$" also matches before a final
-# newline: END matches only at the very end, in both.
+# newline: END matches only at the very end, in both. The bodies are the operators' own validation's.
 END = r"(?![\s\S])"
-ZONE_PATTERN = r"^[a-z]+-[a-z]+[0-9]+-[a-z]" + END
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*" + END
-OVERRIDE_PATTERN = r"^[a-z_][a-z0-9_]*=[A-Za-z0-9_.,:/+@=' \[\]-]*" + END
+
+
+def _anchored(*parts: str, empty_ok: bool = False) -> str:
+    pattern = "^" + "".join(parts) + END
+    return f"^{END}|{pattern}" if empty_ok else pattern
+
+
+ZONE_PATTERN = _anchored(validation.ZONE_RE)
+OVERRIDE_PATTERN = _anchored(validation.OVERRIDE_KEY_RE, "=", validation.OVERRIDE_VALUE_RE)
 POOL = "tpu_vms"
 
 
@@ -85,21 +91,21 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
         "reservation": Param(
             cfg.reservation,
             type=["null", "string"],
-            pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?" + END,
+            pattern=_anchored(validation.GCE_NAME_RE),
             title="Reservation",
             description="Name of the specific reservation (RESERVATION_BOUND only).",
         ),
         "maxtext_version": Param(
             cfg.maxtext_version,
             type=["null", "string"],
-            pattern=r"^\d+\.\d+\.\d+" + END,
+            pattern=_anchored(validation.VERSION_RE),
             title="MaxText version",
             description="Empty: the model's (tutorials: 0.2.2 SFT, 0.2.3 RL).",
         ),
         "hub_repo_id": Param(
             cfg.hub_repo_id,
             type=["null", "string"],
-            pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*" + END,
+            pattern=_anchored(validation.SAFE_NAME_RE, "/", validation.SAFE_NAME_RE),
             title="Hub repo",
             description="owner/name; the model goes to branch run-<run name> (private).",
         ),
@@ -123,17 +129,20 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
             "dataset": Param(
                 cfg.dataset or "",
                 type="string",
-                pattern=r"^(?![\s\S])|^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?" + END,
+                pattern=_anchored(validation.SAFE_NAME_RE, f"(/{validation.SAFE_NAME_RE})?", empty_ok=True),
                 title="Dataset",
                 description="Hub dataset id (empty: the model's default).",
             ),
             "train_split": Param(
-                cfg.train_split or "", type="string", pattern=r"^(?![\s\S])|" + NAME_PATTERN, title="Split"
+                cfg.train_split or "",
+                type="string",
+                pattern=_anchored(validation.SAFE_NAME_RE, empty_ok=True),
+                title="Split",
             ),
             "train_data_columns": Param(
                 cfg.train_data_columns or "",
                 type="string",
-                pattern=r"^(?![\s\S])|^\[('[A-Za-z0-9_]+'(, ?)?)+\]" + END,
+                pattern=_anchored(validation.COLUMN_LIST_RE, empty_ok=True),
                 title="Columns",
                 description="e.g. ['messages']",
             ),

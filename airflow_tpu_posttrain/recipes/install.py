@@ -54,10 +54,14 @@ def _cpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
 
 
 def _restore_lines(archive: str) -> list[str]:
-    fetch = f"gcloud storage cp {shlex.quote(archive)} -" if storage.is_gcs(archive) else f"cat {shlex.quote(archive)}"
+    fetch = (
+        f"gcloud storage cp {shlex.quote(archive)} -"
+        if storage.is_gcs(archive)
+        else f"cat {shlex.quote(archive)}"
+    )
     return [
         f"if {storage.exists_command(archive)}; then",
-        f'  echo {shlex.quote("Restoring the MaxText environment from " + archive)}',
+        f"  echo {shlex.quote('Restoring the MaxText environment from ' + archive)}",
         f'  {fetch} | tar -xz -C "$HOME" || echo "Restoring failed; installing instead"',
         '  if [[ -f "$marker" && "$(<"$marker")" == "$wanted" ]]; then',
         '    echo "Restored the MaxText environment in $venv"',
@@ -68,7 +72,7 @@ def _restore_lines(archive: str) -> list[str]:
 
 
 def _save_lines(archive: str, venv: str) -> list[str]:
-    members = f"{shlex.quote(venv)} $(cd \"$HOME\" && ls -d .local/share/uv/python 2>/dev/null || true)"
+    members = f'{shlex.quote(venv)} $(cd "$HOME" && ls -d .local/share/uv/python 2>/dev/null || true)'
     tar = f'tar -cz -C "$HOME" {members}'
     if storage.is_gcs(archive):
         save = f"{tar} | gcloud storage cp - {shlex.quote(archive)}"

@@ -43,7 +43,9 @@ class RunLayout:
         root = validation.safe_absolute_path("root", self.root or f"/dev/shm/{self.model_key}")
         object.__setattr__(self, "root", root)  # normalised (no trailing '/'), so paths join cleanly
         if self.storage:
-            object.__setattr__(self, "storage", checkpoint_storage.checkpoint_uri("checkpoint_storage", self.storage))
+            object.__setattr__(
+                self, "storage", checkpoint_storage.checkpoint_uri("checkpoint_storage", self.storage)
+            )
         if self.conversion_key:
             validation.safe_name("conversion_key", self.conversion_key)
 

@@ -12,14 +12,23 @@ from collections.abc import Sequence
 
 # Characters that let a value escape a shell word or start a second command.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Pattern bodies shared with the trigger form's Params (pipelines/posttrain.py anchors them for JSON schema).
+SAFE_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+GCE_NAME_RE = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"
+ZONE_RE = r"[a-z]+-[a-z]+[0-9]+-[a-z]"
+OVERRIDE_KEY_RE = r"[a-z_][a-z0-9_]*"
+OVERRIDE_VALUE_RE = r"[A-Za-z0-9_.,:/+@=' \[\]-]*"
+VERSION_RE = r"\d+\.\d+\.\d+"
+COLUMN_LIST_RE = r"\['[A-Za-z0-9_]+'(, ?'[A-Za-z0-9_]+')*\]"
+
+_SAFE_NAME = re.compile(f"^{SAFE_NAME_RE}$")
 _SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")  # a path segment may be hidden ('.local'), never '.' or '..'
-_GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_GCE_NAME = re.compile(f"^{GCE_NAME_RE}$")
+_ZONE = re.compile(f"^{ZONE_RE}$")
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
-_OVERRIDE_KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-_OVERRIDE_VALUE = re.compile(r"^[A-Za-z0-9_.,:/+@=' \[\]-]*$")
+_OVERRIDE_KEY = re.compile(f"^{OVERRIDE_KEY_RE}$")
+_OVERRIDE_VALUE = re.compile(f"^{OVERRIDE_VALUE_RE}$")
 _GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[A-Za-z0-9._=-]+)*/?$")
 
 
@@ -180,8 +189,8 @@ def override_pairs(field: str, pairs: Sequence[str], reserved: frozenset[str] = 
     return list(pairs)
 
 
-_VERSION = re.compile(r"\d+\.\d+\.\d+")
-_COLUMN_LIST = re.compile(r"\['[A-Za-z0-9_]+'(, ?'[A-Za-z0-9_]+')*\]")
+_VERSION = re.compile(VERSION_RE)
+_COLUMN_LIST = re.compile(COLUMN_LIST_RE)
 
 
 def positive_int(field: str, value: int) -> int:

@@ -108,7 +108,9 @@ class ComputeOperationsTrigger(BaseTrigger):
                         lambda: hook.delete_instance(self.project_id, zone, name, request_id)
                     )
                 else:
-                    operation = await self._poll(lambda: hook.delete_firewall(self.project_id, name, request_id))
+                    operation = await self._poll(
+                        lambda: hook.delete_firewall(self.project_id, name, request_id)
+                    )
                 if operation:
                     operations.append({"name": operation, "zone": zone})
                     deleted.append({"name": name, "zone": zone})
