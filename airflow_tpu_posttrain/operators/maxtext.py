@@ -23,6 +23,7 @@ import json
 import posixpath
 import re
 import shlex
+import time
 from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,8 @@ class MaxTextJobOperator(BaseOperator):
     :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
         endpoint); needed to read gated models and to publish.
     :param poll_interval: seconds between the trigger's polls of the job.
+    :param inline_wait: seconds the task watches a job it started before deferring: a job that ends by then
+        (a reused install, a cached conversion) finishes without a second trip through a worker.
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
     """
 
@@ -125,6 +128,7 @@ class MaxTextJobOperator(BaseOperator):
         workdir: str = DEFAULT_WORKDIR,
         hf_conn_id: str | None = None,
         poll_interval: int = 10,
+        inline_wait: float = 5.0,
         log_chunk_size: int = 65536,
         command_timeout: float = 30.0,
         max_reconnect_attempts: int = 8,
@@ -149,6 +153,7 @@ class MaxTextJobOperator(BaseOperator):
         self.workdir = workdir
         self.hf_conn_id = hf_conn_id
         self.poll_interval = poll_interval
+        self.inline_wait = inline_wait
         self.log_chunk_size = log_chunk_size
         self.command_timeout = command_timeout
         self.max_reconnect_attempts = max_reconnect_attempts
@@ -256,7 +261,7 @@ class MaxTextJobOperator(BaseOperator):
     def execute(self, context: Context) -> Any:
         spec = self.run_spec(context)
         self.validate(spec, context)
-        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
 
         paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
         with self._vm() as vm:
@@ -267,30 +272,49 @@ class MaxTextJobOperator(BaseOperator):
                     "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
                 )
                 return self.finish(context, vm, job, paths, reused=True)
-            state, log_size = self._job_state(vm, paths)
+            state, log_offset = self._job_state(vm, paths)
             if state == "running":
                 self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
-                return self._watch(context, paths, log_offset=log_size, first=True)
-            if state == "succeeded":
-                self.log.info("Job %s already finished successfully on the VM", paths.job_id)
-                return self.finish(context, vm, job, paths, reused=True)
-            if state != "absent":
-                self.log.info(
-                    "Earlier job %s %s; starting it again (training resumes from its checkpoint)",
-                    paths.job_id,
-                    state,
-                )
-                vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
-            self.prepare(vm, spec, job)
-            script, token_file = self._job_script(job, paths)
-            vm.put_text(f"{paths.job_dir}.step.sh", job.script, 0o700)
-            vm.put_text(f"{paths.job_dir}.sh", script, 0o700)
-            if token_file:
-                vm.put_text(token_file, self._token(), 0o600)
-            command = build_posix_wrapper_command(f"bash {shlex.quote(paths.job_dir + '.sh')}", paths)
-            vm.run(command)
+            else:
+                if state == "succeeded":
+                    self.log.info("Job %s already finished successfully on the VM", paths.job_id)
+                    return self.finish(context, vm, job, paths, reused=True)
+                if state != "absent":
+                    self.log.info(
+                        "Earlier job %s %s; starting it again (training resumes from its checkpoint)",
+                        paths.job_id,
+                        state,
+                    )
+                    vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
+                self._start(vm, spec, job, paths)
+                log_offset = 0
+            ended = self._wait_briefly(vm, paths)
+        if ended is not None:
+            return self.execute_complete(context, ended)
+        return self._watch(context, paths, log_offset=log_offset, first=True)
+
+    def _start(self, vm: VmHook, spec: maxtext.RunSpec, job: Job, paths: RemoteJobPaths) -> None:
+        from airflow.providers.ssh.utils.remote_job import build_posix_wrapper_command
+
+        self.prepare(vm, spec, job)
+        script, token_file = self._job_script(job, paths)
+        vm.put_text(f"{paths.job_dir}.step.sh", job.script, 0o700)
+        vm.put_text(f"{paths.job_dir}.sh", script, 0o700)
+        if token_file:
+            vm.put_text(token_file, self._token(), 0o600)
+        vm.run(build_posix_wrapper_command(f"bash {shlex.quote(paths.job_dir + '.sh')}", paths))
         self.log.info("Started job %s on the VM (log: %s)", paths.job_id, paths.log_file)
-        return self._watch(context, paths, log_offset=0, first=True)
+
+    def _wait_briefly(self, vm: VmHook, paths: RemoteJobPaths) -> dict | None:
+        """The trigger's completion event, if the job ends within ``inline_wait`` seconds; else None."""
+        deadline = time.monotonic() + self.inline_wait
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            exit_code = vm.run(f"cat {shlex.quote(paths.exit_code_file)} 2>/dev/null || true").strip()
+            if exit_code.lstrip("-").isdigit():
+                log = vm.get_text(paths.log_file) or ""
+                return {"job_id": paths.job_id, "done": True, "exit_code": int(exit_code), "log_chunk": log}
+        return None
 
     def validate(self, spec: maxtext.RunSpec, context: Context) -> None:
         """Bad input fails here, before the VM is touched."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
@@ -63,6 +64,7 @@ class _ComputeOperator(BaseOperator):
         api_endpoint: str | None = None,
         impersonation_chain: str | list[str] | None = None,
         poll_interval: float = 10.0,
+        inline_wait: float = 5.0,
         name_prefix: str = "tpu",
         wait_timeout: timedelta = timedelta(hours=3),
         **kwargs: Any,
@@ -74,6 +76,7 @@ class _ComputeOperator(BaseOperator):
         self.api_endpoint = api_endpoint
         self.impersonation_chain = impersonation_chain
         self.poll_interval = poll_interval
+        self.inline_wait = inline_wait
         self.name_prefix = name_prefix
 
     @cached_property
@@ -269,8 +272,8 @@ class TpuVmCreateOperator(_ComputeOperator):
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
                 self._record(context, spec, name, zone, status=status)
-                self._defer_on(
-                    [], {"name": name, "zone": zone}, phase="wait", zone_index=spec.zones.index(zone)
+                return self._complete_or_defer(
+                    context, [], {"name": name, "zone": zone}, phase="wait", zone_index=spec.zones.index(zone)
                 )
             self.log.info(
                 "Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status
@@ -279,8 +282,10 @@ class TpuVmCreateOperator(_ComputeOperator):
                 spec.project_id, zone, name, _request_id(context, name, zone, "replace")
             )
             if operation:
-                self._defer_on([{"name": operation, "zone": zone}], None, phase="replace", zone_index=0)
-        self._insert(context, spec, name, zone_index=0, stockouts=[])
+                return self._complete_or_defer(
+                    context, [{"name": operation, "zone": zone}], None, phase="replace", zone_index=0
+                )
+        return self._insert(context, spec, name, zone_index=0, stockouts=[])
 
     def _insert(
         self,
@@ -325,13 +330,46 @@ class TpuVmCreateOperator(_ComputeOperator):
             operations.append({"name": operation, "zone": zone})
         else:
             self.log.info("Instance %s already exists in %s: waiting for it instead", name, zone)
-        self._defer_on(
+        return self._complete_or_defer(
+            context,
             operations,
             {"name": name, "zone": zone},
             phase="create",
             zone_index=zone_index,
             stockouts=stockouts,
         )
+
+    def _complete_or_defer(
+        self, context: Context, operations: list[dict], instance: dict | None, **state: Any
+    ) -> Any:
+        """Wait up to ``inline_wait`` seconds here (a reused VM, a quick operation), else in the triggerer."""
+        event = self._wait_briefly(operations, instance)
+        if event is None:
+            self._defer_on(operations, instance, **state)
+        return self.execute_complete(context, {**event, "state": state})
+
+    def _wait_briefly(self, operations: list[dict], instance: dict | None) -> dict | None:
+        """The trigger's event, when the operations and the instance settle within ``inline_wait``; else None."""
+        deadline = time.monotonic() + self.inline_wait
+        pending = list(operations)
+        while True:
+            while pending:
+                operation = self.hook.get_operation(self.project, pending[0]["name"], pending[0].get("zone"))
+                if operation.get("status") != "DONE":
+                    break
+                errors = operation.get("error", {}).get("errors", [])
+                if errors:
+                    return {"status": "error", "operation": pending[0]["name"], "errors": errors}
+                pending.pop(0)
+            if not pending:
+                if not instance:
+                    return {"status": "success"}
+                found = self.hook.get_instance(self.project, instance["zone"], instance["name"])
+                if found and found.get("status") == "RUNNING":
+                    return {"status": "success", "instance": found}
+            if time.monotonic() + 0.5 > deadline:
+                return None
+            time.sleep(0.5)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         phase, zone_index = event["state"]["phase"], event["state"]["zone_index"]
@@ -376,7 +414,8 @@ class TpuVmCreateOperator(_ComputeOperator):
                     spec.project_id, zone, name, _request_id(context, name, zone, "stockout")
                 )
                 if operation:
-                    self._defer_on(
+                    return self._complete_or_defer(
+                        context,
                         [{"name": operation, "zone": zone}],
                         None,
                         phase="replace",

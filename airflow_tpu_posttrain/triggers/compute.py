@@ -4,6 +4,7 @@ for an instance to be RUNNING."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_tpu_posttrain.hooks.compute import _TRANSIENT_NAMES, TpuVmAsyncHook
 from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
+from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 
 class ComputeOperationsTrigger(BaseTrigger):
@@ -20,6 +22,7 @@ class ComputeOperationsTrigger(BaseTrigger):
 
     Deleting from here keeps ``google-cloud-compute`` (seconds to import) out of the worker that runs the
     teardown: the triggerer has it loaded, so the VM's deletion starts as soon as the teardown is scheduled.
+    The event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
 
     :param project_id: the project of the operations and the instance.
     :param operations: ``[{"name": op, "zone": zone-or-None}]``; zone None means a global operation.
@@ -94,6 +97,10 @@ class ComputeOperationsTrigger(BaseTrigger):
         return TriggerEvent({**payload, "state": self.state})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        async for event in not_before_settled(self._events(), time.monotonic()):
+            yield event
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
         hook = TpuVmAsyncHook(
             gcp_conn_id=self.gcp_conn_id,
             api_endpoint=self.api_endpoint,

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
+from airflow.triggers.base import TriggerEvent
+
+from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 if TYPE_CHECKING:
     from asyncssh import SSHClientConnection
@@ -18,7 +23,12 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
     """
     Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code (its whole
     process group was killed, e.g. by the OOM killer): otherwise the task would stay deferred until its timeout.
+    Its event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
     """
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        async for event in not_before_settled(super().run(), time.monotonic()):
+            yield event
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         _, kwargs = super().serialize()
