@@ -21,7 +21,7 @@ from pathlib import Path
 from airflow_tpu_posttrain.recipes.compute import run_hash
 
 SAMPLE_S = 0.5
-RUN_TIMEOUT_S = 3600
+RUN_TIMEOUT_S = 1800
 FINISHED = ("success", "failed")
 COMPLETED_STEP = re.compile(rb"completed step: (\d+),")
 
@@ -63,7 +63,9 @@ class RunRecord:
     tasks: dict[str, TaskTry] = field(default_factory=dict)
     xcom: dict[str, object] = field(default_factory=dict)  # task_id -> return value
     vms: dict[str, Vm] = field(default_factory=dict)  # the create task's id -> the VM it made
-    state_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # summed over tasks
+    seconds_in: dict[tuple[str, str], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )  # (task, state)
     peak_busy: int = 0  # most task instances running or deferred at one sample
     load_samples: list[float] = field(default_factory=list)  # the 1-minute load average at each sample
     killed: list[str] = field(default_factory=list)  # P5: the trainer processes SIGKILLed
@@ -77,6 +79,10 @@ class RunRecord:
     def latency(self) -> float | None:
         """Triggered (queued) → started by the scheduler."""
         return self.start - self.queued if self.start and self.queued else None
+
+    def state_seconds(self, state: str) -> float:
+        """Seconds the run's task instances spent in ``state``, summed."""
+        return sum(seconds for (_, in_state), seconds in self.seconds_in.items() if in_state == state)
 
     @property
     def mean_load(self) -> float | None:
@@ -101,21 +107,18 @@ class _Sampler(threading.Thread):
 
     def run(self) -> None:
         try:
-            previous: list[str] = []
+            previous: list[tuple[str, str]] = []
             last = time.monotonic()
             while True:
-                states = [
-                    s
-                    for (s,) in self.db.execute(
-                        "SELECT state FROM task_instance WHERE dag_id = ? AND run_id = ?",
-                        (self.record.dag_id, self.record.run_id),
-                    )
-                ]
+                states = self.db.execute(
+                    "SELECT task_id, state FROM task_instance WHERE dag_id = ? AND run_id = ?",
+                    (self.record.dag_id, self.record.run_id),
+                ).fetchall()
                 now = time.monotonic()
-                for state in previous:
-                    self.record.state_seconds[state or "none"] += now - last
+                for task_state in previous:
+                    self.record.seconds_in[task_state] += now - last
                 previous, last = states, now
-                busy = sum(s in ("running", "deferred") for s in states)
+                busy = sum(state in ("running", "deferred") for _, state in states)
                 self.record.peak_busy = max(self.record.peak_busy, busy)
                 self.record.load_samples.append(os.getloadavg()[0])
                 self._observe_vms()
@@ -125,6 +128,8 @@ class _Sampler(threading.Thread):
             self.error = err
 
     def _observe_vms(self) -> None:
+        """A VM's life: from the emulator's ``creationTimestamp`` (the insert) to the first sample that no
+        longer finds it (the emulator removes it when its delete operation is done; within SAMPLE_S)."""
         now = time.time()
         live = {}
         for instance in self.compute.instances():

@@ -93,6 +93,14 @@ class ComputeOperationsTrigger(BaseTrigger):
                 )
                 await asyncio.sleep(min(self.poll_interval * failures, 60))
 
+    async def _delete(self, hook: TpuVmAsyncHook, target: dict[str, str | None]) -> str | None:
+        """Start deleting an instance (``zone`` set) or a firewall rule; the operation, or None if it is gone."""
+        if target.get("zone"):
+            return await hook.delete_instance(
+                self.project_id, target["zone"], target["name"], target["request_id"]
+            )
+        return await hook.delete_firewall(self.project_id, target["name"], target["request_id"])
+
     def _event(self, payload: dict[str, Any]) -> TriggerEvent:
         return TriggerEvent({**payload, "state": self.state})
 
@@ -109,15 +117,8 @@ class ComputeOperationsTrigger(BaseTrigger):
         try:
             operations, deleted = list(self.operations), []
             for target in self.deletes:
-                zone, name, request_id = target.get("zone"), target["name"], target["request_id"]
-                if zone:
-                    operation = await self._poll(
-                        lambda: hook.delete_instance(self.project_id, zone, name, request_id)
-                    )
-                else:
-                    operation = await self._poll(
-                        lambda: hook.delete_firewall(self.project_id, name, request_id)
-                    )
+                zone, name = target.get("zone"), target["name"]
+                operation = await self._poll(lambda target=target: self._delete(hook, target))
                 if operation:
                     operations.append({"name": operation, "zone": zone})
                     deleted.append({"name": name, "zone": zone})
