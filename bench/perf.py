@@ -12,6 +12,7 @@ clock runs, and these DAG runs, each watched by bench/run_probe.py:
   warm    the same DAG, another run id                               P1, P2, P4 warm, conversions repeated
   seeds   posttrain_sft__tiny-llama__seeds (the tutorials' layout)   P1, P2 (row skipped if the DAG is absent)
   fault   our DAG with steps=8, trainer SIGKILLed at step 5          P5 (not with --quick)
+  fault-sync  the same with synchronous checkpoints (an override)    P5 (not with --quick)
 
 --quick also parses each DAG file once instead of 5 times. Everything started is stopped on exit, Ctrl-C or
 SIGTERM included.
@@ -132,8 +133,12 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
             present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
             plan = [("cold", OURS, {}, None), ("warm", OURS, {}, None), ("seeds", SEEDS, {}, None)]
             if not quick:
-                killer = TrainerKiller(jobs_dir, OURS, "bench-fault", KILL_AT_STEP)
-                plan.append(("fault", OURS, {"steps": FAULT_STEPS}, killer))
+                # MaxText saves checkpoints asynchronously: a kill can catch the newest one half-written, so
+                # the retry resumes from the one before it. With synchronous saves it cannot.
+                sync = {"steps": FAULT_STEPS, "overrides": ["async_checkpointing=false"]}
+                for label, conf in (("fault", {"steps": FAULT_STEPS}), ("fault-sync", sync)):
+                    killer = TrainerKiller(jobs_dir, OURS, f"bench-{label}", KILL_AT_STEP)
+                    plan.append((label, OURS, conf, killer))
             for label, dag_id, conf, killer in plan:
                 if not present[dag_id]:
                     skipped[label] = f"{dag_id} does not exist (yet)"
@@ -218,6 +223,9 @@ def print_report(records: dict[str, RunRecord], skipped: dict[str, str], plain: 
         row("P4", f"{OURS} (warm, vs plain w/o convert)", (ratio(wall, sft_export), how), TARGETS["P4"])
     if "fault" in records:
         row("P5", "training steps repeated by the retry", p5_steps(records["fault"]), TARGETS["P5"], digits=0)
+    if "fault-sync" in records:
+        result = p5_steps(records["fault-sync"])
+        row("P5", "the same, synchronous checkpoints", result, TARGETS["P5"], digits=0)
     if "warm" in records:
         row(
             "P5",

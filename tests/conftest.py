@@ -88,7 +88,7 @@ def stack(airflow_db, tmp_path_factory):
     with local as env, pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
-        for name in ("posttrain_dags.py", "models.yaml"):
+        for name in ("posttrain_dags.py", "local_dags.py", "models.yaml"):
             shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
         Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
         yield local

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 DAG_ID = "posttrain_sft__tiny-llama"
 RL_DAG_ID = "posttrain_rl__tiny-llama"
 USER, PASSWORD = "admin", "admin-test-password"
-DAG_FILES = ("posttrain_dags.py", "models.yaml")
+DAG_FILES = ("posttrain_dags.py", "local_dags.py", "models.yaml")
 
 
 def _free_port() -> int:

@@ -111,9 +111,10 @@ def local_settings(local_dir: str, vm_dir: str, python312: str) -> dict[str, str
     }
 
 
-def load_registry(path: str | Path) -> list[PipelineConfig]:
+def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineConfig]:
     """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``; ``local: true`` entries only when
-    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run; ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk)."""
+    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run; ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk).
+    ``local``: only the local (True) or only the Google Cloud (False) entries; None: all."""
     import yaml
 
     data = yaml.safe_load(Path(path).read_text())
@@ -123,6 +124,8 @@ def load_registry(path: str | Path) -> list[PipelineConfig]:
     for entry in data["pipelines"]:
         merged: dict[str, Any] = {**defaults, **entry}
         is_local = merged.pop("local", False)
+        if local is not None and is_local != local:
+            continue
         if is_local:
             if not local_dir:
                 continue
