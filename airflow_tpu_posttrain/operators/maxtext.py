@@ -94,7 +94,8 @@ class MaxTextJobOperator(BaseOperator):
         endpoint); needed to read gated models and to publish.
     :param poll_interval: seconds between the trigger's polls of the job.
     :param inline_wait: seconds the task watches a job it started before deferring: a job that ends by then
-        (a reused install, a cached conversion) finishes without a second trip through a worker.
+        finishes without a second trip through a worker. Default: the step's ``quick_job_wait`` (the install,
+        usually a reused environment: 5 s; the long steps: 0, they would only hold the worker longer).
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
     """
 
@@ -109,6 +110,7 @@ class MaxTextJobOperator(BaseOperator):
     )
     ui_color = "#e4f0e8"
     step_title = "MaxText"
+    quick_job_wait = 0.0
 
     def __init__(
         self,
@@ -128,7 +130,7 @@ class MaxTextJobOperator(BaseOperator):
         workdir: str = DEFAULT_WORKDIR,
         hf_conn_id: str | None = None,
         poll_interval: int = 10,
-        inline_wait: float = 5.0,
+        inline_wait: float | None = None,
         log_chunk_size: int = 65536,
         command_timeout: float = 30.0,
         max_reconnect_attempts: int = 8,
@@ -153,7 +155,7 @@ class MaxTextJobOperator(BaseOperator):
         self.workdir = workdir
         self.hf_conn_id = hf_conn_id
         self.poll_interval = poll_interval
-        self.inline_wait = inline_wait
+        self.inline_wait = self.quick_job_wait if inline_wait is None else inline_wait
         self.log_chunk_size = log_chunk_size
         self.command_timeout = command_timeout
         self.max_reconnect_attempts = max_reconnect_attempts
@@ -447,6 +449,7 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 
     template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
     step_title = "Install"
+    quick_job_wait = 5.0  # a reused or restored environment is ready in seconds
 
     def __init__(
         self, *, maxtext_version: str | None = None, save_environment: bool = False, **kwargs: Any
