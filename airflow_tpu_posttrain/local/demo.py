@@ -50,7 +50,7 @@ def main(recipe: str = "sft") -> int:
         if bag.import_errors:
             print(bag.import_errors, file=sys.stderr)
             return 1
-        print(f"demo: running {dag_id} (create VM, install, convert, train, export + publish, delete VM)")
+        print(f"demo: running {dag_id} (CPU VM converts and exports, TPU VM trains; both deleted at the end)")
         dag_run = bag.get_dag(dag_id).test(run_conf={"storage_uri": str(published)})
         states = {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
         print(f"demo: run {dag_run.run_id} ended {dag_run.state}: {states}")
