@@ -84,6 +84,17 @@ def test_local_dags_only_with_local_dir(monkeypatch):
     assert {c.dag_id for c in load_registry(DAGS_DIR / "models.yaml")} == set(CLOUD_DAGS)
 
 
+def test_registry_refuses_a_split_layout_without_checkpoint_storage():
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+    with pytest.raises(ValueError, match="checkpoint_storage is required by the split layout"):
+        PipelineConfig(model="gemma3-4b", recipe="sft")
+    with pytest.raises(ValueError, match="layout='tpu-only'"):
+        PipelineConfig(model="gemma3-4b", recipe="sft", layout="tpu-only", checkpoint_storage="gs://bkt/x")
+    seeds = PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds")  # no storage needed
+    assert seeds.dag_id == "posttrain_sft__gemma3-4b__seeds"
+
+
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_tags_and_doc(dags, dag_id):
     dag = dags[dag_id]
