@@ -240,21 +240,40 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     on_tpu = {**on_vm, "vm_task_id": "create_tpu_vm", "pool": POOL}
     # The split layout's conversion and export run on the CPU VM, outside the TPU pool.
     on_cpu = {**on_vm, "vm_task_id": "create_cpu_vm"} if split else on_tpu
-    compute_args = {"project_id": cfg.project_id, "gcp_conn_id": cfg.gcp_conn_id, "poll_interval": poll(10)}
+    on_compute = {
+        "project_id": cfg.project_id,
+        "gcp_conn_id": cfg.gcp_conn_id,
+        "poll_interval": poll(10),
+        "zones": "{{ params.zones }}",
+        "iap_firewall": cfg.iap_firewall,
+    }
+    creating = {
+        **on_compute,
+        "network": cfg.network,
+        "service_account_scopes": scopes,
+        "max_run_duration": t.run + timedelta(minutes=30),
+        "execution_timeout": t.create,
+    }
+
+    def delete_vm(kind: str) -> TpuDeleteOperator:
+        """The teardown of ``create_<kind>_vm``; it retries at least 3 times and never waits for a pool slot."""
+        return TpuDeleteOperator(
+            task_id=f"delete_{kind}_vm",
+            create_task_id=f"create_{kind}_vm",
+            name_prefix=kind,
+            execution_timeout=t.delete,
+            retries=max(cfg.retries, 3),
+            **on_compute,
+        )
+
     with dag:
         create_tpu = TpuVmCreateOperator(
             task_id="create_tpu_vm",
-            zones="{{ params.zones }}",
             accelerator_type="{{ params.accelerator_type }}",
             provisioning_model="{{ params.provisioning_model }}",
             reservation="{{ params.reservation }}",
-            network=cfg.network,
-            iap_firewall=cfg.iap_firewall,
-            service_account_scopes=scopes,
-            max_run_duration=t.run + timedelta(minutes=30),
-            execution_timeout=t.create,
             pool=POOL,
-            **compute_args,
+            **creating,
         )
         install_tpu = MaxTextInstallOperator(
             task_id="install_maxtext",
@@ -302,15 +321,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             poll_interval=poll(15),
             **on_cpu,
         )
-        delete_tpu = TpuDeleteOperator(
-            task_id="delete_tpu_vm",
-            create_task_id="create_tpu_vm",
-            zones="{{ params.zones }}",
-            iap_firewall=cfg.iap_firewall,
-            execution_timeout=t.delete,
-            retries=max(cfg.retries, 3),
-            **compute_args,
-        )
+        delete_tpu = delete_vm("tpu")
         watcher = FailRunOperator(
             task_id="fail_run_if_a_step_failed",
             trigger_rule=TriggerRule.ONE_FAILED,
@@ -327,17 +338,11 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         create_cpu = TpuVmCreateOperator(
             task_id="create_cpu_vm",
             name_prefix="cpu",
-            zones="{{ params.zones }}",
             accelerator_type=cfg.cpu_accelerator_type,
             provisioning_model="STANDARD",
             image_project=compute.CPU_IMAGE_PROJECT,
             image_family=compute.CPU_IMAGE_FAMILY,
-            network=cfg.network,
-            iap_firewall=cfg.iap_firewall,
-            service_account_scopes=scopes,
-            max_run_duration=t.run + timedelta(minutes=30),
-            execution_timeout=t.create,
-            **compute_args,
+            **creating,
         )
         install_cpu = MaxTextInstallOperator(
             task_id="install_maxtext_cpu",
@@ -347,16 +352,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             poll_interval=poll(15),
             **on_cpu,
         )
-        delete_cpu = TpuDeleteOperator(
-            task_id="delete_cpu_vm",
-            create_task_id="create_cpu_vm",
-            name_prefix="cpu",
-            zones="{{ params.zones }}",
-            iap_firewall=cfg.iap_firewall,
-            execution_timeout=t.delete,
-            retries=max(cfg.retries, 3),
-            **compute_args,
-        )
+        delete_cpu = delete_vm("cpu")
         create_cpu >> install_cpu >> convert >> train
         create_tpu >> install_tpu >> train
         train >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
