@@ -34,6 +34,7 @@ SSHD = "/usr/sbin/sshd"
 PRIVSEP_DIR = Path("/run/sshd")
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 5.0
 
 
 # Environment the "VM"'s sessions share with this machine.
@@ -106,10 +107,13 @@ class LocalSshd:
         return self
 
     def stop(self) -> None:
-        """Stop the listener and kill every session; sshd leaves sessions running on SIGTERM."""
+        """Stop the listener and kill every session; sshd leaves sessions running on SIGTERM.
+
+        Returns once the sessions are gone: SIGKILL takes effect asynchronously.
+        """
         if self._process is None:
             return
-        self.drop_sessions()
+        sessions = self.drop_sessions()
         self._process.terminate()
         try:
             self._process.wait(timeout=5)
@@ -117,6 +121,11 @@ class LocalSshd:
             self._process.kill()
             self._process.wait()
         self._process = None
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while alive := [pid for pid in sessions if _alive(pid)]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sshd sessions {alive} still alive {STOP_TIMEOUT_S} s after SIGKILL")
+            time.sleep(0.02)
 
     def __enter__(self) -> LocalSshd:
         return self.start()
@@ -218,6 +227,15 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs; a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _sshd_descendants(root_pid: int) -> list[int]:

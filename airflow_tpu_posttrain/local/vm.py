@@ -1,0 +1,434 @@
+"""One local stand-in for a fresh Compute Engine VM: its own sshd, host keys, accounts, disk and processes.
+
+``LocalVm`` runs ``/usr/sbin/sshd`` on a loopback address of its own inside a private mount and pid
+namespace. Its disk ``disk_dir`` holds ``etc/`` (its /etc/ssh: fresh host keys, sshd_config, the ssh-keys
+metadata, and a copy of this file as ``vm_agent.py``, its init and keys command, run by the image's
+/usr/bin/python3 with the stdlib only), ``home/``, ``tmp/``, ``var-tmp/``, ``root/`` (its /home, /tmp,
+/var/tmp, /root) and ``console.log``. The rest of this machine (OS, /usr, the repository) is the shared
+boot image. ``destroy()`` kills every process of the VM (detached jobs die with the pid namespace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from datetime import UTC, datetime
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+PRIVSEP_DIR = Path("/run/sshd")
+# The image's system Python: it runs as root before /root is replaced and as "nobody" for the keys command.
+IMAGE_PYTHON = "/usr/bin/python3"
+PYENV_ROOT = Path("/root/.pyenv")
+VM_SSH_DIR = "/etc/ssh"
+_KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py keys {VM_SSH_DIR}/ssh-keys %u"
+START_TIMEOUT_S = 15.0
+DESTROY_TIMEOUT_S = 10.0
+HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
+# The VM's writable places, each replaced by a directory of its disk.
+PRIVATE_DIRS = {"/tmp": "tmp", "/var/tmp": "var-tmp", "/home": "home", "/root": "root"}
+_LOGIN = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
+_ACCOUNTS_LOCK = threading.Lock()
+
+
+def allocate_address(port: int = 22, taken: AbstractSet[str] = frozenset()) -> str:
+    """A loopback address 127.77.M.K on which nothing listens on ``port`` (probed by binding)."""
+    count = 256 * 254
+    start = random.randrange(count)
+    for offset in range(count):
+        index = (start + offset) % count
+        address = f"127.77.{index // 254}.{index % 254 + 1}"
+        if address in taken:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+        return address
+    raise RuntimeError(f"no free loopback address for port {port}")
+
+
+def _key_fields(line: str) -> tuple[str, list[str]] | None:
+    """``(LOGIN, [KEYTYPE, KEY, COMMENT...])`` of one ``LOGIN:KEYTYPE KEY [COMMENT]`` line, or None."""
+    login, colon, key = line.strip().partition(":")
+    fields = key.split(None, 2)
+    if not colon or not _LOGIN.fullmatch(login) or len(fields) < 2:
+        return None
+    return login, fields
+
+
+def authorized_keys(lines: Iterable[str], user: str, now: datetime) -> list[str]:
+    """The ``KEYTYPE KEY`` entries of ``user`` in the ssh-keys metadata that are valid at ``now``.
+
+    Format (cloud.google.com/compute/docs/connect/add-ssh-keys): one key per line, ``LOGIN:KEYTYPE KEY
+    [COMMENT]``; an expiring key's comment is ``google-ssh {"userName":"LOGIN","expireOn":"..."}`` with
+    expireOn like ``2026-12-01T10:00:00+0000``. As Google's guest agent does, an expired key, a
+    google-ssh key whose JSON or expireOn does not parse, and a malformed line are dropped.
+    """
+    keys = []
+    for line in lines:
+        parsed = _key_fields(line)
+        if parsed is None or parsed[0] != user:
+            continue
+        fields = parsed[1]
+        if len(fields) == 3 and fields[2].startswith("google-ssh"):
+            try:
+                expire_on = json.loads(fields[2][len("google-ssh") :])["expireOn"]
+                if datetime.strptime(expire_on, "%Y-%m-%dT%H:%M:%S%z") <= now:
+                    continue
+            except (ValueError, KeyError, TypeError):
+                continue
+        keys.append(f"{fields[0]} {fields[1]}")
+    return keys
+
+
+def _init(mounts: list[list[str]], sshd_argv: list[str]) -> int:
+    """PID 1 of the VM: make its mounts, start sshd, reap orphans (a zombie looks alive) until sshd exits."""
+    for argv in mounts:
+        subprocess.run(argv, check=True)
+    sshd = subprocess.Popen(sshd_argv)
+    while True:
+        pid, status = os.wait()
+        if pid == sshd.pid:
+            return os.waitstatus_to_exitcode(status)
+
+
+def _namespace_members(mount_ns: str) -> dict[int, tuple[int, str]]:
+    """``{pid: (ppid, comm)}`` of the live processes in the mount namespace ``mount_ns`` (``mnt:[N]``)."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:  # a zombie has no namespace link any more, and a process may exit meanwhile
+            if os.readlink(entry / "ns" / "mnt") != mount_ns:
+                continue
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Format: "pid (comm) state ppid ..."; comm may itself contain spaces or parentheses.
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        members[int(entry.name)] = (ppid, stat[stat.index("(") + 1 : stat.rindex(")")])
+    return members
+
+
+def _kill(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ensure_account(login: str) -> pwd.struct_passwd:
+    """The host account of ``login``, created once (``useradd``, no home: homes are per VM).
+
+    Password ``*`` as the guest agent sets it: no password login, yet not locked (``!``), sshd refuses it.
+    """
+    with _ACCOUNTS_LOCK:
+        try:
+            return pwd.getpwnam(login)
+        except KeyError:
+            # No check: another process may have created it meanwhile; getpwnam decides.
+            subprocess.run(
+                ["useradd", "-M", "-d", f"/home/{login}", "-s", "/bin/bash", "-p", "*", login], check=False
+            )
+        return pwd.getpwnam(login)
+
+
+def _chown(path: Path, account: pwd.struct_passwd) -> None:
+    subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(path)], check=True)
+
+
+class LocalVm:
+    """One VM on ``address:port``; ``boot()`` starts it ``boot_delay`` s later, ``destroy()`` ends it."""
+
+    def __init__(
+        self,
+        name: str,
+        disk_dir: Path,
+        address: str,
+        ssh_keys: str | None,
+        *,
+        port: int = 22,
+        guest_attributes: bool = True,
+        boot_delay: float = 2.0,
+        shared_paths: Sequence[Path] = (),
+        package_cache: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.disk_dir = Path(disk_dir).absolute()
+        self.address = address
+        self.port = port
+        self.ssh_keys = ssh_keys or ""
+        self.boot_delay = boot_delay
+        self.shared_paths = [Path(path).resolve() for path in shared_paths]
+        self.package_cache = Path(package_cache).resolve() if package_cache else None
+        self.console_path = self.disk_dir / "console.log"
+        self._etc = self.disk_dir / "etc"
+        self._publish_guest_attributes = guest_attributes
+        self._lock = threading.Lock()
+        self._destroying = threading.Event()
+        self._boot_done = threading.Event()
+        self._booted = False
+        self._boot_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._process: subprocess.Popen[bytes] | None = None  # `unshare`, the init's parent
+        self._mount_ns = ""
+
+    @property
+    def host_keys(self) -> dict[str, str]:
+        """``{key type: base64}``, as the guest agent publishes them; empty before ``boot()``."""
+        keys = {}
+        for name, key_type in HOST_KEY_TYPES.items():
+            public = self._etc / f"ssh_host_{name}_key.pub"
+            if public.exists():
+                keys[key_type] = public.read_text().split()[1]
+        return keys
+
+    @property
+    def guest_attributes(self) -> list[dict[str, str]]:
+        """The ``hostkeys/`` guest attributes (cloud.google.com/compute/docs/metadata/manage-guest-attributes:
+        the guest agent publishes each host key under namespace ``hostkeys``, key = key type) once booted."""
+        if not (self._publish_guest_attributes and self.is_running):
+            return []
+        return [
+            {"namespace": "hostkeys", "key": key, "value": value} for key, value in self.host_keys.items()
+        ]
+
+    @property
+    def is_running(self) -> bool:
+        return self._booted and self._process is not None and self._process.poll() is None
+
+    def boot(self) -> None:
+        """Generate fresh host keys and start the VM in the background: sshd answers ``boot_delay`` s on."""
+        if self._thread is not None:
+            raise RuntimeError(f"VM {self.name} was already booted")
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        if any(self.disk_dir.iterdir()):
+            raise FileExistsError(f"{self.disk_dir} is not empty: a VM's disk is never reused")
+        # The image's /etc/ssh, less its host keys and server config.
+        shutil.copytree(VM_SSH_DIR, self._etc, ignore=shutil.ignore_patterns("ssh_host_*", "sshd_config*"))
+        self._etc.chmod(0o755)
+        for name in HOST_KEY_TYPES:
+            key = self._etc / f"ssh_host_{name}_key"
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", name, "-N", "", "-C", f"root@{self.name}", "-f", str(key)],
+                check=True,
+            )
+        start_at = time.monotonic() + self.boot_delay
+        self._thread = threading.Thread(target=self._boot, args=(start_at,), daemon=True)
+        self._thread.start()
+
+    def wait_until_booted(self, timeout: float) -> None:
+        if not self._boot_done.wait(timeout):
+            raise TimeoutError(f"VM {self.name} did not boot within {timeout} s")
+        if self._boot_error is not None:
+            raise RuntimeError(f"VM {self.name} failed to boot") from self._boot_error
+        if not self._booted:
+            raise RuntimeError(f"VM {self.name} was destroyed before it booted")
+
+    def drop_sessions(self) -> list[int]:
+        """SIGKILL the per-connection sshd processes (not the listener); returns their pids.
+
+        The client sees its connection drop; a detached job (``setsid nohup ...``) keeps running.
+        """
+        process = self._process
+        if process is None or not self.is_running:
+            return []
+        members = _namespace_members(self._mount_ns)
+        init = {pid for pid, (ppid, _) in members.items() if ppid == process.pid}
+        # The listener is the init's sshd child; every other sshd serves a connection.
+        sessions = [
+            pid for pid, (ppid, comm) in members.items() if comm.startswith("sshd") and ppid not in init
+        ]
+        _kill(sessions)
+        return sessions
+
+    def destroy(self) -> None:
+        """Kill every process of the VM, wait until none is left (bounded), delete the disk. Idempotent."""
+        self._destroying.set()
+        with self._lock:
+            process, self._process = self._process, None
+        if process is not None and self._mount_ns:
+            deadline = time.monotonic() + DESTROY_TIMEOUT_S
+            # Killing the init kills its pid namespace; the loop also covers `unshare` and any straggler.
+            while members := _namespace_members(self._mount_ns):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"VM {self.name}: processes {sorted(members)} outlived destroy()")
+                _kill(members)
+                time.sleep(0.02)
+        if process is not None:
+            process.kill()
+            process.wait(timeout=DESTROY_TIMEOUT_S)
+        if self._thread is not None:
+            self._thread.join(DESTROY_TIMEOUT_S)
+            if self._thread.is_alive():
+                raise TimeoutError(f"VM {self.name}: the boot thread outlived destroy()")
+        self._booted = False
+        if self.disk_dir.exists():
+            shutil.rmtree(self.disk_dir)
+
+    def _boot(self, start_at: float) -> None:
+        try:
+            self._prepare_disk()
+            if not self._destroying.wait(max(0.0, start_at - time.monotonic())) and self._start():
+                self._booted = self._wait_until_listening()
+        except Exception as error:  # noqa: BLE001 - reported by wait_until_booted, unless destroy() caused it
+            if not self._destroying.is_set():
+                self._boot_error = error
+        finally:
+            self._boot_done.set()
+
+    def _prepare_disk(self) -> None:
+        """What the guest agent and the image do at first boot: accounts and homes, the sshd config."""
+        for private in PRIVATE_DIRS.values():
+            (self.disk_dir / private).mkdir()
+        for private in ("tmp", "var-tmp"):
+            (self.disk_dir / private).chmod(0o1777)
+        (self.disk_dir / "root").chmod(0o711)  # traversable, so the login user reaches /root/.pyenv
+        # The guest agent creates an account per login named in a well-formed line (never root).
+        parsed = (_key_fields(line) for line in self.ssh_keys.splitlines())
+        logins = list(dict.fromkeys(fields[0] for fields in parsed if fields and fields[0] != "root"))
+        for login in logins:
+            home = self.disk_dir / "home" / login
+            shutil.copytree("/etc/skel", home, symlinks=True)
+            _chown(home, _ensure_account(login))
+        if self.package_cache is not None and logins:
+            self.package_cache.mkdir(parents=True, exist_ok=True)
+            if self.package_cache.stat().st_uid != pwd.getpwnam(logins[0]).pw_uid:
+                _chown(self.package_cache, pwd.getpwnam(logins[0]))
+        (self._etc / "ssh-keys").write_text(self.ssh_keys)
+        shutil.copy(__file__, self._etc / "vm_agent.py")
+        self._write_config()
+
+    def _write_config(self) -> None:
+        # Imported here: this file also runs standalone (the guest agent), where only the stdlib exists.
+        from airflow_tpu_posttrain.local.sshd import _VM_ENV
+
+        env = {name: os.environ[name] for name in _VM_ENV if name in os.environ}
+        if self.package_cache is not None:
+            env["UV_CACHE_DIR"] = str(self.package_cache)
+            # The cache and the venvs sit on different (bind) mounts, across which hardlinks fail (EXDEV).
+            env["UV_LINK_MODE"] = "copy"
+        settings = [
+            ("ListenAddress", f"{self.address}:{self.port}"),
+            *(("HostKey", f"{VM_SSH_DIR}/ssh_host_{name}_key") for name in HOST_KEY_TYPES),
+            ("PidFile", "none"),  # /run is the image's, shared by every VM
+            # Only the instance's ssh-keys metadata, checked at each login (keys expire); sshd requires the
+            # command to be root-owned in root-owned, not group/world-writable directories: /usr/bin/python3.
+            ("AuthorizedKeysFile", "none"),
+            ("AuthorizedKeysCommand", _KEYS_COMMAND),
+            ("AuthorizedKeysCommandUser", "nobody"),
+            ("PermitRootLogin", "no"),
+            ("PasswordAuthentication", "no"),
+            ("KbdInteractiveAuthentication", "no"),
+            ("UsePAM", "no"),
+            # Tests open many connections at once; the defaults (10:30:100, 10) would drop some.
+            ("MaxStartups", "50:30:100"),
+            ("MaxSessions", "50"),
+            ("Subsystem", "sftp internal-sftp"),
+            ("LogLevel", "ERROR"),
+            ("SetEnv", " ".join(f'{name}="{value}"' for name, value in env.items())),
+        ]
+        (self._etc / "sshd_config").write_text("".join(f"{key} {value}\n" for key, value in settings))
+
+    def _mounts(self) -> list[list[str]]:
+        """The init's mount commands. Paths to keep (shared, the package cache, pyenv) that a private dir
+        would hide are bound into its disk copy at the same relative path, then carried by ``--rbind``."""
+        disk = self.disk_dir.resolve()
+        mounts = [["mount", "--bind", str(disk / "etc"), VM_SSH_DIR]]
+        keep = [(path, "rw") for path in self.shared_paths]
+        if self.package_cache is not None:
+            keep.append((self.package_cache, "rw"))
+        if PYENV_ROOT.is_dir():
+            keep.append((PYENV_ROOT, "ro"))
+        for path, mode in keep:
+            private = next((dir_ for dir_ in PRIVATE_DIRS if path.is_relative_to(dir_)), None)
+            if private is not None:
+                target = disk / PRIVATE_DIRS[private] / path.relative_to(private)
+                target.mkdir(parents=True, exist_ok=True)
+                mounts.append(["mount", "--bind", "-o", mode, str(path), str(target)])
+        # The private dir that holds the disk goes last: binding over it hides the disk's other dirs.
+        for private in sorted(PRIVATE_DIRS, key=disk.is_relative_to):
+            mounts.append(["mount", "--rbind", str(disk / PRIVATE_DIRS[private]), private])
+        mounts.append(["mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", "/dev/shm"])
+        return mounts
+
+    def _start(self) -> bool:
+        """Start ``unshare`` and learn its mount namespace; False if destroy() came first."""
+        PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+        (self._etc / "mounts.json").write_text(json.dumps(self._mounts()))
+        argv = [
+            "unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--mount-proc",
+            IMAGE_PYTHON, "-I", str(self._etc / "vm_agent.py"), "init", str(self._etc / "mounts.json"),
+            SSHD, "-D", "-e", "-f", f"{VM_SSH_DIR}/sshd_config",
+        ]  # fmt: skip
+        host_ns = os.readlink("/proc/self/ns/mnt")
+        with self._lock:  # destroy() must see either no process or its namespace
+            if self._destroying.is_set():
+                return False
+            with self.console_path.open("wb") as console:
+                self._process = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=console,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while self._process.poll() is None and time.monotonic() < deadline:
+                # Never the host's namespace: destroy() kills every process in this one.
+                try:
+                    mount_ns = os.readlink(f"/proc/{self._process.pid}/ns/mnt")
+                except OSError:  # exited: poll() tells
+                    continue
+                if mount_ns != host_ns:
+                    self._mount_ns = mount_ns
+                    return True
+                time.sleep(0.001)
+            raise RuntimeError(f"unshare did not start: {self.console_path.read_text().strip()}")
+
+    def _wait_until_listening(self) -> bool:
+        """True once sshd answers; False if destroy() came first."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        process = self._process
+        while not self._destroying.is_set():
+            if process is None or process.poll() is not None:
+                raise RuntimeError(f"VM {self.name} stopped: {self.console_path.read_text().strip()}")
+            # Read the banner too: a connection alone could reach another server.
+            try:
+                with socket.create_connection((self.address, self.port), timeout=1) as conn:
+                    if conn.recv(4).startswith(b"SSH-"):
+                        return True
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"VM {self.name}: no sshd: {self.console_path.read_text().strip()}")
+            time.sleep(0.02)
+        return False
+
+
+def _main(argv: list[str]) -> int:
+    if argv[0] == "init":
+        return _init(json.loads(Path(argv[1]).read_text()), argv[2:])
+    if argv[0] == "keys":
+        lines = Path(argv[1]).read_text().splitlines()
+        print("\n".join(authorized_keys(lines, argv[2], datetime.now(UTC))))
+        return 0
+    raise SystemExit("usage: vm_agent.py init MOUNTS_JSON_FILE SSHD_ARGV... | keys KEYS_FILE USER")
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

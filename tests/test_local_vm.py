@@ -1,0 +1,296 @@
+"""LocalVm: a local VM that behaves like a fresh Compute Engine instance (own sshd, keys, disk, processes)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from airflow_tpu_posttrain.local.vm import LocalVm, allocate_address, authorized_keys
+
+LOGIN = "posttrain"
+# The image's Python 3.12 (pyenv's, under /root), as the venv's interpreter resolves to it.
+PYTHON312 = Path(sys.executable).resolve()
+
+
+def _keypair(directory: Path, name: str) -> tuple[paramiko.PKey, str]:
+    path = directory / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    key_type, data = path.with_suffix(".pub").read_text().split()[:2]
+    return paramiko.Ed25519Key(filename=str(path)), f"{key_type} {data}"
+
+
+def _expiring(login: str, public_key: str, expire_on: datetime) -> str:
+    """A metadata line in Google's format for expiring keys."""
+    expiry = {"userName": login, "expireOn": expire_on.strftime("%Y-%m-%dT%H:%M:%S+0000")}
+    return f"{login}:{public_key} google-ssh {json.dumps(expiry)}"
+
+
+def _connect(vm: LocalVm, key: paramiko.PKey, user: str = LOGIN, host_keys: dict[str, str] | None = None):
+    """A client that accepts only the published host keys (or ``host_keys``) of the VM's address."""
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    for key_type, data in (vm.host_keys if host_keys is None else host_keys).items():
+        client.get_host_keys().add(
+            vm.address, key_type, paramiko.PKey.from_type_string(key_type, base64.b64decode(data))
+        )
+    try:
+        client.connect(
+            vm.address,
+            port=vm.port,
+            username=user,
+            pkey=key,
+            look_for_keys=False,
+            allow_agent=False,
+            timeout=10,
+            banner_timeout=10,
+            auth_timeout=10,
+        )
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _run(client: paramiko.SSHClient, command: str) -> str:
+    _, stdout, stderr = client.exec_command(command, timeout=30)
+    output = stdout.read().decode()
+    assert stdout.channel.recv_exit_status() == 0, (command, output, stderr.read().decode())
+    return output
+
+
+def _wait_for(condition: Callable[[], object], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _refused(address: str, port: int = 22) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _processes_in(mount_ns: str) -> dict[int, list[str]]:
+    """``{pid: argv}`` of the live processes in the mount namespace ``mnt:[N]``."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(entry / "ns" / "mnt") == mount_ns:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().decode().split("\0")[:-1]
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, tuple[paramiko.PKey, str]]:
+    directory = tmp_path_factory.mktemp("keys")
+    return {name: _keypair(directory, name) for name in ("user", "expiring", "expired", "stranger", "root")}
+
+
+@pytest.fixture
+def make_vm(tmp_path, keys):
+    """Boots VMs (``boot_delay=0`` unless given) whose metadata holds the "user" key; destroys them after."""
+    vms: list[LocalVm] = []
+
+    def make(name: str, ssh_keys: str | None = None, boot: bool = True, **kwargs) -> LocalVm:
+        kwargs.setdefault("boot_delay", 0)
+        ssh_keys = f"{LOGIN}:{keys['user'][1]}\n" if ssh_keys is None else ssh_keys
+        address = allocate_address(taken={vm.address for vm in vms})
+        vm = LocalVm(name, tmp_path / "disks" / name, address, ssh_keys, **kwargs)
+        vms.append(vm)
+        if boot:
+            vm.boot()
+            vm.wait_until_booted(timeout=30)
+        return vm
+
+    yield make
+    errors = []
+    for vm in vms:  # every VM, even if one fails to go
+        try:
+            vm.destroy()
+        except Exception as error:  # noqa: BLE001 - raised below
+            errors.append(error)
+    if errors:
+        raise errors[0]
+
+
+def test_metadata_key_logs_in_to_the_image(make_vm, keys, tmp_path):
+    now = datetime.now(UTC)
+    metadata = "\n".join(
+        [
+            f"{LOGIN}:{keys['user'][1]} laptop",
+            _expiring(LOGIN, keys["expiring"][1], now + timedelta(days=1)),
+            "not a key line",
+            f"{LOGIN}:ssh-ed25519",
+        ]
+    )
+    vm = make_vm("vm-login", metadata, package_cache=tmp_path / "uv-cache")
+    assert vm.address.startswith("127.") and vm.address != "127.0.0.1"
+    assert set(vm.host_keys) == {"ssh-ed25519", "ecdsa-sha2-nistp256"}
+    assert vm.guest_attributes == [
+        {"namespace": "hostkeys", "key": key_type, "value": value} for key_type, value in vm.host_keys.items()
+    ]
+    for key in ("user", "expiring"):
+        with _connect(vm, keys[key][0]) as client:
+            assert _run(client, "id -un; echo ~").split() == [LOGIN, f"/home/{LOGIN}"]
+            assert _run(client, f"{PYTHON312} -V").startswith("Python 3.12")
+            assert _run(client, "uv --version").startswith("uv ")
+            cache = _run(client, 'touch "$UV_CACHE_DIR/written" && echo "$UV_CACHE_DIR"').strip()
+    assert Path(cache) == tmp_path / "uv-cache" and (tmp_path / "uv-cache" / "written").exists()
+
+
+def test_only_valid_metadata_keys_and_no_root(make_vm, keys):
+    past = datetime.now(UTC) - timedelta(minutes=1)
+    metadata = "\n".join(
+        [
+            f"{LOGIN}:{keys['user'][1]}",
+            _expiring(LOGIN, keys["expired"][1], past),
+            f"root:{keys['root'][1]}",
+        ]
+    )
+    vm = make_vm("vm-refuse", metadata)
+    for user, key in [(LOGIN, "stranger"), (LOGIN, "expired"), ("root", "root"), ("root", "user")]:
+        with pytest.raises(paramiko.AuthenticationException):
+            _connect(vm, keys[key][0], user=user)
+    _connect(vm, keys["user"][0]).close()
+
+
+def test_expiry_is_checked_at_login(make_vm, keys):
+    expire_on = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=6)
+    vm = make_vm("vm-expiry", _expiring(LOGIN, keys["expiring"][1], expire_on))
+    _connect(vm, keys["expiring"][0]).close()
+    assert _wait_for(lambda: datetime.now(UTC) > expire_on, timeout=10)
+    with pytest.raises(paramiko.AuthenticationException):
+        _connect(vm, keys["expiring"][0])
+
+
+def test_no_keys_no_login(make_vm, keys):
+    vm = make_vm("vm-nokeys", "")
+    with pytest.raises(paramiko.AuthenticationException):
+        _connect(vm, keys["user"][0])
+
+
+def test_vms_have_own_address_host_keys_and_disk(make_vm, keys, tmp_path):
+    shared = tmp_path / "shared-checkpoints"  # under the host's /tmp, which each VM hides behind its own
+    shared.mkdir()
+    shared.chmod(0o1777)  # writable by the VMs' login user
+    vm_a = make_vm("vm-a", shared_paths=[shared])
+    vm_b = make_vm("vm-b", shared_paths=[shared])
+    assert vm_a.address != vm_b.address
+    assert not set(vm_a.host_keys.values()) & set(vm_b.host_keys.values())
+    marker = f"marker-{uuid.uuid4().hex}"
+    private_files = [f"/home/{LOGIN}/{marker}", f"/tmp/{marker}", f"/var/tmp/{marker}", f"/dev/shm/{marker}"]
+    present = f"for f in {' '.join(private_files)}; do test -e $f && echo $f; done; true"
+    with _connect(vm_a, keys["user"][0]) as client:
+        _run(client, f"touch ~/{marker} {' '.join(private_files[1:])} && echo from-a > {shared}/{marker}")
+        assert _run(client, present).split() == private_files
+    with _connect(vm_b, keys["user"][0]) as client:
+        assert _run(client, f"cat {shared}/{marker}") == "from-a\n"
+        assert _run(client, present) == ""
+    assert (shared / marker).read_text() == "from-a\n"
+    assert not any(Path(path).exists() for path in private_files)
+    # A client that pinned VM A's host keys refuses VM B.
+    with pytest.raises(paramiko.BadHostKeyException):
+        _connect(vm_b, keys["user"][0], host_keys=vm_a.host_keys)
+
+
+def test_sshd_answers_only_after_boot_delay(make_vm, keys):
+    boot_delay = 1.5
+    vm = make_vm("vm-slow", boot=False, boot_delay=boot_delay, guest_attributes=False)
+    started = time.monotonic()
+    vm.boot()
+    assert _refused(vm.address)
+    assert not vm.is_running
+    assert _wait_for(lambda: not _refused(vm.address), timeout=30)
+    assert time.monotonic() - started >= boot_delay
+    vm.wait_until_booted(timeout=30)
+    _connect(vm, keys["user"][0]).close()
+    assert vm.is_running
+    assert vm.guest_attributes == []
+
+
+def test_destroy_kills_detached_jobs_and_leaves_nothing(make_vm, keys):
+    host_mounts = Path("/proc/self/mountinfo").read_text()
+    vm = make_vm("vm-jobs")
+    assert Path("/proc/self/mountinfo").read_text() == host_mounts
+    job = ["sleep", f"1000.{uuid.uuid4().int % 10**6}"]
+    client = _connect(vm, keys["user"][0])
+    try:
+        mount_ns = _run(client, "readlink /proc/self/ns/mnt").strip()
+        _run(client, f"setsid nohup {' '.join(job)} >/dev/null 2>&1 </dev/null &")
+        assert _wait_for(lambda: job in _processes_in(mount_ns).values())
+        assert vm.drop_sessions()
+        assert _wait_for(lambda: not client.get_transport().is_active())
+    finally:
+        client.close()
+    assert job in _processes_in(mount_ns).values()
+    with _connect(vm, keys["user"][0]) as again:
+        assert _run(again, "echo still listening") == "still listening\n"
+
+    started = time.monotonic()
+    vm.destroy()
+    print(f"destroy() took {time.monotonic() - started:.3f} s")
+    assert _processes_in(mount_ns) == {}  # the detached job included
+    assert _refused(vm.address)
+    assert not vm.disk_dir.exists()
+    assert not vm.is_running
+    assert Path("/proc/self/mountinfo").read_text() == host_mounts
+    vm.destroy()  # idempotent
+
+
+def test_first_command_after_boot(make_vm, keys):
+    vm = make_vm("vm-timed", boot=False)
+    started = time.monotonic()
+    vm.boot()
+    assert _wait_for(lambda: not _refused(vm.address), timeout=30)
+    with _connect(vm, keys["user"][0]) as client:
+        assert _run(client, "true") == ""
+    print(f"boot() to first SSH command: {time.monotonic() - started:.3f} s")
+
+
+def test_authorized_keys_follows_the_guest_agent():
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    lines = [
+        "alice:ssh-ed25519 AAAA1 comment with spaces",
+        'alice:ssh-ed25519 AAAA2 google-ssh {"userName":"alice","expireOn":"2026-12-01T10:00:00+0000"}',
+        'alice:ssh-ed25519 AAAA3 google-ssh {"userName":"alice","expireOn":"2026-01-01T10:00:00+0000"}',
+        'alice:ssh-ed25519 AAAA4 google-ssh {"userName":"alice","expireOn":"2026-12-01T10:00:00Z"}',
+        "alice:ssh-ed25519 AAAA5 google-ssh not-json",
+        'alice:ssh-ed25519 AAAA6 google-ssh {"userName":"alice","expireOn":"tomorrow"}',
+        "bob:ssh-ed25519 BBBB1",
+        "alice ssh-ed25519 AAAA7",
+        "Alice:ssh-ed25519 AAAA8",
+        "alice:ssh-ed25519",
+        "",
+    ]
+    assert authorized_keys(lines, "alice", now) == [
+        "ssh-ed25519 AAAA1",
+        "ssh-ed25519 AAAA2",
+        "ssh-ed25519 AAAA4",
+    ]
+    assert authorized_keys(lines, "bob", now) == ["ssh-ed25519 BBBB1"]
+
+
+def test_allocate_address_skips_taken_addresses():
+    first = allocate_address()
+    others = {allocate_address(taken={first}) for _ in range(20)}
+    assert first not in others
+    assert all(address.startswith("127.77.") for address in others | {first})
