@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything the local run and the tests need: Debian packages (sshd, docker-compose
-# for validating the compose file), uv, the Airflow venv (.venv) and the local "VM"'s MaxText venv.
+# for validating the compose file, chromium for the trigger form's browser test), uv, the Airflow venv (.venv)
+# and the local "VM"'s MaxText venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)  # driven by Playwright in tests/test_trigger_form.py
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -292,15 +292,98 @@ def test_train_fails_without_retry_on_bad_override(dags):
         train.execute(_context(dag))  # fails before any SSH connection is attempted
 
 
+def _rendered(dag, task_id: str, **values):
+    """A copy of the task with its templates replaced by what they render to (the run's values)."""
+    task = copy.copy(dag.get_task(task_id))
+    task.accelerator_type, task.model = "v6e-8", dag.params["model"]
+    if hasattr(task, "converted_params"):
+        task.converted_params = "/dev/shm/model/mt-format/0/items"
+    if hasattr(task, "trained_checkpoint"):
+        task.trained_checkpoint = "/dev/shm/model/run/checkpoints/9/model_params"
+    for key, value in values.items():
+        setattr(task, key, value)
+    return task
+
+
+def _script(task, dag) -> str:
+    context = _context(dag)
+    return task._job(task.run_spec(context), context).script
+
+
+# An empty form field arrives as None (or, through a string template or REST conf, as "None" or ""): all mean
+# "the model's default", exactly as if the field were not there.
+BLANKS = [None, "", "None"]
+
+
+@pytest.mark.parametrize("blank", BLANKS, ids=repr)
+def test_sft_blank_values_mean_the_models_defaults(dags, blank):
+    dag = dags[SFT_GEMMA]
+    fields = ("steps", "dataset", "train_split", "train_data_columns", "overrides")
+    script = _script(_rendered(dag, "train", **dict.fromkeys(fields, blank)), dag)
+    assert script == _script(_rendered(dag, "train", **dict.fromkeys(fields, None)), dag)
+    assert "steps=1000" in script and "hf_path=HuggingFaceH4/ultrachat_200k" in script
+    assert "train_split=train_sft" in script
+    install = _rendered(dag, "install_maxtext", maxtext_version=blank)
+    assert install._job(install.run_spec(_context(dag)), _context(dag)).outputs["maxtext_version"] == "0.2.2"
+
+
+@pytest.mark.parametrize("blank", BLANKS, ids=repr)
+def test_rl_blank_values_mean_the_models_defaults(dags, blank):
+    dag = dags[RL_LLAMA]
+    fields = ("num_batches", "num_test_batches", "overrides")
+    script = _script(_rendered(dag, "train", **dict.fromkeys(fields, blank)), dag)
+    assert "num_batches=50" in script and "num_test_batches=10" in script
+
+
+@pytest.mark.parametrize("blank", BLANKS, ids=repr)
+def test_export_blank_storage_uri_publishes_to_the_hub_only(dags, blank, monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW_CONN_HF_DEFAULT", json.dumps({"conn_type": "generic", "password": "hf_x"}))
+    dag = dags[SFT_GEMMA]
+    export = _rendered(dag, "export_and_publish", hub_repo_id="my-org/m", storage_uri=blank)
+    script = _script(export, dag)
+    assert "--hub-repo my-org/m" in script and "--storage-uri" not in script
+    nothing = _rendered(dag, "export_and_publish", hub_repo_id=blank, storage_uri=blank)
+    with pytest.raises(AirflowFailException, match="publish target=None: is missing. Fix: set hub_repo_id"):
+        _script(nothing, dag)
+
+
+@pytest.mark.parametrize(("field", "value"), [("steps", "7; id"), ("steps", "0"), ("num_batches", "x")])
+def test_operators_refuse_bad_counts_naming_field_and_fix(dags, field, value):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    dag = dags[SFT_GEMMA if field == "steps" else RL_LLAMA]
+    message = rf"train: invalid input: {field}=.+Fix: give a positive integer"
+    with pytest.raises(AirflowFailException, match=message):
+        _script(_rendered(dag, "train", **{field: value}), dag)
+
+
 # -- Params --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dag_id", ALL_DAGS)
+@pytest.mark.parametrize("dag_id", [*ALL_DAGS, "tpu_vm_reaper"])
 def test_every_param_is_documented_and_defaults_validate(dags, dag_id):
     params = dags[dag_id].params
     for key, param in params.items():
-        assert param.schema.get("title") or param.description, f"param {key} has neither title nor description"
+        schema = param.schema
+        assert schema.get("title") and param.description, f"param {key} needs a title and a description"
+        # What is expected, with an example: a dropdown lists its choices, a switch has two.
+        if "enum" not in schema and schema.get("type") != "boolean":
+            assert "e.g." in param.description or schema.get("examples"), f"param {key} has no example"
     copy.deepcopy(params).validate()
+
+
+@pytest.mark.parametrize("dag_id", [*ALL_DAGS, "tpu_vm_reaper"])
+def test_a_form_left_as_it_opens_can_be_triggered(dags, dag_id):
+    """Airflow's UI marks a Param required unless its type includes "null", and then refuses an empty value
+    (None, ""): every required field must open filled in, every optional one must accept None."""
+    for key, param in dags[dag_id].params.items():
+        types = param.schema["type"] if isinstance(param.schema["type"], list) else [param.schema["type"]]
+        if "null" not in types:
+            assert param.value not in (None, ""), f"required param {key} opens empty"
+        else:
+            _validate_with(dags[dag_id], key, None)
 
 
 def test_sft_defaults_reproduce_the_tutorial(dags):
@@ -314,9 +397,9 @@ def test_sft_defaults_reproduce_the_tutorial(dags):
     assert params["reservation"] == "my-v6e-reservation"
     assert params["hub_repo_id"] == "my-org/gemma3-4b-ultrachat-sft"
     assert params["overrides"] == []
-    # Empty means "the model's": steps 1000, UltraChat 200k's train_sft split, MaxText 0.2.2.
+    # None (an empty field) means "the model's": steps 1000, UltraChat 200k's train_sft split, MaxText 0.2.2.
     assert params["steps"] is None and params["maxtext_version"] is None
-    assert params["dataset"] == params["train_split"] == params["train_data_columns"] == ""
+    assert params["dataset"] is params["train_split"] is params["train_data_columns"] is None
     profile = model_profile("gemma3-4b")
     assert profile.sft_steps == 1000
     assert profile.maxtext_version == "0.2.2"

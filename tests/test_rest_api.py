@@ -172,6 +172,15 @@ def test_trigger_rl_with_batches(client):
     assert response.json()["conf"] == {"num_batches": 2, "num_test_batches": 1}
 
 
+def test_trigger_accepts_empty_optional_values(client):
+    """What the trigger form sends for fields left empty: None, meaning the model's default."""
+    optional = ("reservation", "maxtext_version", "storage_uri", "overrides", "dataset", "train_split", "steps")
+    empty = dict.fromkeys(optional, None)
+    response = _trigger(client, empty)
+    assert response.status_code == 200, response.text
+    assert response.json()["conf"] == empty
+
+
 BAD_CONFS = [
     ({"overrides": ["x=1; rm -rf /"]}, "overrides"),
     ({"steps": 0}, "steps"),

@@ -459,7 +459,7 @@ class MaxTextInstallOperator(MaxTextJobOperator):
         self.save_environment = save_environment
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
-        version = self.maxtext_version or spec.model.maxtext_version
+        version = validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version
         cache = f"{spec.layout.storage}/environments" if spec.layout.storage else None
         return Job(
             install.install_script(spec.runtime, version, cache, save=self.save_environment),
@@ -519,7 +519,8 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         arguments = argv[len(spec.runtime.entry_point(Step.TO_MAXTEXT)) :]
         options = [arg for arg in arguments if not arg.startswith("base_output_directory=")]
         try:
-            key = layout.conversion_key(self.maxtext_version or spec.model.maxtext_version, revision, options)
+            version = validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version
+            key = layout.conversion_key(version, revision, options)
         except SpecError as err:
             raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
         context["ti"].xcom_push(key="conversion", value={"conversion_key": key, "source_revision": revision})
@@ -589,9 +590,10 @@ class _TrainOperator(MaxTextJobOperator):
         return {}
 
     def _overrides(self) -> list[str]:
-        if isinstance(self.overrides, str):
-            return [pair for pair in self.overrides.split() if pair]
-        return list(self.overrides or [])
+        overrides = validation.blank_to_none(self.overrides)
+        if isinstance(overrides, str):
+            return [pair for pair in overrides.split() if pair]
+        return list(overrides or [])
 
 
 class SftTrainOperator(_TrainOperator):
@@ -636,13 +638,14 @@ class SftTrainOperator(_TrainOperator):
         self.checkpoint_period = checkpoint_period
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
-        steps = int(self.steps) if self.steps not in (None, "") else spec.model.sft_steps
+        steps = validation.optional_count("steps", self.steps) or spec.model.sft_steps
         base = spec.model.sft_dataset
+        hf_path = validation.blank_to_none(self.dataset) or base.hf_path
         dataset = SftDataset(
-            hf_path=self.dataset or base.hf_path,
-            train_split=self.train_split or base.train_split,
-            train_data_columns=self.train_data_columns or base.train_data_columns,
-            train_files=base.train_files if not self.dataset or self.dataset == base.hf_path else None,
+            hf_path=hf_path,
+            train_split=validation.blank_to_none(self.train_split) or base.train_split,
+            train_data_columns=validation.blank_to_none(self.train_data_columns) or base.train_data_columns,
+            train_files=base.train_files if hf_path == base.hf_path else None,
             eval_split=base.eval_split,
         )
         command = maxtext.train_sft(
@@ -686,8 +689,8 @@ class GrpoTrainOperator(_TrainOperator):
         self.num_test_batches = num_test_batches
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
-        batches = int(self.num_batches) if self.num_batches not in (None, "") else spec.model.rl_num_batches
-        tests = int(self.num_test_batches) if self.num_test_batches not in (None, "") else None
+        batches = validation.optional_count("num_batches", self.num_batches) or spec.model.rl_num_batches
+        tests = validation.optional_count("num_test_batches", self.num_test_batches)
         command = maxtext.train_rl(
             spec,
             num_batches=batches,
@@ -757,7 +760,9 @@ class HfExportOperator(MaxTextJobOperator):
         return f"{self.workdir}/vm_scripts/publish_model.py"
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
-        if not self.hub_repo_id and not self.storage_uri:
+        hub_repo_id = validation.blank_to_none(self.hub_repo_id)
+        storage_uri = validation.blank_to_none(self.storage_uri)
+        if not hub_repo_id and not storage_uri:
             raise SpecError("publish target", None, "is missing", "set hub_repo_id and/or storage_uri")
         export = maxtext.to_huggingface(spec, self.trained_checkpoint)
         dag_run = context["dag_run"]
@@ -770,10 +775,10 @@ class HfExportOperator(MaxTextJobOperator):
             "--result-file",
             result_file,
         ]
-        if self.hub_repo_id:
+        if hub_repo_id:
             publish += [
                 "--hub-repo",
-                validation.hf_repo_id("hub_repo_id", self.hub_repo_id),
+                validation.hf_repo_id("hub_repo_id", hub_repo_id),
                 "--hub-revision",
                 f"run-{spec.layout.run_name}",
                 "--hub-private",
@@ -784,9 +789,9 @@ class HfExportOperator(MaxTextJobOperator):
             endpoint = self._hub_endpoint()
             if endpoint:
                 publish += ["--hub-endpoint", endpoint]
-        if self.storage_uri:
+        if storage_uri:
             # One folder per run, as the Hub gets one branch per run.
-            uri = validation.storage_uri("storage_uri", self.storage_uri)
+            uri = validation.storage_uri("storage_uri", storage_uri)
             publish += ["--storage-uri", f"{uri}/{spec.layout.run_name}"]
         export_marker = f"{spec.layout.export_dir}/.complete"
         script = "\n".join(
@@ -804,7 +809,7 @@ class HfExportOperator(MaxTextJobOperator):
             script + "\n",
             None,
             {"export_dir": spec.layout.export_dir, "result_file": result_file},
-            token="file" if self.hub_repo_id else None,
+            token="file" if hub_repo_id else None,
         )
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:

@@ -56,36 +56,44 @@ class FailRunOperator(BaseOperator):
 
 
 def _params(cfg: PipelineConfig) -> dict[str, Param]:
+    """The trigger form: every field can be left as it opens and triggered. Optional values are nullable (empty:
+    the model's default); each says what it expects, with an example, under the field and in a refusal."""
     accelerators = ["cpu"] if cfg.local else TPU_ACCELERATORS
+    accelerator_help = (
+        "The local CPU 'VM' (the only choice here)."
+        if cfg.local
+        else "TPU slice, e.g. v6e-8 (8 chips); the machine type is derived from it (v6e-8 → ct6e-standard-8t)."
+    )
     params: dict[str, Param] = {
         "model": Param(
             cfg.model,
             type="string",
             enum=[cfg.model],
             title="Model",
-            description="The model this DAG post-trains (one DAG per model and recipe).",
+            description=f"Fixed: this DAG post-trains {cfg.model} (one DAG per model and recipe).",
         ),
         "accelerator_type": Param(
             cfg.accelerator_type,
             type="string",
             enum=accelerators,
             title="Accelerator",
-            description="TPU slice; the machine type is derived from it (v6e-8 → ct6e-standard-8t).",
+            description=accelerator_help,
         ),
         "zones": Param(
             list(cfg.zones),
             type="array",
             minItems=1,
-            items={"type": "string", "pattern": ZONE_PATTERN},
+            items={"type": "string", "pattern": ZONE_PATTERN, "description_md": "A zone such as us-east5-b."},
             title="Zones (in order)",
-            description="Tried in order; a stock-out moves on to the next.",
+            description="One Compute Engine zone per line, e.g. us-east5-b; at least one. Tried in order: a "
+            "stock-out moves on to the next.",
         ),
         "provisioning_model": Param(
             cfg.provisioning_model,
             type="string",
             enum=PROVISIONING_MODELS,
             title="Provisioning model",
-            description="RESERVATION_BOUND needs a reservation; SPOT can be preempted; "
+            description="RESERVATION_BOUND needs a Reservation; STANDARD is on-demand; SPOT can be preempted; "
             "FLEX_START waits up to 2 h for capacity.",
         ),
         "reservation": Param(
@@ -93,58 +101,73 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
             type=["null", "string"],
             pattern=_anchored(validation.GCE_NAME_RE),
             title="Reservation",
-            description="Name of the specific reservation (RESERVATION_BOUND only).",
+            description="Name of the specific reservation (RESERVATION_BOUND only), e.g. my-v6e-reservation: "
+            "lowercase letters, digits and '-'. Empty: none.",
         ),
         "maxtext_version": Param(
             cfg.maxtext_version,
             type=["null", "string"],
             pattern=_anchored(validation.VERSION_RE),
+            examples=["0.2.2", "0.2.3"],
             title="MaxText version",
-            description="Empty: the model's (tutorials: 0.2.2 SFT, 0.2.3 RL).",
+            description="An exact MaxText release X.Y.Z, e.g. 0.2.3. Empty: the model's (the tutorials: 0.2.2 "
+            "for SFT, 0.2.3 for RL).",
         ),
         "hub_repo_id": Param(
             cfg.hub_repo_id,
             type=["null", "string"],
             pattern=_anchored(validation.SAFE_NAME_RE, "/", validation.SAFE_NAME_RE),
             title="Hub repo",
-            description="owner/name; the model goes to branch run-<run name> (private).",
+            description="Hugging Face repo owner/name, e.g. my-org/gemma3-4b-sft; the model goes to branch "
+            "run-<run name> (private). Empty: no upload (then set a Storage URI).",
         ),
         "storage_uri": Param(
             cfg.storage_uri,
             type=["null", "string"],
             pattern=r"^(?!.*\.\.)(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*" + END,
             title="Storage URI",
-            description="gs://bucket/prefix or a directory; one folder per run.",
+            description="Where to copy the model too, one folder per run: gs://bucket/prefix (e.g. "
+            "gs://my-bucket/models) or an absolute directory. Empty: no copy.",
         ),
         "overrides": Param(
             list(cfg.overrides),
-            type="array",
-            items={"type": "string", "pattern": OVERRIDE_PATTERN},
+            type=["null", "array"],
+            items={
+                "type": "string",
+                "pattern": OVERRIDE_PATTERN,
+                "description_md": "key=value, e.g. learning_rate=1e-5.",
+            },
             title="MaxText overrides",
-            description="Extra key=value pairs for the trainer.",
+            description="Extra trainer settings, one key=value per line, e.g. learning_rate=1e-5; keys the "
+            "pipeline sets (steps, run_name, ...) are refused. Empty: none.",
         ),
     }
     if cfg.recipe == "sft":
         params |= {
             "dataset": Param(
-                cfg.dataset or "",
-                type="string",
+                cfg.dataset,
+                type=["null", "string"],
                 pattern=_anchored(validation.SAFE_NAME_RE, f"(/{validation.SAFE_NAME_RE})?", empty_ok=True),
+                examples=["HuggingFaceH4/ultrachat_200k"],
                 title="Dataset",
-                description="Hub dataset id (empty: the model's default).",
+                description="Hugging Face dataset id owner/name, e.g. HuggingFaceH4/ultrachat_200k. Empty: the "
+                "model's (the tutorial's UltraChat 200k).",
             ),
             "train_split": Param(
-                cfg.train_split or "",
-                type="string",
+                cfg.train_split,
+                type=["null", "string"],
                 pattern=_anchored(validation.SAFE_NAME_RE, empty_ok=True),
                 title="Split",
+                description="The dataset split to train on: letters, digits, '.', '_', '-', e.g. train_sft. "
+                "Empty: the model's.",
             ),
             "train_data_columns": Param(
-                cfg.train_data_columns or "",
-                type="string",
+                cfg.train_data_columns,
+                type=["null", "string"],
                 pattern=_anchored(validation.COLUMN_LIST_RE, empty_ok=True),
+                examples=["['messages']"],
                 title="Columns",
-                description="e.g. ['messages']",
+                description="The columns holding the conversations, as a list: ['messages']. Empty: the model's.",
             ),
             "steps": Param(
                 cfg.steps,
@@ -152,7 +175,8 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
                 minimum=1,
                 maximum=1_000_000,
                 title="Steps",
-                description="Empty: the model's (tutorial: 1000).",
+                description="Training steps, a whole number from 1 to 1000000, e.g. 1000. Empty: the model's "
+                "(the tutorial: 1000).",
             ),
         }
     else:
@@ -163,7 +187,8 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
                 minimum=1,
                 maximum=100_000,
                 title="Batches",
-                description="Empty: the model's (tutorial: 50).",
+                description="GRPO training batches, a whole number from 1 to 100000, e.g. 50. Empty: the "
+                "model's (the tutorial: 50).",
             ),
             "num_test_batches": Param(
                 cfg.num_test_batches,
@@ -171,9 +196,14 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
                 minimum=1,
                 maximum=10_000,
                 title="Test batches",
-                description="Empty: the model's (tutorial: 10).",
+                description="Batches of the evaluation before and after training, 1 to 10000, e.g. 10. Empty: "
+                "the model's (the tutorial: 10).",
             ),
         }
+    # A refused value's message quotes the Param's schema, not its description: the description goes into the
+    # schema too (as Airflow's description_md), so the refusal says what is expected, with an example.
+    for param in params.values():
+        param.schema["description_md"] = param.description
     return params
 
 

@@ -23,7 +23,12 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
         max_active_runs=1,
         dagrun_timeout=timedelta(minutes=every_minutes),
         params={
-            "dry_run": Param(dry_run, type="boolean", title="Dry run", description="Log decisions only.")
+            "dry_run": Param(
+                dry_run,
+                type="boolean",
+                title="Dry run",
+                description="On: only log which VMs would be deleted and why; off: delete them.",
+            )
         },
         render_template_as_native_obj=True,
         tags=["tpu", "maintenance"],
