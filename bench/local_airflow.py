@@ -59,9 +59,10 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
 
 class LocalAirflow:
     """``with LocalAirflow(home, env) as airflow:`` starts the components (``env``: the local stack's
-    connections and settings) and waits until they are healthy; leaving the block stops them all."""
+    connections and settings; ``dags_folder``: the repository's DAGs unless given) and waits until they are
+    healthy; leaving the block stops them all."""
 
-    def __init__(self, home: Path, env: dict[str, str]) -> None:
+    def __init__(self, home: Path, env: dict[str, str], dags_folder: Path = REPO / "dags") -> None:
         self.home = Path(home).absolute()
         self.db_path = self.home / "airflow.db"
         self.port = _free_port()
@@ -72,7 +73,7 @@ class LocalAirflow:
             **env,
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.db_path}",
-            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "8",

@@ -4,9 +4,10 @@
 
 In order, so that no two measurements share the machine: P3, DAG file parse times (bench/parse_time.py, fresh
 interpreters); P4's baseline, the SFT chain as a plain shell script (bench/plain_pipeline.sh --sft-only); then
-the local stack (Compute emulator, sshd "VM", Hub server; VM disk .local/bench/vm, emptied first) and Airflow's
-real components with LocalExecutor (bench/local_airflow.py, home .local/bench/airflow), started before any
-clock runs, and these DAG runs, each watched by bench/run_probe.py:
+the local stack (Compute emulator whose every instance is a machine of its own, Hub server; the VMs' disks and
+checkpoint storage under .local/bench/vm, emptied first) and Airflow's real components with LocalExecutor
+(bench/local_airflow.py, home .local/bench/airflow), started before any clock runs, and these DAG runs, each
+watched by bench/run_probe.py:
 
   cold    posttrain_sft__tiny-llama, first run, nothing cached      P1, P2, P4 cold
   warm    the same DAG, another run id                               P1, P2, P4 warm, conversions repeated
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import parse_time
 from local_airflow import LocalAirflow, stop_group
-from run_probe import RunRecord, TrainerKiller, kill_vm_jobs, watch_run
+from run_probe import RunRecord, TrainerKiller, watch_run
 
 from airflow_tpu_posttrain.local.stack import LocalStack
 
@@ -124,29 +125,27 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
     """The DAG runs in real Airflow; returns the records by label and notes on runs that were skipped."""
     shutil.rmtree(BENCH / "vm", ignore_errors=True)
     stack = LocalStack(local_dir=REPO / ".local", vm_dir=BENCH / "vm")
-    jobs_dir = stack.vm_dir / "work" / "jobs"
     records: dict[str, RunRecord] = {}
     skipped: dict[str, str] = {}
-    try:
-        with stdout_to_stderr(), stack as env, LocalAirflow(BENCH / "airflow", env) as airflow:
-            airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
-            present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
-            plan = [("cold", OURS, {}, None), ("warm", OURS, {}, None), ("seeds", SEEDS, {}, None)]
-            if not quick:
-                # MaxText saves checkpoints asynchronously: a kill can catch the newest one half-written, so
-                # the retry resumes from the one before it. With synchronous saves it cannot.
-                sync = {"steps": FAULT_STEPS, "overrides": ["async_checkpointing=false"]}
-                for label, conf in (("fault", {"steps": FAULT_STEPS}), ("fault-sync", sync)):
-                    killer = TrainerKiller(jobs_dir, OURS, f"bench-{label}", KILL_AT_STEP)
-                    plan.append((label, OURS, conf, killer))
-            for label, dag_id, conf, killer in plan:
-                if not present[dag_id]:
-                    skipped[label] = f"{dag_id} does not exist (yet)"
-                    continue
-                print(f"perf: running {dag_id} ({label}) ...", file=sys.stderr, flush=True)
-                records[label] = watch_run(airflow, stack.compute, dag_id, f"bench-{label}", conf, killer)
-    finally:
-        kill_vm_jobs(jobs_dir)
+    # Leaving the block stops the stack: every VM still there ends with all its processes (an interrupted
+    # run's jobs included) and its disk.
+    with stdout_to_stderr(), stack as env, LocalAirflow(BENCH / "airflow", env) as airflow:
+        airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
+        present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
+        plan = [("cold", OURS, {}, None), ("warm", OURS, {}, None), ("seeds", SEEDS, {}, None)]
+        if not quick:
+            # MaxText saves checkpoints asynchronously: a kill can catch the newest one half-written, so
+            # the retry resumes from the one before it. With synchronous saves it cannot.
+            sync = {"steps": FAULT_STEPS, "overrides": ["async_checkpointing=false"]}
+            for label, conf in (("fault", {"steps": FAULT_STEPS}), ("fault-sync", sync)):
+                killer = TrainerKiller(stack, OURS, f"bench-{label}", KILL_AT_STEP)
+                plan.append((label, OURS, conf, killer))
+        for label, dag_id, conf, killer in plan:
+            if not present[dag_id]:
+                skipped[label] = f"{dag_id} does not exist (yet)"
+                continue
+            print(f"perf: running {dag_id} ({label}) ...", file=sys.stderr, flush=True)
+            records[label] = watch_run(airflow, stack.compute, dag_id, f"bench-{label}", conf, killer)
     return records, skipped
 
 

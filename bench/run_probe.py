@@ -1,5 +1,6 @@
 """One DAG run in the local Airflow, watched: task-instance states sampled from the metadata DB, the VMs'
-lives read from the Compute emulator, and optionally the trainer SIGKILLed at a given step (P5).
+lives read from the Compute emulator, and optionally the trainer SIGKILLed at a given step (P5) on the run's
+TPU VM (a machine of the local stack's fleet).
 
 ``watch_run(...)`` triggers the run, samples every ``SAMPLE_S`` until it ends and returns a ``RunRecord``.
 """
@@ -18,12 +19,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from airflow_tpu_posttrain.operators.maxtext import DEFAULT_WORKDIR
 from airflow_tpu_posttrain.recipes.compute import run_hash
 
 SAMPLE_S = 0.5
 RUN_TIMEOUT_S = 1800
 FINISHED = ("success", "failed")
 COMPLETED_STEP = re.compile(rb"completed step: (\d+),")
+JOBS_DIR = f"{DEFAULT_WORKDIR}/jobs"  # on each VM, where production puts the jobs
+VM_END_WAIT_S = 120  # after the run: until its TPU VM's end was seen (the deletion ends it in the background)
 
 
 def epoch(value: str | None) -> float | None:
@@ -146,61 +150,107 @@ class _Sampler(threading.Thread):
 class TrainerKiller(threading.Thread):
     """P5: SIGKILLs the SFT trainer of one DAG run once its log shows step ``at_step``.
 
-    The trainer is a process of the train job's session on the "VM" (the job's pid file names the session
-    leader) whose command line holds ``train_sft``; other processes on this machine are never touched."""
+    The trainer runs on the run's TPU VM, a machine of the local stack with a pid namespace of its own: it is
+    a process of the train job's session (the job's pid file names the session leader, a pid as the VM sees
+    it) whose command line holds ``train_sft``; other processes are never touched. The killed try's log, set aside
+    on the VM by the retry, is read just before the VM is deleted (``stack.fleet.before_end``, set from
+    ``start()`` until ``killed_at_step()``)."""
 
-    def __init__(self, jobs_dir: Path, dag_id: str, run_id: str, at_step: int) -> None:
+    def __init__(self, stack, dag_id: str, run_id: str, at_step: int) -> None:
         super().__init__(daemon=True)
-        self.job_dir = jobs_dir / f"train-{run_hash(dag_id, run_id)}"
+        self.stack = stack
+        self.job_name = f"train-{run_hash(dag_id, run_id)}"
         self.at_step = at_step
         self.stop = threading.Event()
         self.killed: list[str] = []
+        self.vm = None  # the LocalVm the train job runs on, once seen
+        self._job_dir_path: Path | None = None
+        self._killed_log: bytes | None = None
+        self._vm_ended = threading.Event()
+
+    def start(self) -> None:
+        self.stack.fleet.before_end = self._before_end
+        super().start()
+
+    def _job_dir(self) -> Path | None:
+        """The train job's directory on its VM, read through the VM's root; None until it exists."""
+        if self._job_dir_path is None:
+            for vm in self.stack.vms():
+                with contextlib.suppress(Exception):  # not booted yet, or ending
+                    job_dir = vm.guest_path(JOBS_DIR) / self.job_name  # through /proc/<its init>/root
+                    if job_dir.is_dir():
+                        self.vm, self._job_dir_path = vm, job_dir
+                        break
+        return self._job_dir_path
 
     def run(self) -> None:
         while not self.stop.wait(0.2) and not self.killed:
             try:
-                leader = int((self.job_dir / "pid").read_text())
-                log = (self.job_dir / "stdout.log").read_bytes()
-            except (OSError, ValueError):
+                job_dir = self._job_dir()
+                if job_dir is None:
+                    continue
+                leader = int((job_dir / "pid").read_text())
+                log = (job_dir / "stdout.log").read_bytes()
+            except Exception:  # noqa: BLE001, S112 (not written yet, or the VM is ending: the next sample)
                 continue
             if max(map(int, COMPLETED_STEP.findall(log)), default=0) >= self.at_step:
-                self.killed = kill_session(leader, b"train_sft")
+                self.killed = kill_session(self.vm, leader, b"train_sft")
+
+    def _before_end(self, vm) -> None:
+        """Just before a VM of the stack is destroyed: on the train job's VM, keep the killed try's log."""
+        if self.vm is None or vm.name != self.vm.name:
+            return
+        try:
+            logs = sorted(vm.guest_path(JOBS_DIR).glob(f"{self.job_name}.*/stdout.log"))
+            self._killed_log = logs[0].read_bytes() if logs else None
+        finally:
+            self._vm_ended.set()
 
     def killed_at_step(self) -> int | None:
-        """The last step the killed try logged (the retry set its job dir aside as ``<dir>.<time>``)."""
-        logs = sorted(self.job_dir.parent.glob(f"{self.job_dir.name}.*/stdout.log"))
-        return max(map(int, COMPLETED_STEP.findall(logs[0].read_bytes())), default=None) if logs else None
+        """The last step the killed try logged (the retry set its job dir aside as ``<dir>.<time>``), once the
+        VM's end was seen (bounded); the stack's ``before_end`` is released."""
+        try:
+            if self.killed:
+                self._vm_ended.wait(VM_END_WAIT_S)
+        finally:
+            self.stack.fleet.before_end = None
+        if not self._killed_log:
+            return None
+        return max(map(int, COMPLETED_STEP.findall(self._killed_log)), default=None)
 
 
-def _session(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[3])  # "pid (comm) state ppid pgrp session ..."
-
-
-def kill_session(leader: int, needle: bytes = b"") -> list[str]:
-    """SIGKILL the processes of session ``leader`` whose command line holds ``needle``; their command lines."""
-    killed = []
+def _vm_processes(vm) -> dict[int, int]:
+    """``{pid on this machine: session id as the VM sees it}`` of the VM's processes (its pid namespace; the
+    ``NSsid`` line of /proc/PID/status lists the session id in each nested namespace, the VM's last)."""
+    namespace = os.readlink(vm.guest_path("/").parent / "ns" / "pid")
+    processes = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or _session(int(entry.name)) != leader:
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            if os.readlink(entry / "ns" / "pid") != namespace:
+                continue
+            status = (entry / "status").read_text()
+            lines = status.splitlines()
+            sessions = next((line.split()[1:] for line in lines if line.startswith("NSsid:")), [])
+            if sessions:
+                processes[int(entry.name)] = int(sessions[-1])
+    return processes
+
+
+def kill_session(vm, leader: int, needle: bytes = b"") -> list[str]:
+    """SIGKILL the VM's processes of session ``leader`` (a pid as the VM sees it) whose command line holds
+    ``needle``; their command lines."""
+    killed = []
+    for pid, session in _vm_processes(vm).items():
+        if session != leader:
             continue
         with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if needle in cmdline:
-                os.kill(int(entry.name), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 killed.append(cmdline.replace(b"\0", b" ").decode(errors="replace")[:160])
     return killed
-
-
-def kill_vm_jobs(jobs_dir: Path) -> None:
-    """Kill every job still running on the local "VM" (after an interruption: they outlive Airflow)."""
-    for pid_file in jobs_dir.glob("*/pid"):
-        with contextlib.suppress(OSError, ValueError):
-            leader = int(pid_file.read_text())
-            if _session(leader) == leader:
-                kill_session(leader)
 
 
 def _finish(db, record: RunRecord) -> None:

@@ -36,16 +36,35 @@ def airflow_db() -> Path:
     return _AIRFLOW_HOME
 
 
-@pytest.fixture
-def emulator(monkeypatch):
-    """A Compute emulator, and the default Google connection pointed at it with anonymous credentials."""
-    from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
+SSH_LOGIN = "posttrain"
 
-    with ComputeEmulator(operation_seconds=0.2) as emu:
+
+@pytest.fixture(scope="session")
+def client_key(tmp_path_factory) -> Path:
+    """The SSH connection's private key (ed25519), made once per session."""
+    key = tmp_path_factory.mktemp("client") / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    return key
+
+
+@pytest.fixture
+def emulator(monkeypatch, tmp_path, client_key):
+    """A Compute emulator whose instances are local machines (fleet.py), the default Google connection pointed at
+    it with anonymous credentials, and the ``tpu_vm_ssh`` connection as README makes it (login and key only)."""
+    from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
+    from airflow_tpu_posttrain.local.fleet import LocalFleet
+
+    fleet = LocalFleet(tmp_path / "disks", boot_delay=0.5)
+    with ComputeEmulator(operation_seconds=0.2, fleet=fleet) as emu:
+        for zone in ("us-east5-a", "us-east5-b"):  # the reservations the tests' DAGs name
+            for reservation in ("my-reservation", "r"):
+                emu.add_reservation(reservation, zone, vm_count=8)
         extra = {"is_anonymous": True, "project": PROJECT, "compute_api_endpoint": emu.url}
         monkeypatch.setenv(
             "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
         )
+        ssh = {"conn_type": "ssh", "login": SSH_LOGIN, "extra": {"key_file": str(client_key)}}
+        monkeypatch.setenv("AIRFLOW_CONN_TPU_VM_SSH", json.dumps(ssh))
         yield emu
 
 
@@ -78,8 +97,11 @@ def run_dag(airflow_db, monkeypatch):
 
 @pytest.fixture(scope="module")
 def stack(airflow_db, tmp_path_factory):
-    """The local stack (Compute emulator, sshd playing the VM, Hub server) with a fresh VM disk, its connections
-    in the environment, the repository's DAGs in the dags folder and the TPU pool."""
+    """The local stack (Compute emulator whose every instance is a machine of its own, Hub server) with its
+    VMs' disks, checkpoint storage and published copies in a fresh temp dir, its connections in the
+    environment, the repository's DAGs in the dags folder and the TPU pool. Tests that set
+    ``stack.fleet.before_end`` reset it; it is reset here too before the stack stops, so that no test's hook
+    runs on the VMs ended at shutdown."""
     from airflow.models.pool import Pool
 
     from airflow_tpu_posttrain.local.stack import LocalStack
@@ -91,17 +113,17 @@ def stack(airflow_db, tmp_path_factory):
         for name in ("posttrain_dags.py", "local_dags.py", "models.yaml"):
             shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
         Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
-        yield local
+        try:
+            yield local
+        finally:
+            local.fleet.before_end = None
 
 
 # ------------------------------------------------------------------------------------------- fault matrix
 # Fault tests record one row each, after their assertions passed (a row means "verified"); the terminal summary
 # prints the rows as a Markdown table and, if $TPU_POSTTRAIN_FAULT_MATRIX is set, writes them to that file.
 
-FAULT_MATRIX_COMMAND = (
-    "TPU_POSTTRAIN_FAULT_MATRIX=docs/fault-matrix.md .venv/bin/python -m pytest tests/test_pipeline_failures.py "
-    "tests/test_maxtext_faults.py tests/test_tpu_vm_operators.py tests/test_reaper.py -q -p no:cacheprovider"
-)
+FAULT_MATRIX_COMMAND = "TPU_POSTTRAIN_FAULT_MATRIX=docs/fault-matrix.md ./scripts/test"
 _FAULT_ROWS: list[tuple[str, bool | None, str, bool | None, str]] = []
 
 

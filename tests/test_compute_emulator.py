@@ -152,7 +152,7 @@ def test_stockout_ends_the_operation_with_zone_resource_pool_exhausted(gce, emul
 
 
 def test_quota_and_missing_reservation_errors(gce, emulator):
-    emulator.set_faults(quota_exceeded_zones=["us-east5-a"], missing_reservations=["my-reservation"])
+    emulator.set_faults(quota_exceeded_zones=["us-east5-a"])
 
     quota = wait(gce, insert(gce, tpu_instance("vm-1"), zone="us-east5-a"), zone="us-east5-a")
     affinity = compute_v1.ReservationAffinity(
@@ -164,9 +164,27 @@ def test_quota_and_missing_reservation_errors(gce, emulator):
 
     assert quota.error.errors[0].code == "QUOTA_EXCEEDED"
     assert quota.error.errors[0].message == "Quota 'TPU_V6E_CHIPS' exceeded.  Limit: 0.0 in region us-east5."
-    assert reservation.error.errors[0].code == "RESERVATION_NOT_FOUND"
-    assert "reservations/my-reservation" in reservation.error.errors[0].message
+    assert reservation.error.errors[0].code == "INVALID_FIELD_VALUE"
+    assert reservation.error.errors[0].message.endswith("Specified reservations [my-reservation] do not exist.")
     assert emulator.instances() == []
+
+
+def test_a_reservation_holds_its_vm_count_and_frees_up_when_they_end(gce, emulator):
+    emulator.add_reservation("one-vm", "us-east5-b", 1, machine_type="ct6e-standard-8t")
+    affinity = compute_v1.ReservationAffinity(
+        consume_reservation_type="SPECIFIC_RESERVATION",
+        key="compute.googleapis.com/reservation-name",
+        values=["projects/test-project/reservations/one-vm"],
+    )
+    first = wait(gce, insert(gce, tpu_instance("vm-1", reservation_affinity=affinity)))
+    second = wait(gce, insert(gce, tpu_instance("vm-2", reservation_affinity=affinity)))
+    assert not first.error.errors
+    assert second.error.errors[0].code == "CONDITION_NOT_MET"
+    assert second.error.errors[0].message == (
+        "Specified reservation 'one-vm' does not have available resources for the request."
+    )
+    wait(gce, gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-1").name)
+    assert not wait(gce, insert(gce, tpu_instance("vm-3", reservation_affinity=affinity))).error.errors
 
 
 def test_transient_errors_alternate_503_and_429_then_succeed(gce, emulator):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from airflow_tpu_posttrain.recipes import compute
+from airflow_tpu_posttrain.recipes import access, compute
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 SEED = dict(project_id="my-project", zones=("us-east5-b",), reservation="my-reservation")
@@ -42,7 +42,44 @@ def test_seed_v6e8_body_equals_gcloud_mapping_field_by_field():
     assert body["networkInterfaces"][0]["network"] == "global/networks/my-net"
     assert body["tags"] == {"items": ["my-tag"]}
     assert body["labels"] == {"managed-by": "airflow-tpu-posttrain"}
-    assert "serviceAccounts" not in body  # gcloud's defaults, as in the tutorials
+    # What gcloud adds on its own and the raw API does not: the default service account (Google's TPU examples'
+    # scope), and an external IP (the default network path).
+    assert body["serviceAccounts"] == [
+        {"email": "default", "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
+    ]
+    assert body["networkInterfaces"][0]["accessConfigs"] == [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]
+    # Host keys published as guest attributes; metadata keys, not OS Login.
+    items = {item["key"]: item["value"] for item in body["metadata"]["items"]}
+    assert items == {"enable-guest-attributes": "TRUE", "enable-oslogin": "FALSE"}
+
+
+def test_ssh_key_goes_into_metadata_in_googles_format_expiring_with_the_vm():
+    spec = compute.TpuVmSpec(**SEED)
+    line = access.ssh_keys_metadata("airflow", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHk airflow@worker", 1_800_000_000)
+    body = compute.instance_body(spec, "tpu-x", "us-east5-b", {}, ssh_keys=line)
+    items = {item["key"]: item["value"] for item in body["metadata"]["items"]}
+    assert items["ssh-keys"] == (
+        'airflow:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHk google-ssh '
+        '{"userName":"airflow","expireOn":"2027-01-15T08:00:00+0000"}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("login", "key", "field"),
+    [("root", "ssh-ed25519 AAAA", "ssh login"), ("Air Flow", "ssh-ed25519 AAAA", "ssh login"),
+     ("airflow", "ssh-dss AAAA", "ssh public key"), ("airflow", "ssh-ed25519 $(x)", "ssh public key")],
+)
+def test_bad_ssh_identity_is_refused(login, key, field):
+    with pytest.raises(SpecError) as err:
+        access.ssh_keys_metadata(login, key, 1_800_000_000)
+    assert err.value.field == field
+
+
+def test_internal_path_requests_no_external_ip_and_names_the_subnetwork():
+    spec = compute.TpuVmSpec(**SEED, network="vpc", subnetwork="tpu-subnet", network_path="internal")
+    [interface] = compute.instance_body(spec, "tpu-x", "us-east5-b", {})["networkInterfaces"]
+    assert interface == {"network": "global/networks/vpc", "subnetwork": "regions/us-east5/subnetworks/tpu-subnet"}
+    assert not spec.opens_firewall
 
 
 def test_split_layout_cpu_vm_body_can_write_checkpoint_storage():
@@ -53,7 +90,7 @@ def test_split_layout_cpu_vm_body_can_write_checkpoint_storage():
         provisioning_model="STANDARD",
         image_project=compute.CPU_IMAGE_PROJECT,
         image_family=compute.CPU_IMAGE_FAMILY,
-        service_account_scopes=compute.STORAGE_SCOPES,
+        service_account="trainer@my-project.iam.gserviceaccount.com",
     )
     body = compute.instance_body(spec, "cpu-x", "us-east5-b", {})
     assert body["machineType"] == "zones/us-east5-b/machineTypes/n2-highmem-16"
@@ -61,7 +98,7 @@ def test_split_layout_cpu_vm_body_can_write_checkpoint_storage():
         "projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts"
     )
     assert body["serviceAccounts"] == [
-        {"email": "default", "scopes": ["https://www.googleapis.com/auth/devstorage.read_write"]}
+        {"email": "trainer@my-project.iam.gserviceaccount.com", "scopes": [compute.CLOUD_PLATFORM_SCOPE]}
     ]
     assert "reservationAffinity" not in body
 
@@ -82,12 +119,12 @@ def test_spot_and_flex_start_consume_no_reservation(model):
     assert body["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
 
 
-def test_iap_firewall_tags_the_instance_with_its_name():
-    spec = compute.TpuVmSpec(**SEED, iap_firewall=True)
+def test_ssh_firewall_admits_the_given_ranges_to_the_instance_only():
+    spec = compute.TpuVmSpec(**SEED, ssh_source_ranges=("203.0.113.0/24",))
     body = compute.instance_body(spec, "tpu-x", "us-east5-b", {})
-    rule = compute.iap_firewall_body(spec, "tpu-x")
+    rule = compute.ssh_firewall_body(spec, "tpu-x")
     assert body["tags"]["items"] == ["tpu-x"]
-    assert rule["targetTags"] == ["tpu-x"] and rule["sourceRanges"] == ["35.235.240.0/20"]
+    assert rule["targetTags"] == ["tpu-x"] and rule["sourceRanges"] == ["203.0.113.0/24"]
     assert rule["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
 
 
@@ -121,6 +158,11 @@ def test_ownership_labels_are_valid_compute_labels():
         ({"network": "Bad_Net"}, "network"),
         ({"max_run_duration_s": 10}, "max_run_duration"),
         ({"service_account_scopes": ("cloud-platform",)}, "service_account_scopes[0]"),
+        ({"service_account_scopes": ()}, "service_account_scopes"),
+        ({"service_account": "me@gmail.com"}, "service_account"),
+        ({"subnetwork": "regions/us-east5/subnetworks/x"}, "subnetwork"),
+        ({"network_path": "iap"}, "network_path"),
+        ({"ssh_source_ranges": ("0.0.0.0/33",)}, "ssh_source_ranges[0]"),
     ],
 )
 def test_bad_input_names_the_field(overrides, field):

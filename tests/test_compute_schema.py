@@ -43,7 +43,7 @@ def test_the_providers_insert_bodies_pass(spec):
 def test_the_providers_firewall_body_passes():
     spec = compute.TpuVmSpec(project_id="test-project", zones=("us-east5-b",), reservation="r1")
     # The rule's builder, under its name before and after the SSH-access rework of recipes/compute.py.
-    firewall_body = getattr(compute, "ssh_firewall_body", None) or compute.iap_firewall_body
+    firewall_body = compute.ssh_firewall_body
     validate("Firewall", firewall_body(spec, "tpu-x"))
 
 

@@ -142,6 +142,8 @@ def test_metadata_key_logs_in_to_the_image(make_vm, keys, tmp_path):
             f"{LOGIN}:ssh-ed25519",
         ]
     )
+    (tmp_path / "uv-cache" / "wheels").mkdir(parents=True)
+    (tmp_path / "uv-cache" / "wheels" / "mirrored").write_text("a package from the mirror")
     vm = make_vm("vm-login", metadata, package_cache=tmp_path / "uv-cache")
     assert vm.address.startswith("127.") and vm.address != "127.0.0.1"
     assert set(vm.host_keys) == {"ssh-ed25519", "ecdsa-sha2-nistp256"}
@@ -154,7 +156,9 @@ def test_metadata_key_logs_in_to_the_image(make_vm, keys, tmp_path):
             assert _run(client, f"{PYTHON312} -V").startswith("Python 3.12")
             assert _run(client, "uv --version").startswith("uv ")
             cache = _run(client, 'touch "$UV_CACHE_DIR/written" && echo "$UV_CACHE_DIR"').strip()
-    assert Path(cache) == tmp_path / "uv-cache" and (tmp_path / "uv-cache" / "written").exists()
+    # uv's cache is on the VM's disk, warmed from the mirror; what the VM writes there stays on its disk.
+    assert cache == "/var/tmp/uv-cache" and (vm.disk_dir / "var-tmp/uv-cache/wheels/mirrored").exists()
+    assert (vm.disk_dir / "var-tmp/uv-cache/written").exists() and not (tmp_path / "uv-cache/written").exists()
 
 
 def test_only_valid_metadata_keys_and_no_root(make_vm, keys):

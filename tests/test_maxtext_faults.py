@@ -1,5 +1,5 @@
-"""Faults around the MaxText remote jobs, in real Airflow (dag.test) against the local stack: Compute emulator,
-an sshd playing the TPU VM, real MaxText on CPU with the tiny model, the local Hub server.
+"""Faults around the MaxText remote jobs, in real Airflow (dag.test) against the local stack: Compute emulator
+whose every instance is a machine of its own, real MaxText on CPU with the tiny model, the local Hub server.
 
 One DAG run of the tiny SFT DAG carries the faults (slow: real training), and the tests read what it left:
 
@@ -8,10 +8,12 @@ One DAG run of the tiny SFT DAG carries the faults (slow: real training), and th
 - the trainer process is SIGKILLed after "completed step: 4" (a crash / OOM kill of the trainer; the job's
   wrapper survives and records the exit code): try 1 fails, the retry resumes from a checkpoint (test 2);
 - the Hugging Face token (a marker) is looked for in the task logs, the rendered template fields, XCom,
-  the process list sampled during the run and the VM's files (test 3);
+  the process list sampled during the run and each VM's files just before the VM is destroyed (test 3);
 
 then invalid trigger input is refused before any API call (test 4) and the finished run is run again under the
-same run_id (test 5). One stack for the module; the VM's disk is a fresh temp dir.
+same run_id (test 5). One stack for the module. What the tests read of a VM's disk is read while the VM
+lives (through ``vm.guest_path``), or copied just before its end (``stack.fleet.before_end``): nothing of it
+survives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -30,6 +33,8 @@ from pathlib import Path
 import pytest
 
 from conftest import HF_TOKEN, log_excerpt
+from test_pipeline_local import SEEDS_ROOT, WORKDIR, before_vm_end, token_probe
+from test_reattach import vm_of_its_own
 
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__faults-sft"
@@ -38,6 +43,7 @@ STEPS = 10  # a few more than the kill point, so the kill lands while training s
 KILL_AFTER_STEP = 4
 CHECKPOINT_PERIOD = 2  # what the local DAG uses (posttrain.py: checkpoint_period=2 if cfg.local)
 _COMPLETED = re.compile(rb"completed step: (\d+),")
+JOBS = f"{WORKDIR}/jobs"  # on each VM
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -105,14 +111,6 @@ def _instance_inserts(stack) -> int:
     return sum(1 for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instances"))
 
 
-def _session_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[3])  # "pid (comm) state ppid pgrp session ..."
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -122,6 +120,25 @@ def _cmdline(pid: int) -> bytes:
 
 def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _vm_session(vm, leader: int) -> list[int]:
+    """This machine's pids of the VM's processes in session ``leader`` (a pid as the VM sees it: a job's pid
+    file). The VM has a pid namespace of its own; /proc/PID/status lists a process's session id in each
+    namespace it belongs to (NSsid), the VM's last."""
+    namespace = os.readlink(vm.guest_path("/").parent / "ns" / "pid")
+    members = []
+    for pid in _pids():
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") != namespace:
+                continue
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        sessions = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSsid:")), [])
+        if sessions and int(sessions[-1]) == leader:
+            members.append(pid)
+    return members
 
 
 class _ProcessSampler(threading.Thread):
@@ -148,21 +165,41 @@ class _ProcessSampler(threading.Thread):
 
 
 class _TrainFaults(threading.Thread):
-    """Watches the train job on the VM: drops the SSH sessions at try 1's first completed step, SIGKILLs the
-    trainer (python processes of the job's session) after step KILL_AFTER_STEP, then drops the sessions again
-    at the first completed step of the retry (a new pid in the re-created job dir)."""
+    """Watches the train job on the TPU VM (the VM whose jobs directory gets ``job_name``): drops the VM's SSH
+    sessions at try 1's first completed step, SIGKILLs the trainer (python processes of the job's session)
+    after step KILL_AFTER_STEP, then drops the sessions again at the first completed step of the retry (a new
+    pid in the re-created job dir)."""
 
-    def __init__(self, stack, job_dir: Path):
+    def __init__(self, stack, job_name: str):
         super().__init__(daemon=True)
         self.stack = stack
-        self.job_dir = job_dir
+        self.job_name = job_name
+        self.vm = None
+        self.job_dir: Path | None = None  # on this machine, through the VM's root
+        self._last_find = 0.0
         self.stop = threading.Event()
         self.drops: list[tuple[str, list[int]]] = []
         self.killed: list[tuple[int, str]] = []
         self.try1_pid: int | None = None
         self.error: BaseException | None = None
 
+    def _find(self) -> None:
+        for vm in self.stack.vms():
+            with contextlib.suppress(Exception):  # not booted yet, or ending
+                job_dir = vm.guest_path(JOBS) / self.job_name
+                if job_dir.is_dir():
+                    self.vm, self.job_dir = vm, job_dir
+                    return
+
     def _read(self) -> tuple[int | None, bytes]:
+        if self.job_dir is None:
+            now = time.monotonic()
+            if now - self._last_find < 1.0:  # each look scans /proc: not at the 50 ms pace of the rest
+                return None, b""
+            self._last_find = now
+            self._find()
+            if self.job_dir is None:
+                return None, b""
         try:
             pid = int((self.job_dir / "pid").read_text() or 0) or None
             log = (self.job_dir / "stdout.log").read_bytes()
@@ -183,24 +220,42 @@ class _TrainFaults(threading.Thread):
             steps = [int(s) for s in _COMPLETED.findall(log)]
             if phase == "try1" and pid and steps:
                 if not self.drops:
-                    self.drops.append(("try1", self.stack.sshd.drop_sessions()))
+                    self.drops.append(("try1", self.vm.drop_sessions()))
                 if max(steps) >= KILL_AFTER_STEP:
-                    for other in _pids():
+                    for other in _vm_session(self.vm, pid):
                         cmd = _cmdline(other)
-                        if _session_of(other) == pid and b"python" in cmd.split(b"\0")[0]:
+                        if b"python" in cmd.split(b"\0")[0]:
                             with contextlib.suppress(ProcessLookupError):
                                 os.kill(other, signal.SIGKILL)
                             self.killed.append((other, cmd.replace(b"\0", b" ").decode(errors="replace")[:200]))
                     self.try1_pid = pid
                     phase = "try2"
             elif phase == "try2" and pid and pid != self.try1_pid and steps:
-                self.drops.append(("try2", self.stack.sshd.drop_sessions()))
+                self.drops.append(("try2", self.vm.drop_sessions()))
                 phase = "done"
             time.sleep(0.05)
 
 
-def _token_hits(root: Path, marker: bytes) -> list[str]:
-    return [str(p) for p in root.rglob("*") if p.is_file() and not p.is_symlink() and marker in p.read_bytes()]
+def _vm_end_probe(stack, copies: Path):
+    """Before each VM's end: what ``token_probe`` sees, the VM's train job dirs (copied to
+    ``copies/<VM name>``) and whether the run's root was on it."""
+    tokens = token_probe(stack)
+
+    def probe(vm) -> dict:
+        jobs = vm.guest_path(JOBS)
+        train_dirs = sorted(p.name for p in jobs.glob("train-*") if p.is_dir()) if jobs.is_dir() else []
+        for name in train_dirs:
+            shutil.copytree(jobs / name, copies / vm.name / name, symlinks=True)
+        return {**tokens(vm), "train_dirs": train_dirs, "root_on_vm": vm.guest_path(SEEDS_ROOT).is_dir()}
+
+    return probe
+
+
+def _checkpoint_files(checkpoint: str) -> dict[str, int]:
+    """``{path: mtime_ns}`` of every file of a run's checkpoints (``.../checkpoints/<step>/model_params``)."""
+    checkpoints = Path(checkpoint).parents[1]
+    files = (p for p in checkpoints.rglob("*") if p.is_file())
+    return {str(p.relative_to(checkpoints)): p.stat().st_mtime_ns for p in files}
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -222,44 +277,73 @@ def faulted_run(stack, capfd):
 def _faulted_run(stack, capfd) -> dict:
     from airflow_tpu_posttrain.recipes.compute import run_hash
 
-    jobs = stack.vm_dir / "work" / "jobs"
-    train_dir = jobs / f"train-{run_hash(DAG_ID, RUN_ID)}"
-    faults = _TrainFaults(stack, train_dir)
+    train_name = f"train-{run_hash(DAG_ID, RUN_ID)}"
+    faults = _TrainFaults(stack, train_name)
     sampler = _ProcessSampler(HF_TOKEN.encode())
     inserts_before = _instance_inserts(stack)
+    scratch = Path(tempfile.mkdtemp(prefix="maxtext-faults-"))
     capfd.readouterr()
     faults.start()
     sampler.start()
     started = time.monotonic()
-    try:
-        dag_run = _run_pipeline({"steps": STEPS})
-    finally:
-        faults.stop.set()
-        sampler.stop.set()
-        faults.join(10)
-        sampler.join(10)
-    logs = "".join(capfd.readouterr())
-    debug_log = Path(tempfile.mkdtemp(prefix="maxtext-faults-")) / "faulted_run.log"
-    debug_log.write_text(logs)
-    tis = _tis(dag_run)
-    assert faults.error is None, faults.error
+    with before_vm_end(stack, _vm_end_probe(stack, scratch / "vm-ends")) as ends:
+        try:
+            dag_run = _run_pipeline({"steps": STEPS})
+        finally:
+            faults.stop.set()
+            sampler.stop.set()
+            faults.join(10)
+            sampler.join(10)
+        logs = "".join(capfd.readouterr())
+        debug_log = scratch / "faulted_run.log"
+        debug_log.write_text(logs)
+        tis = _tis(dag_run)
+        assert faults.error is None, faults.error
+        returns = {task_id: _return_value(dag_run, task_id) for task_id in tis}
+        vms = {kind: (returns.get(f"create_{kind}_vm") or {}).get("name") for kind in ("tpu", "cpu")}
+        vm_end_error = _wait_gone(ends, vms)
+    # The train job's files, as they were on the TPU VM at its end (copied then).
+    train_dir = scratch / "vm-ends" / str(vms["tpu"]) / train_name
     return {
         "dag_run": dag_run,
         "state": dag_run.state,
         "states": _states(dag_run),
         "tries": {task_id: ti.try_number for task_id, ti in tis.items()},
-        "returns": {task_id: _return_value(dag_run, task_id) for task_id in tis},
+        "returns": returns,
         "xcom": _all_xcom(RUN_ID),
         "rendered": _rendered_fields(RUN_ID),
         "logs": logs,
         "debug_log": debug_log,
         "faults": faults,
         "sampler": sampler,
+        "vms": vms,
+        "vm_ends": ends.seen,
+        "vm_end_error": vm_end_error,
         "train_dir": train_dir,
-        "earlier_train_dirs": sorted(p for p in jobs.glob(f"{train_dir.name}.*") if p.is_dir()),
+        "earlier_train_dirs": sorted(p for p in train_dir.parent.glob(f"{train_name}.*") if p.is_dir()),
         "instance_inserts": _instance_inserts(stack) - inserts_before,
         "seconds": time.monotonic() - started,
     }
+
+
+def _wait_gone(ends, vms: dict[str, str | None]) -> str | None:
+    """Why the run's VMs were not both probed at their end and their disks deleted, or None (the tests assert
+    it: an assertion here would make each test run the DAG again)."""
+    try:
+        assert all(vms.values()), f"a create task gave no VM name: {vms}"
+        ends.wait_gone(list(vms.values()))
+    except AssertionError as err:
+        return str(err)
+    return None
+
+
+def _assert_vms_deleted_and_checkpoint_kept(run: dict, stack) -> None:
+    """The fault matrix's "VM deleted" and "model intact" cells of the faulted run."""
+    assert run["returns"]["delete_tpu_vm"]["deleted"] is True
+    assert run["returns"]["delete_cpu_vm"]["deleted"] is True
+    assert stack.compute.instances() == [], [i["name"] for i in stack.compute.instances()]
+    assert run["vm_end_error"] is None, run["vm_end_error"]  # each VM probed at its end, its disk gone since
+    assert Path(run["returns"]["train"]["checkpoint"]).is_dir()  # in checkpoint storage: it outlives the VMs
 
 
 def _diagnose(run: dict) -> str:
@@ -287,6 +371,7 @@ def test_ssh_drops_while_training_do_not_fail_the_task(faulted_run, stack, fault
     assert re.search(r"failed .*exit code:? 137", run["logs"]), run["debug_log"]
     # After the drop, try 2 finished normally: the trainer's last step is in the log it streamed.
     assert f"completed step: {STEPS}," in run["logs"]
+    _assert_vms_deleted_and_checkpoint_kept(run, stack)
     fault_matrix.record(
         f"MaxText: SSH sessions dropped while train is deferred ({len(lost)} reconnects)",
         run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
@@ -305,7 +390,7 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fa
     assert run["states"]["train"] == "success", _diagnose(run)
     assert run["tries"]["train"] == 2, _diagnose(run)
 
-    # Try 1's job dir was set aside by the retry, with the trainer's exit code and its last steps.
+    # Try 1's job dir was set aside by the retry (same VM), with the trainer's exit code and its last steps.
     [try1_dir] = run["earlier_train_dirs"]
     assert (try1_dir / "exit_code").read_text().strip() == "137"
     try1_steps = [int(s) for s in _COMPLETED.findall((try1_dir / "stdout.log").read_bytes())]
@@ -328,6 +413,7 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fa
     assert Path(run["returns"]["train"]["checkpoint"]).is_dir()
     # The retry reused the run's VMs: one instance insert each (TPU VM, CPU VM) for the whole run.
     assert run["instance_inserts"] == 2
+    _assert_vms_deleted_and_checkpoint_kept(run, stack)
     fault_matrix.record(
         f"MaxText: trainer SIGKILLed after step {KILL_AFTER_STEP} -> retry resumes from checkpoint",
         run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
@@ -363,12 +449,16 @@ def test_hf_token_leaks_nowhere(faulted_run, stack, fault_matrix):
     assert sampler.samples >= 0.5 * run["seconds"], (sampler.samples, run["seconds"])
     assert sampler.leaks == []
 
-    # The VM's disk after the run: the token file is gone, no file holds the token.
-    secrets_dir = stack.vm_dir / "work" / "secrets"
-    assert not secrets_dir.exists() or list(secrets_dir.iterdir()) == []
-    for area in ("work", "runs"):
-        assert (stack.vm_dir / area).is_dir()
-        assert _token_hits(stack.vm_dir / area, HF_TOKEN.encode()) == []
+    # Each VM's disk at its end (the token file was the exporting CPU VM's): the token files are gone, no file
+    # of the VM holds the token. The scans saw the jobs' files on both VMs and the export root on the CPU VM.
+    for kind, name in run["vms"].items():
+        on_vm = run["vm_ends"][name]
+        assert on_vm["workdir_files"], f"{kind} VM {name}: no files under {WORKDIR}"
+        assert on_vm["secrets_left"] == [], (kind, on_vm["secrets_left"])
+        assert on_vm["token_in"] == [], (kind, on_vm["token_in"])
+    cpu_vm = run["vm_ends"][run["vms"]["cpu"]]
+    assert cpu_vm["root_on_vm"], f"no {SEEDS_ROOT} on the CPU VM: the export was not scanned"
+    _assert_vms_deleted_and_checkpoint_kept(run, stack)
     fault_matrix.record(
         "MaxText: HF token absent from logs, XCom, rendered fields, argv, VM files",
         run["returns"]["delete_tpu_vm"]["deleted"] is True, run["state"], bool(hub["commit_sha"]),
@@ -436,33 +526,41 @@ def test_operator_validation_refuses_trailing_newline(check):
 
 def test_job_that_died_with_its_wrapper_ends_the_watch(stack, fault_matrix):
     import asyncio
-    import subprocess
 
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
 
+    from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.triggers.remote_job import JOB_DIED, MaxTextJobTrigger
 
-    paths = RemoteJobPaths(job_id="dead-wrapper", remote_os="posix", base_dir=str(stack.vm_dir / "work" / "jobs"))
-    subprocess.run(["bash", "-c", build_posix_wrapper_command("sleep 300", paths)], check=True, capture_output=True)
-    pid_file = Path(paths.pid_file)
-    deadline = time.monotonic() + 10
-    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(int(pid_file.read_text()), signal.SIGKILL)  # the job and its wrapper, as the OOM killer of a cgroup
+    paths = RemoteJobPaths(job_id="dead-wrapper", remote_os="posix", base_dir=JOBS)
+    with vm_of_its_own(stack, "dead-wrapper-vm") as machine:
+        with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+            vm.run(build_posix_wrapper_command("sleep 300", paths))
+        pid_file = machine.vm.guest_path(paths.pid_file)
+        deadline = time.monotonic() + 10
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The job and its wrapper (its session), killed from outside the VM, as the OOM killer of a cgroup.
+        session = _vm_session(machine.vm, int(pid_file.read_text()))
+        assert len(session) >= 2, session  # the wrapper and `sleep`
+        for pid in session:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
-    trigger = MaxTextJobTrigger(
-        ssh_conn_id="local_vm", remote_host=None, job_id=paths.job_id, job_dir=paths.job_dir,
-        log_file=paths.log_file, exit_code_file=paths.exit_code_file, remote_os="posix", poll_interval=1,
-    )
+        trigger = MaxTextJobTrigger(
+            ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
+            job_id=paths.job_id, job_dir=paths.job_dir, log_file=paths.log_file,
+            exit_code_file=paths.exit_code_file, remote_os="posix", poll_interval=1,
+        )
 
-    async def first_event():
-        events = trigger.run()
-        try:
-            return await asyncio.wait_for(anext(events), timeout=15)
-        finally:
-            await events.aclose()
+        async def first_event():
+            events = trigger.run()
+            try:
+                return await asyncio.wait_for(anext(events), timeout=15)
+            finally:
+                await events.aclose()
 
-    event = asyncio.run(first_event())
+        event = asyncio.run(first_event())
     assert event.payload["done"] and event.payload["exit_code"] == JOB_DIED, event.payload
     fault_matrix.record(
         "MaxText: job killed with its wrapper (cgroup OOM) -> the watch ends", None, "trigger event: job died",
@@ -480,28 +578,35 @@ _RERUN: dict = {}
 def rerun(faulted_run, stack, capfd):
     """The faulted run, run again to the end under the same run_id and logical date (once)."""
     if not _RERUN:
-        train_log = faulted_run["train_dir"] / "stdout.log"
-        jobs = stack.vm_dir / "work" / "jobs"
+        checkpoint = faulted_run["returns"]["train"]["checkpoint"]
         before = {
-            "train_log": (train_log.stat().st_mtime_ns, train_log.stat().st_size),
-            "train_dirs": sorted(p.name for p in jobs.glob("train-*")),
+            "checkpoints": _checkpoint_files(checkpoint),
             "requests": len(stack.compute.requests),
         }
         capfd.readouterr()
-        dag_run = _run_pipeline({"steps": STEPS})
-        logs = "".join(capfd.readouterr())
-        tis = _tis(dag_run)
+        copies = Path(tempfile.mkdtemp(prefix="maxtext-rerun-"))
+        with before_vm_end(stack, _vm_end_probe(stack, copies)) as ends:
+            dag_run = _run_pipeline({"steps": STEPS})
+            logs = "".join(capfd.readouterr())
+            (copies / "rerun.log").write_text(logs)  # the task logs, to read when a test fails
+            tis = _tis(dag_run)
+            returns = {task_id: _return_value(dag_run, task_id) for task_id in tis}
+            vms = {kind: (returns.get(f"create_{kind}_vm") or {}).get("name") for kind in ("tpu", "cpu")}
+            vm_end_error = _wait_gone(ends, vms)
         _RERUN.update(
+            debug_log=copies / "rerun.log",
             dag_run=dag_run,
             state=dag_run.state,
             states=_states(dag_run),
             tis=tis,
             tries={task_id: ti.try_number for task_id, ti in tis.items()},
-            returns={task_id: _return_value(dag_run, task_id) for task_id in tis},
+            returns=returns,
             logs=logs,
             before=before,
-            train_log=train_log,
-            jobs=jobs,
+            checkpoints_after=_checkpoint_files(checkpoint),
+            vms=vms,
+            vm_ends=ends.seen,
+            vm_end_error=vm_end_error,
             requests=stack.compute.requests[before["requests"]:],
             instances_after=stack.compute.instances(),
         )
@@ -520,13 +625,16 @@ def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun
     train_ti = rerun["tis"]["train"]
     assert (train_ti.end_date - train_ti.start_date).total_seconds() < 60
     assert train["checkpoint"] == first["returns"]["train"]["checkpoint"]
-    assert train["metrics"]["steps_completed"] == STEPS
+    assert train["metrics"].get("steps_completed") == STEPS, (train["metrics"], rerun["debug_log"])
     assert "output already complete" in rerun["logs"] and f"SFT: {STEPS} steps" in rerun["logs"]
-    # No training job was started again: same job dirs, the train log untouched.
-    jobs, train_log = rerun["jobs"], rerun["train_log"]
-    assert sorted(p.name for p in jobs.glob("train-*")) == rerun["before"]["train_dirs"]
-    assert (train_log.stat().st_mtime_ns, train_log.stat().st_size) == rerun["before"]["train_log"]
+    # No training job was started again: the re-run's TPU VM (a new one: the first run's was deleted) never
+    # got a train job, and the run's checkpoints in storage are untouched (same files, same times).
+    assert rerun["vm_ends"][rerun["vms"]["tpu"]]["train_dirs"] == []
+    assert rerun["checkpoints_after"] == rerun["before"]["checkpoints"]
     assert HF_TOKEN not in rerun["logs"]
+    assert rerun["returns"]["delete_tpu_vm"]["deleted"] is True and rerun["instances_after"] == []
+    assert rerun["vm_end_error"] is None, rerun["vm_end_error"]
+    assert Path(train["checkpoint"]).is_dir()
     fault_matrix.record(
         "MaxText: re-run of a finished run reuses conversion and training",
         rerun["returns"]["delete_tpu_vm"]["deleted"] is True and rerun["instances_after"] == [], rerun["state"],
@@ -545,6 +653,7 @@ def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun, fa
         assert rerun["returns"][delete]["deleted"] is True
         assert rerun["tries"][create] == 1, rerun["tries"]
     assert rerun["instances_after"] == [], [i["name"] for i in rerun["instances_after"]]
+    assert rerun["vm_end_error"] is None, rerun["vm_end_error"]  # both VMs' disks are gone
     assert sorted(r["body"]["name"] for r in inserts) == sorted(rerun["returns"][c]["name"] for c, _ in vms)
     fault_matrix.record(
         "MaxText: re-run creates each VM once at the first try, deletes them",

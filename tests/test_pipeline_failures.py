@@ -1,5 +1,6 @@
 """Failures of each step of the tiny SFT DAG, and a per-model backfill, end to end in real Airflow (dag.test)
-against the local stack: Compute emulator, an sshd playing the TPU VM, real MaxText on CPU, the local Hub server.
+against the local stack: Compute emulator whose every instance is a machine of its own, real MaxText on CPU,
+the local Hub server.
 
 Every fault is injected through the environment the pipeline runs in, never by patching its code:
 
@@ -7,15 +8,19 @@ Every fault is injected through the environment the pipeline runs in, never by p
 - install: a MaxText version that does not exist (``maxtext_version`` in the run's conf);
 - convert: a regular file where the conversion cache goes (``<checkpoint storage>/conversions``);
 - train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
-- export: a regular file where the exports' parent directory goes (``<root>/hf-trained``);
+- export: a regular file where the exports' parent directory goes (``<root>/hf-trained`` on the CPU VM, put
+  there as soon as that VM is up);
 - publish: the Hub unreachable (the ``local_hub`` connection's host pointed at a closed port).
 
 The DAG has the split layout: a CPU VM converts and exports, the TPU VM trains. Each failed run must end FAILED
-with the watcher failed, both VMs deleted (by their teardowns, or, when a create itself fails, by the create) and
-nothing left in the emulator; the failed task's log must say what failed.
+with the watcher failed, both VMs deleted (by their teardowns, or, when a create itself fails, by the create),
+nothing left in the emulator and nothing of the VMs on this machine; the failed task's log must say what
+failed.
+What is on a VM's disk is looked at just before the VM is destroyed (``stack.fleet.before_end``).
 Then the SFT DAG is backfilled for two logical dates and the first date is run again under its own run_id.
 
-One stack for the module (the VM's disk is a fresh temp dir); SFT runs with 2 steps. Slow (minutes).
+One stack for the module (its VMs' disks and checkpoint storage in a fresh temp dir); SFT runs with 2 steps.
+Slow (minutes).
 """
 
 from __future__ import annotations
@@ -23,14 +28,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import socket
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, log_excerpt
+from test_pipeline_local import SEEDS_ROOT, WORKDIR, VmEnds
+
+from airflow_tpu_posttrain.local.stack import LOCAL_LOGIN
 
 DAG_ID = "posttrain_sft__tiny-llama"
 STEPS = 2
@@ -85,14 +95,107 @@ def local_zones() -> list[str]:
     return list(cfg.zones)
 
 
-def root(stack) -> Path:
-    """The run files' root on the "VMs" (the DAG's root_dir, posttrain.local_settings)."""
-    return stack.vm_dir / "runs"
+def root() -> Path:
+    """The run files' root on each VM (production's ``/dev/shm/<model>``): the CPU VM exports there."""
+    return Path(SEEDS_ROOT)
 
 
 def checkpoint_storage(stack) -> Path:
-    """The directory both local "VMs" share for checkpoints (registry: checkpoint_storage)."""
-    return stack.vm_dir / "storage"
+    """The directory both local VMs share for checkpoints (registry: checkpoint_storage)."""
+    return stack.storage_dir
+
+
+def _vm_end_probe(vm) -> dict:
+    """What the module needs of each VM's disk, read just before the VM is destroyed: its jobs' exit codes and
+    the exports under the root (``{export dir: its file names}``)."""
+    jobs = vm.guest_path(f"{WORKDIR}/jobs")
+    exit_codes = {f.parent.name: f.read_text().strip() for f in jobs.glob("*/exit_code")}
+    exports_parent = vm.guest_path(str(root() / "hf-trained"))
+    exports = {
+        str(root() / "hf-trained" / d.name): sorted(p.name for p in d.iterdir())
+        for d in (exports_parent.iterdir() if exports_parent.is_dir() else [])
+        if d.is_dir()
+    }
+    return {"exit_codes": exit_codes, "exports": exports}
+
+
+class _ModuleVmEnds(VmEnds):
+    """Every VM of the module, probed at its end (a name can come back: the re-run's VM)."""
+
+    def __init__(self) -> None:
+        super().__init__(_vm_end_probe)
+        self.history: list[tuple[str, dict]] = []
+
+    def __call__(self, vm) -> None:
+        errors = len(self.errors)
+        super().__call__(vm)
+        if len(self.errors) == errors:
+            self.history.append((vm.name, self.seen[vm.name]))
+
+    def forget(self) -> None:
+        """Before a run whose VMs may have the names of earlier ones (a re-run)."""
+        self.seen.clear()
+        self.disks.clear()
+
+
+@pytest.fixture(scope="module")
+def vm_ends(stack):
+    ends = _ModuleVmEnds()
+    stack.fleet.before_end = ends
+    try:
+        yield ends
+    finally:
+        stack.fleet.before_end = None
+
+
+@pytest.fixture(autouse=True)
+def _each_vm_probed(vm_ends):
+    """Every test's VMs are probed at their end; none of the module's ending probes failed."""
+    vm_ends.forget()
+    yield
+    assert vm_ends.errors == [], vm_ends.errors
+
+
+def assert_vms_gone(vm_ends, dr) -> None:
+    """The run's VMs were probed just before their end, and nothing of them is left on this machine."""
+    names = [xcom(dr, create)["name"] for create, _ in VMS]
+    vm_ends.wait_gone(names)
+
+
+@contextlib.contextmanager
+def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
+    """As soon as the run's CPU VM is up, a regular file (the VM login's) where ``guest_path`` (a directory
+    the pipeline writes on that VM) goes. Yields the names of the VMs it was put on (one, once the run is
+    over)."""
+    placed: list[str] = []
+    stop = threading.Event()
+
+    def place() -> None:
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            for vm in stack.vms():
+                if not vm.name.startswith("cpu-"):
+                    continue
+                with contextlib.suppress(Exception):  # not booted yet
+                    target = vm.guest_path(str(guest_path))
+                    owner = pwd.getpwnam(LOCAL_LOGIN)
+                    for parent in reversed(guest_path.parents[:-2]):  # below /dev/shm, as the login makes it
+                        directory = vm.guest_path(str(parent))
+                        directory.mkdir(exist_ok=True)
+                        os.chown(directory, owner.pw_uid, owner.pw_gid)
+                    target.write_text("not a directory: a fault injected by test_pipeline_failures\n")
+                    os.chown(target, owner.pw_uid, owner.pw_gid)
+                    placed.append(vm.name)
+                    return
+            stop.wait(0.2)
+
+    placer = threading.Thread(target=place, daemon=True)
+    placer.start()
+    try:
+        yield placed
+    finally:
+        stop.set()
+        placer.join(10)
 
 
 @contextlib.contextmanager
@@ -111,9 +214,9 @@ def file_in_place_of(path: Path):
             aside.rename(path)
 
 
-def assert_failed_cleanly(stack, dr, failed_step: str) -> None:
+def assert_failed_cleanly(stack, vm_ends, dr, failed_step: str) -> None:
     """The run failed at ``failed_step``: the steps after it did not run, the watcher failed the run, the
-    teardowns deleted both VMs and the emulator holds nothing."""
+    teardowns deleted both VMs, the emulator holds nothing and nothing of the VMs is left on this machine."""
     st = states(dr)
     assert dr.state == "failed", st
     assert st[failed_step] == "failed", st
@@ -125,12 +228,18 @@ def assert_failed_cleanly(stack, dr, failed_step: str) -> None:
         assert deleted["deleted"] is True and deleted["name"] == xcom(dr, create)["name"]
     assert st[WATCHER] == "failed", st
     assert stack.compute.instances() == []
+    assert_vms_gone(vm_ends, dr)
 
 
-def successful_conversions(stack) -> int:
-    """Conversion jobs that finished with exit code 0 on the VM, over the whole module."""
-    jobs = stack.vm_dir / "work" / "jobs"
-    return sum(1 for f in jobs.glob("convert-to-maxtext-*/exit_code") if f.read_text().strip() == "0")
+def successful_conversions(vm_ends) -> int:
+    """Conversion jobs that finished with exit code 0 on a VM, over the whole module (every VM's jobs, read
+    just before the VM's end)."""
+    return sum(
+        1
+        for _, seen in vm_ends.history
+        for job, code in seen["exit_codes"].items()
+        if job.startswith("convert-to-maxtext-") and code == "0"
+    )
 
 
 # ------------------------------------------------------------------------------------- a fault per step
@@ -167,10 +276,10 @@ def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd, fault_mat
     )
 
 
-def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, capfd, fault_matrix):
+def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, vm_ends, capfd, fault_matrix):
     dr = run_pipeline({"maxtext_version": "9.9.9"})
     logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, dr, "install_maxtext")
+    assert_failed_cleanly(stack, vm_ends, dr, "install_maxtext")
     assert "Install failed on the VM with exit code" in logs
     # The remote log says what was asked for and that uv refused it: streamed by the trigger while the job runs and
     # by the task ("[remote]") for its last chunk, so look at both. The reason is no such version, or, where the VM
@@ -183,12 +292,12 @@ def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, capfd, fa
     )
 
 
-def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd, fault_matrix):
+def test_convert_fails_when_its_output_directory_cannot_be_written(stack, vm_ends, capfd, fault_matrix):
     converted_dir = checkpoint_storage(stack) / "conversions"  # above RunLayout.converted_dir
     with file_in_place_of(converted_dir):
         dr = run_pipeline()
     logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, dr, "convert_to_maxtext")
+    assert_failed_cleanly(stack, vm_ends, dr, "convert_to_maxtext")
     assert "Convert failed on the VM with exit code" in logs
     assert str(converted_dir) in logs  # the remote traceback names the path it could not write
     fault_matrix.record(
@@ -197,10 +306,10 @@ def test_convert_fails_when_its_output_directory_cannot_be_written(stack, capfd,
     )
 
 
-def test_train_fails_on_an_unknown_maxtext_override(stack, capfd, fault_matrix):
+def test_train_fails_on_an_unknown_maxtext_override(stack, vm_ends, capfd, fault_matrix):
     dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
     logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, dr, "train")
+    assert_failed_cleanly(stack, vm_ends, dr, "train")
     assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(checkpoint_storage(stack)))
     assert "SFT failed on the VM with exit code" in logs
     assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
@@ -210,15 +319,17 @@ def test_train_fails_on_an_unknown_maxtext_override(stack, capfd, fault_matrix):
     )
 
 
-def test_export_fails_when_its_output_directory_cannot_be_written(stack, capfd, fault_matrix):
-    with file_in_place_of(root(stack) / "hf-trained"):  # the parent of RunLayout.export_dir
+def test_export_fails_when_its_output_directory_cannot_be_written(stack, vm_ends, capfd, fault_matrix):
+    # On the CPU VM, the parent of RunLayout.export_dir.
+    with file_in_place_of_on_cpu_vm(stack, root() / "hf-trained") as placed:
         dr = run_pipeline()
     logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, dr, "export_and_publish")
+    assert placed == [xcom(dr, "create_cpu_vm")["name"]], placed
+    assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
     assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
     assert "Export failed on the VM with exit code" in logs
-    assert str(root(stack) / "hf-trained") in logs
+    assert str(root() / "hf-trained") in logs
     fault_matrix.record(
         "pipeline: export, output directory not writable (trained checkpoint kept)",
         stack.compute.instances() == [], dr.state, Path(trained["checkpoint"]).is_dir(),
@@ -226,7 +337,7 @@ def test_export_fails_when_its_output_directory_cannot_be_written(stack, capfd, 
     )
 
 
-def test_publish_fails_when_the_hub_is_unreachable(stack, capfd, monkeypatch, fault_matrix):
+def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkeypatch, fault_matrix):
     # HubServer.stop() closes its socket for good (no restart): point the run's Hub connection at a closed port.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -236,31 +347,42 @@ def test_publish_fails_when_the_hub_is_unreachable(stack, capfd, monkeypatch, fa
     hub_requests_before = len(stack.hub.requests)
     dr = run_pipeline()
     logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, dr, "export_and_publish")
+    assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
     assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
     assert "Export failed on the VM with exit code" in logs
     assert "publish_model: error:" in logs
-    # The error says where the exported model was, and it is there, whole: only the upload failed.
+    # The error says where the exported model was (which VM, which directory), and it was there, whole, until
+    # the CPU VM was deleted: only the upload failed.
     hint = "The exported model, if the export finished, was at"
     assert hint in logs
-    export_dir = Path(re.search(re.escape(hint) + r" (\S+) on the VM", logs).group(1))
-    assert export_dir.is_relative_to(root(stack)) and (export_dir / ".complete").exists(), export_dir
-    assert (export_dir / "config.json").is_file() and list(export_dir.glob("*.safetensors")), sorted(export_dir.iterdir())
+    found = re.search(re.escape(hint) + r" (\S+) on the VM \(host (\S+)\)", logs)
+    export_dir, host = Path(found.group(1)), found.group(2)
+    assert host == xcom(dr, "create_cpu_vm")["ssh_address"], host
+    exported = vm_ends.seen[xcom(dr, "create_cpu_vm")["name"]]["exports"]
+    assert export_dir.is_relative_to(root()) and str(export_dir) in exported, (export_dir, exported)
+    files = exported[str(export_dir)]
+    assert ".complete" in files, files
+    assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
     assert len(stack.hub.requests) == hub_requests_before  # nothing reached the Hub
     fault_matrix.record(
-        "pipeline: publish, Hub unreachable (exported model kept on the VM disk)",
-        stack.compute.instances() == [], dr.state, (export_dir / "config.json").is_file(), log_excerpt(logs, hint),
+        "pipeline: publish, Hub unreachable (exported model whole on the VM disk until the VM's deletion)",
+        stack.compute.instances() == [], dr.state, "config.json" in files, log_excerpt(logs, hint),
     )
 
 
 # --------------------------------------------------------------------------------------------- backfill
 
 
-def test_backfill_two_dates_then_rerun_the_first(stack, capfd, fault_matrix):
+def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_matrix):
     dates = [datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 12, tzinfo=UTC)]
     run_ids = [f"manual__{d.isoformat()}" for d in dates]  # dag.test makes manual runs
-    runs = [run_pipeline(logical_date=d, run_id=r) for d, r in zip(dates, run_ids)]
+    runs = []
+    for d, r in zip(dates, run_ids):
+        runs.append(run_pipeline(logical_date=d, run_id=r))
+        assert runs[-1].state == "success", states(runs[-1])
+        assert_vms_gone(vm_ends, runs[-1])
+        vm_ends.forget()
     capfd.readouterr()
     for dr, run_id in zip(runs, run_ids):
         assert dr.state == "success", states(dr)
@@ -290,7 +412,7 @@ def test_backfill_two_dates_then_rerun_the_first(stack, capfd, fault_matrix):
     assert converted[0]["converted_params"] == converted[1]["converted_params"]
     assert converted[0]["conversion_key"] == converted[1]["conversion_key"]
     assert converted[0]["converted_params"].startswith(str(checkpoint_storage(stack) / "conversions"))
-    assert successful_conversions(stack) == 1
+    assert successful_conversions(vm_ends) == 1
 
     # The first date again, under its own run_id: the same DAG run, re-run.
     name = xcom(runs[0], "create_tpu_vm")["name"]
@@ -305,6 +427,7 @@ def test_backfill_two_dates_then_rerun_the_first(stack, capfd, fault_matrix):
     assert xcom(rerun, "convert_to_maxtext")["reused"] is True
     assert xcom(rerun, "export_and_publish")["hub"]["revision"] == hubs[0]["revision"]
     assert stack.compute.instances() == []
+    assert_vms_gone(vm_ends, rerun)
     # The first run's teardown deleted its VM, so the re-run needs one: exactly one more insert, no duplicate.
     assert len(instance_inserts(stack, name)) == 2, [r["query"] for r in instance_inserts(stack, name)]
     fault_matrix.record(

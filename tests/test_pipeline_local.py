@@ -1,16 +1,28 @@
-"""The tiny SFT and RL DAGs end to end in real Airflow, against the local stack: Compute emulator, an sshd playing
-the VM, real MaxText on CPU, the local Hub server. Slow (minutes): the real thing."""
+"""The tiny SFT and RL DAGs end to end in real Airflow, against the local stack: Compute emulator whose every
+instance is a machine of its own, real MaxText on CPU, the local Hub server. Slow (minutes): the real thing.
+
+What is on a VM's disk is looked at just before the VM is destroyed (``stack.fleet.before_end``); after the
+run, nothing of a deleted VM is left."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-
 from conftest import HF_TOKEN, REPO
+
+WORKDIR = "/tmp/airflow-tpu-posttrain"  # the jobs, scripts, launchers and token files on a VM (production's)
+SEEDS_ROOT = "/dev/shm/tiny-llama"  # the seeds' layout root on the VM (a tmpfs of its own)
+# A VM's own places, as it sees them; its MaxText venv and package cache (installed before any token exists,
+# from packages) and the shared storage bound into its /tmp are left out of the scans of its files.
+VM_PLACES = ("/tmp", "/var/tmp", "/home", "/root", "/dev/shm")
+NOT_SCANNED = ("/var/tmp/maxtext-venv", "/var/tmp/uv-cache")
 
 
 def run_pipeline(dag_id: str, conf: dict | None = None):
@@ -40,16 +52,93 @@ def loads_and_generates(model_dir: Path) -> str:
     return check.stdout
 
 
+# ------------------------------------------------------------------------------ the VMs, before they end
+
+
+def vm_files(vm, stack, places=VM_PLACES) -> dict[str, Path]:
+    """``{path on the VM: host path}`` of the regular files in ``places`` of a running VM, without
+    NOT_SCANNED and the host directories every VM shares (checkpoint storage, published copies)."""
+    root = vm.guest_path("/")  # /proc/<the VM's init>/root: found once, it scans /proc
+    skip = {root / p.lstrip("/") for p in (*NOT_SCANNED, str(stack.storage_dir), str(stack.published_dir))}
+    files = {}
+    for place in places:
+        for dirpath, dirnames, filenames in os.walk(root / place.lstrip("/")):
+            dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in skip]
+            for name in filenames:
+                path = Path(dirpath, name)
+                if path.is_file() and not path.is_symlink():
+                    files["/" + str(path.relative_to(root))] = path
+    return files
+
+
+class VmEnds:
+    """``stack.fleet.before_end``: what ``probe(vm)`` saw on each VM just before it was destroyed."""
+
+    def __init__(self, probe: Callable) -> None:
+        self.probe = probe
+        self.seen: dict[str, object] = {}  # VM name -> what the probe returned
+        self.disks: dict[str, Path] = {}  # VM name -> its disk on this machine
+        self.errors: list[str] = []
+
+    def __call__(self, vm) -> None:
+        try:
+            self.seen[vm.name] = self.probe(vm)
+        except Exception as err:  # noqa: BLE001 - an ending thread's error would be lost: the test reports it
+            self.errors.append(f"{vm.name}: {err!r}")
+        self.disks[vm.name] = vm.disk_dir
+
+    def wait_gone(self, names: list[str], timeout: float = 180.0) -> None:
+        """Until each named VM was probed and its disk deleted (the end runs in the background)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(n in self.disks and not self.disks[n].exists() for n in names) or self.errors:
+                break
+            time.sleep(0.2)
+        assert self.errors == [], self.errors
+        assert set(names) <= set(self.seen), f"never probed before its end: {set(names) - set(self.seen)}"
+        # Nothing survives a deleted VM: its disk (its /tmp, /var/tmp, /home, /root) is gone.
+        assert [n for n in names if self.disks[n].exists()] == []
+
+
+@contextlib.contextmanager
+def before_vm_end(stack, probe: Callable) -> Iterator[VmEnds]:
+    ends = VmEnds(probe)
+    stack.fleet.before_end = ends
+    try:
+        yield ends
+    finally:
+        stack.fleet.before_end = None
+
+
+def token_probe(stack):
+    """Each VM's files at its end: which the pipeline wrote (under WORKDIR), which hold the token, what is
+    left in the secrets directory."""
+
+    def probe(vm) -> dict:
+        files = vm_files(vm, stack)
+        secrets = vm.guest_path(f"{WORKDIR}/secrets")
+        return {
+            "workdir_files": sorted(p for p in files if p.startswith(f"{WORKDIR}/")),
+            "token_in": sorted(p for p, host in files.items() if HF_TOKEN.encode() in host.read_bytes()),
+            "secrets_left": sorted(p.name for p in secrets.iterdir()) if secrets.is_dir() else [],
+        }
+
+    return probe
+
+
 def test_tiny_sft_end_to_end(stack, capfd):
-    published_dir = stack.vm_dir / "published"
-    dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(published_dir)})
-    logs = "".join(capfd.readouterr())
-    assert dr.state == "success", states(dr)
+    published_dir = stack.published_dir
+    with before_vm_end(stack, token_probe(stack)) as ends:
+        dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(published_dir)})
+        logs = "".join(capfd.readouterr())
+        assert dr.state == "success", states(dr)
+        vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
+        ends.wait_gone(vms)
     assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
 
     # Split layout: the CPU VM converted into the cache in checkpoint storage, the TPU VM trained from there
     # and wrote its checkpoints there, and both VMs are gone.
-    storage = stack.vm_dir / "storage"
+    storage = stack.storage_dir
     converted = xcom(dr, "convert_to_maxtext")
     assert Path(converted["converted_params"]).is_dir()
     assert converted["converted_params"].startswith(f"{storage}/conversions/tiny-llama/mt0.2.5-")
@@ -67,21 +156,30 @@ def test_tiny_sft_end_to_end(stack, capfd):
     [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
     assert export_ti.xcom_pull(task_ids="export_and_publish", key="_link_PublishedModelLink") == hub["url"]
     model_copy = Path(published["storage_uri"].removeprefix("file://"))
-    assert (model_copy / "model.safetensors").is_file()
+    assert model_copy.is_relative_to(published_dir) and (model_copy / "model.safetensors").is_file()
     print(loads_and_generates(model_copy))
 
-    assert xcom(dr, "delete_tpu_vm")["deleted"] is True
-    # The token: nowhere in the task logs, XCom, or left on the VM.
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
+    # The token: nowhere in the task logs, XCom, or left on either VM (every file of its own at its end; the
+    # token files in the secrets directory removed).
     assert HF_TOKEN not in logs
     assert HF_TOKEN not in json.dumps([xcom(dr, t) for t in states(dr)], default=str)
-    vm_files = [p for p in (stack.vm_dir / "work").rglob("*") if p.is_file()]
-    assert vm_files and not any(HF_TOKEN in p.read_text(errors="ignore") for p in vm_files)
+    for name in vms:
+        on_vm = ends.seen[name]
+        assert on_vm["workdir_files"], f"{name}: no job files under {WORKDIR}"
+        assert on_vm["token_in"] == [] and on_vm["secrets_left"] == [], (name, on_vm)
 
 
 def test_tiny_rl_end_to_end(stack, capfd):
-    dr = run_pipeline("posttrain_rl__tiny-llama")
-    logs = "".join(capfd.readouterr())
-    assert dr.state == "success", states(dr)
+    with before_vm_end(stack, token_probe(stack)) as ends:
+        dr = run_pipeline("posttrain_rl__tiny-llama")
+        logs = "".join(capfd.readouterr())
+        assert dr.state == "success", states(dr)
+        vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
+        ends.wait_gone(vms)
+    # The RL entry reaches its VMs as from inside the VPC: no external IP.
+    assert xcom(dr, "create_tpu_vm")["ssh_address"] == xcom(dr, "create_tpu_vm")["internal_ip"]
+    assert not xcom(dr, "create_tpu_vm")["external_ip"]
 
     trained = xcom(dr, "train")
     assert trained["checkpoint"].endswith("/checkpoints/actor/2/model_params") and Path(trained["checkpoint"]).is_dir()
@@ -100,18 +198,34 @@ def test_tiny_rl_end_to_end(stack, capfd):
         token=HF_TOKEN, cache_dir=str(stack.vm_dir / "hf-cache"),
     )
     print(loads_and_generates(Path(local)))
-    assert xcom(dr, "delete_tpu_vm")["deleted"] is True
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
     assert HF_TOKEN not in logs
+    for name in vms:
+        on_vm = ends.seen[name]
+        assert on_vm["token_in"] == [] and on_vm["secrets_left"] == [], (name, on_vm)
 
 
 def test_tiny_sft_in_the_seeds_layout(stack, capfd):
     """The tutorials' layout stays available: one VM does every step, files under its root, no storage."""
-    dr = run_pipeline("posttrain_sft__tiny-llama__seeds")
-    capfd.readouterr()
-    assert dr.state == "success", states(dr)
+
+    def probe(vm) -> dict:
+        root = vm.guest_path(SEEDS_ROOT)
+        paths = root.rglob("*") if root.is_dir() else []
+        return {"under_root": sorted(str(p.relative_to(root)) for p in paths)}
+
+    with before_vm_end(stack, probe) as ends:
+        dr = run_pipeline("posttrain_sft__tiny-llama__seeds")
+        capfd.readouterr()
+        assert dr.state == "success", states(dr)
+        vm = xcom(dr, "create_tpu_vm")["name"]
+        ends.wait_gone([vm])
     assert "create_cpu_vm" not in states(dr)
-    root = stack.vm_dir / "runs"
+    root = SEEDS_ROOT
     assert xcom(dr, "convert_to_maxtext")["converted_params"] == f"{root}/mt-format/0/items"
     trained = xcom(dr, "train")
-    assert trained["checkpoint"].startswith(f"{root}/post-train/") and Path(trained["checkpoint"]).is_dir()
+    assert trained["checkpoint"].startswith(f"{root}/post-train/")
+    # Both lived in the VM's /dev/shm until its end (and went with it).
+    under_root = set(ends.seen[vm]["under_root"])
+    checkpoint = trained["checkpoint"].removeprefix(f"{root}/")
+    assert {"mt-format/0/items", checkpoint} <= under_root, sorted(under_root)[:20]
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []

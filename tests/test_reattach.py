@@ -4,9 +4,16 @@ the VM, and the next try re-attaches to it instead of starting a second one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+
+VM_ZONE = "local-cpu1-a"
 
 
 class FakeTaskInstance:
@@ -20,18 +27,71 @@ class FakeTaskInstance:
         self.xcom[key] = value
 
 
-def context():
-    dag_run = SimpleNamespace(dag_id="reattach_dag", run_id="manual__reattach", logical_date=None)
+def context(run_id: str = "manual__reattach"):
+    dag_run = SimpleNamespace(dag_id="reattach_dag", run_id=run_id, logical_date=None)
     return {"dag_run": dag_run, "ti": FakeTaskInstance()}
 
 
-def step(stack, operator_class, task_id):
+def _compute(method: str, url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read() or b"{}")
+
+
+@contextlib.contextmanager
+def vm_of_its_own(stack, name: str, zone: str = VM_ZONE) -> Iterator[SimpleNamespace]:
+    """A VM of the stack's Compute emulator made as the create task makes one (the ``local_vm`` connection's
+    public key in its ``ssh-keys`` metadata, no external IP), for steps run outside a DAG. Yields its machine
+    (``vm``), ``address`` and the ``host_keys`` it published; deleted on exit, its disk with it."""
+    from airflow_tpu_posttrain.hooks.vm import client_identity
+    from airflow_tpu_posttrain.local.stack import LOCAL_PROJECT
+    from airflow_tpu_posttrain.recipes import access, compute
+
+    spec = compute.TpuVmSpec(
+        project_id=LOCAL_PROJECT, zones=(zone,), accelerator_type="cpu", provisioning_model="STANDARD",
+        network_path="internal",
+    )
+    identity = client_identity("local_vm")
+    ssh_keys = access.ssh_keys_metadata(identity.login, identity.public_key, int(time.time()) + 3600)
+    instances = f"{stack.compute.url}/compute/v1/projects/{LOCAL_PROJECT}/zones/{zone}/instances"
+    _compute("POST", instances, compute.instance_body(spec, name, zone, labels={}, ssh_keys=ssh_keys))
+    try:
+        deadline = time.monotonic() + 60
+        while _compute("GET", f"{instances}/{name}")["status"] != "RUNNING":
+            assert time.monotonic() < deadline, f"{name} never became RUNNING"
+            time.sleep(0.2)
+        vm = stack.fleet.vm((LOCAL_PROJECT, zone, name))
+        vm.wait_until_booted(60)
+        attributes = _compute("GET", f"{instances}/{name}/getGuestAttributes?queryPath=hostkeys/")
+        instance = _compute("GET", f"{instances}/{name}")
+        yield SimpleNamespace(
+            vm=vm,
+            address=access.ssh_address(instance, "internal"),
+            host_keys=access.host_keys_from_guest_attributes(attributes),
+        )
+    finally:
+        _compute("DELETE", f"{instances}/{name}")
+        deadline = time.monotonic() + 60
+        while stack.fleet.vm((LOCAL_PROJECT, zone, name)) is not None and time.monotonic() < deadline:
+            _compute("GET", instances)  # the emulator moves its operations on when asked
+            time.sleep(0.2)
+    # Nothing survives a deleted VM: its disk (its /tmp, /var/tmp, /home, /root) is gone, bounded.
+    deadline = time.monotonic() + 60
+    while vm.disk_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not vm.disk_dir.exists(), vm.disk_dir
+
+
+def step(stack, machine, operator_class, task_id):
     from airflow_tpu_posttrain.pipelines.registry import local_settings
 
-    settings = local_settings(str(stack.local_dir), str(stack.vm_dir), stack.python312)
+    settings = local_settings(str(stack.local_dir), stack.python312)
     return operator_class(
         task_id=task_id, model="tiny-llama", ssh_conn_id="local_vm", vm_task_id=None,
-        remote_host="127.0.0.1", accelerator_type="cpu", poll_interval=1, **settings,
+        remote_host=machine.address, host_keys=machine.host_keys, accelerator_type="cpu", poll_interval=1,
+        **settings,
     )
 
 
@@ -43,26 +103,45 @@ async def until_done(trigger):
 def test_next_try_reattaches_to_the_running_job(stack, capfd):
     from airflow.sdk.exceptions import TaskDeferred
 
-    from airflow_tpu_posttrain.operators.maxtext import MaxTextConvertOperator, MaxTextInstallOperator
+    from airflow_tpu_posttrain.operators.maxtext import (
+        DEFAULT_WORKDIR,
+        MaxTextConvertOperator,
+        MaxTextInstallOperator,
+    )
 
-    # The VM's venv and launchers. The install is already there: its job ends within the task's inline wait, so
-    # the task finishes without deferring (no second trip through a worker).
-    installed = step(stack, MaxTextInstallOperator, "install_maxtext").execute(context())
-    assert installed["maxtext_version"] == "0.2.5"
-    assert "Reusing the MaxText environment" in "".join(capfd.readouterr())
+    with vm_of_its_own(stack, "reattach-vm") as machine:
+        # The VM's venv and launchers: a fresh VM installs them (its job may outlast the task's inline wait:
+        # then the trigger watches it to the end). Then the install is already there: another run's install
+        # job ends within the task's inline wait, so the task finishes without deferring (no second trip
+        # through a worker).
+        install = step(stack, machine, MaxTextInstallOperator, "install_maxtext")
+        try:
+            installed = install.execute(context("manual__fresh-vm"))
+        except TaskDeferred as deferred:
+            event = asyncio.run(until_done(deferred.trigger))
+            installed = install.execute_complete(context("manual__fresh-vm"), event.payload)
+        assert installed["maxtext_version"] == "0.2.5"
+        capfd.readouterr()
+        installed = step(stack, machine, MaxTextInstallOperator, "install_maxtext").execute(context())
+        assert installed["maxtext_version"] == "0.2.5"
+        assert "Reusing the MaxText environment" in "".join(capfd.readouterr())
 
-    first_try = step(stack, MaxTextConvertOperator, "convert_to_maxtext")
-    with pytest.raises(TaskDeferred):
-        first_try.execute(context())  # the job starts; then this worker is gone
+        first_try = step(stack, machine, MaxTextConvertOperator, "convert_to_maxtext")
+        with pytest.raises(TaskDeferred):
+            first_try.execute(context())  # the job starts; then this worker is gone
 
-    second_try = step(stack, MaxTextConvertOperator, "convert_to_maxtext")
-    with pytest.raises(TaskDeferred) as deferred:
-        second_try.execute(context())
-    assert "Re-attaching to job" in "".join(capfd.readouterr())
-    jobs = sorted(p.name for p in (stack.vm_dir / "work" / "jobs").iterdir() if p.name.startswith("convert"))
-    assert jobs == [f"{jobs[0]}", f"{jobs[0]}.sh", f"{jobs[0]}.step.sh"]  # one job, not a second conversion
+        second_try = step(stack, machine, MaxTextConvertOperator, "convert_to_maxtext")
+        with pytest.raises(TaskDeferred) as deferred:
+            second_try.execute(context())
+        assert "Re-attaching to job" in "".join(capfd.readouterr())
+        jobs_dir = machine.vm.guest_path(f"{DEFAULT_WORKDIR}/jobs")
+        jobs = sorted(p.name for p in jobs_dir.iterdir() if p.name.startswith("convert"))
+        # One job, not a second conversion.
+        assert jobs == [f"{jobs[0]}", f"{jobs[0]}.sh", f"{jobs[0]}.step.sh"]
 
-    event = asyncio.run(until_done(deferred.value.trigger))
-    assert event.payload["exit_code"] == 0, event.payload
-    result = second_try.execute_complete(context(), event.payload)
-    assert result["converted_params"].endswith("/mt-format/0/items") and result["reused"] is False
+        event = asyncio.run(until_done(deferred.value.trigger))
+        assert event.payload["exit_code"] == 0, event.payload
+        result = second_try.execute_complete(context(), event.payload)
+        assert result["converted_params"].endswith("/mt-format/0/items") and result["reused"] is False
+        # The seeds' layout: the conversion is in the VM's own /dev/shm.
+        assert machine.vm.guest_path(result["converted_params"]).is_dir()

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from conftest import log_excerpt
+
+
+def _client():
+    """The login and public key of the ``tpu_vm_ssh`` connection (the emulator fixture makes it)."""
+    from airflow_tpu_posttrain.hooks.vm import client_identity
+
+    identity = client_identity("tpu_vm_ssh")
+    return identity.login, identity.public_key
 
 PROJECT = "test-project"
 
@@ -17,20 +26,22 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
     if "create" in {tasks!r}:
         create = TpuVmCreateOperator(
             task_id="create_tpu_vm", zones={zones!r}, reservation="my-reservation", poll_interval=0.2,
-            iap_firewall={iap_firewall!r}, {create_kwargs}
+            ssh_source_ranges={ranges!r}, {create_kwargs}
         )
     if "delete" in {tasks!r}:
         delete = TpuDeleteOperator(
-            task_id="delete_tpu_vm", zones={zones!r}, iap_firewall={iap_firewall!r}, poll_interval=0.2
+            task_id="delete_tpu_vm", zones={zones!r}, firewall={firewall!r}, poll_interval=0.2
         )
     if {tasks!r} == "create+delete":
         create >> delete.as_teardown(setups=create, on_failure_fail_dagrun=True)  # as the pipelines do
 """
 
 
-def lifecycle(dag_id, zones=("us-east5-b",), iap_firewall=False, tasks="create+delete", create_kwargs=""):
+def lifecycle(dag_id, zones=("us-east5-b",), ranges=(), tasks="create+delete", create_kwargs=""):
+    """A create / teardown DAG; ``ranges``: SSH source ranges (a firewall rule made and deleted with the VM)."""
     return LIFECYCLE_DAG.format(
-        dag_id=dag_id, zones=list(zones), iap_firewall=iap_firewall, tasks=tasks, create_kwargs=create_kwargs
+        dag_id=dag_id, zones=list(zones), ranges=list(ranges), firewall=bool(ranges), tasks=tasks,
+        create_kwargs=create_kwargs,
     )
 
 
@@ -56,11 +67,12 @@ def no_instances_within(emulator, seconds=3.0):
 
 
 def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
-    dr = run_dag("lifecycle_ok", lifecycle("lifecycle_ok", iap_firewall=True))
+    dr = run_dag("lifecycle_ok", lifecycle("lifecycle_ok", ranges=["203.0.113.0/24"]))
     assert dr.state == "success", task_states(dr)
     created = xcom(dr, "create_tpu_vm")
     assert created["status"] == "RUNNING" and created["zone"] == "us-east5-b"
-    assert created["internal_ip"] == "127.0.0.1" and created["external_ip"] == "127.0.0.1"
+    assert created["internal_ip"] == created["external_ip"] == created["ssh_address"] != "127.0.0.1"
+    assert set(created["host_keys"]) >= {"ssh-ed25519"}
     assert created["machine_type"] == "ct6e-standard-8t" and created["accelerator_type"] == "v6e-8"
     [insert] = inserts(emulator)
     body = insert["body"]
@@ -73,7 +85,7 @@ def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
     }
     assert emulator.instances() == [] and emulator.firewalls() == []
     fault_matrix.record(
-        "compute: no fault, create then teardown", True, dr.state, None, "instance and IAP firewall rule deleted"
+        "compute: no fault, create then teardown", True, dr.state, None, "instance and SSH firewall rule deleted"
     )
 
 
@@ -226,13 +238,16 @@ def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag, f
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
-    from airflow_tpu_posttrain.recipes.compute import instance_name
+    from airflow_tpu_posttrain.recipes.access import ssh_keys_metadata
+    from airflow_tpu_posttrain.recipes.compute import TpuVmSpec, instance_body, instance_name
 
     name = instance_name("lifecycle_half_insert", "manual__half_insert")
     client = compute_v1.InstancesClient(
         transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
     )
-    client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(name=name))
+    spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation="my-reservation")
+    body = instance_body(spec, name, "us-east5-b", {}, ssh_keys=ssh_keys_metadata(*_client(), 2_000_000_000))
+    client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance.from_json(json.dumps(body)))
     dr = run_dag("lifecycle_half_insert", lifecycle("lifecycle_half_insert", tasks="create"), run_id="manual__half_insert")
     assert dr.state == "success"
     assert xcom(dr, "create_tpu_vm")["name"] == name
@@ -281,7 +296,7 @@ from types import SimpleNamespace
 from airflow.sdk.exceptions import TaskDeferred
 from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator
 
-op = TpuDeleteOperator(task_id="delete_tpu_vm", project_id="test-project", zones=["us-east5-b"], iap_firewall=True)
+op = TpuDeleteOperator(task_id="delete_tpu_vm", project_id="test-project", zones=["us-east5-b"], firewall=True)
 ti = SimpleNamespace(id="0190-ti", xcom_pull=lambda **_: None)
 context = {"ti": ti, "dag": SimpleNamespace(dag_id="probe_dag"), "run_id": "manual__probe"}
 try:
@@ -307,5 +322,5 @@ def test_teardown_defers_at_once_and_deletes_from_the_triggerer():
     assert probe["compute_client_loaded"] is False
     [vm, firewall] = probe["deletes"]
     assert vm["name"].startswith("tpu-probe-dag-") and vm["zone"] == "us-east5-b"
-    assert firewall == {"name": f"{vm['name'][:54]}-iap-ssh", "zone": None, "request_id": firewall["request_id"]}
+    assert firewall == {"name": f"{vm['name'][:56]}-ssh", "zone": None, "request_id": firewall["request_id"]}
     assert vm["request_id"] != firewall["request_id"]

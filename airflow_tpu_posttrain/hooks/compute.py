@@ -105,6 +105,39 @@ class TpuVmHook(GoogleBaseHook):
         except NotFound:
             return None
 
+    def get_host_keys(self, project: str, zone: str, name: str) -> dict[str, str]:
+        """The host keys the VM's guest environment published (``hostkeys/`` guest attributes); ``{}`` until it
+        has, and when guest attributes are off (the API then answers 400 or 404, both taken as "none yet")."""
+        from google.api_core.exceptions import BadRequest, NotFound
+
+        from airflow_tpu_posttrain.recipes.access import HOST_KEY_NAMESPACE, host_keys_from_guest_attributes
+
+        try:
+            answer = self.instances.get_guest_attributes(
+                request={
+                    "project": project,
+                    "zone": zone,
+                    "instance": name,
+                    "query_path": f"{HOST_KEY_NAMESPACE}/",
+                },
+                retry=self.retry,
+            )
+        except (BadRequest, NotFound):
+            return {}
+        return host_keys_from_guest_attributes(_message_to_dict(answer))
+
+    @cached_property
+    def networks(self) -> Any:
+        return self._client("NetworksClient")
+
+    def get_network(self, project: str, name: str) -> dict | None:
+        from google.api_core.exceptions import NotFound
+
+        try:
+            return _message_to_dict(self.networks.get(project=project, network=name, retry=self.retry))
+        except NotFound:
+            return None
+
     def list_instances(self, project: str, zone: str, label_filter: str) -> list[dict]:
         pages = self.instances.list(
             request={"project": project, "zone": zone, "filter": label_filter}, retry=self.retry
@@ -192,6 +225,14 @@ class TpuVmAsyncHook(GoogleBaseAsyncHook):
     async def get_instance(self, project: str, zone: str, name: str) -> dict | None:
         hook = await self.get_sync_hook()
         return await asyncio.to_thread(hook.get_instance, project, zone, name)
+
+    async def list_instances(self, project: str, zone: str, label_filter: str) -> list[dict]:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.list_instances, project, zone, label_filter)
+
+    async def get_host_keys(self, project: str, zone: str, name: str) -> dict[str, str]:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_host_keys, project, zone, name)
 
     async def delete_instance(self, project: str, zone: str, name: str, request_id: str) -> str | None:
         hook = await self.get_sync_hook()

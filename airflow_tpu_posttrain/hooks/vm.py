@@ -1,25 +1,89 @@
 """SSH and SFTP on the TPU VM: short commands, files in, files out. Long jobs go through providers-ssh's
-remote-job protocol (``SSHRemoteJobOperator``/``SSHRemoteJobTrigger``); this hook does the rest."""
+remote-job protocol (``SSHRemoteJobOperator``/``SSHRemoteJobTrigger``); this hook does the rest.
+
+Every VM is new, with new host keys: both hooks pin the host keys the VM published as guest attributes
+(``host_keys``, from the create task's XCom) instead of anything in the connection or ``known_hosts``.
+"""
 
 from __future__ import annotations
 
+import base64
 import io
 import posixpath
 import shlex
-from typing import Any
+from typing import Any, NamedTuple
 
-from airflow.providers.ssh.hooks.ssh import SSHHook
+from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
+
+from airflow_tpu_posttrain.exceptions import VmHostKeyMismatchError
+from airflow_tpu_posttrain.recipes.access import HOST_KEY_TYPES, SSH_PORT, known_hosts
+
+
+class ClientIdentity(NamedTuple):
+    """Who Airflow logs in as: the connection's login, its key's public half (``KEYTYPE BASE64``), its port."""
+
+    login: str
+    public_key: str
+    port: int
+
+
+def client_identity(ssh_conn_id: str) -> ClientIdentity:
+    """What the VM must be told about the SSH connection. The private key is only read here, to derive its
+    public half; it stays in the connection."""
+    import paramiko
+
+    from airflow_tpu_posttrain.recipes.validation import SpecError
+
+    hook = SSHHook(ssh_conn_id=ssh_conn_id, remote_host="vm")
+    key = hook.pkey
+    if key is None and hook.key_file:
+        passphrase = hook.get_connection(ssh_conn_id).extra_dejson.get("private_key_passphrase")
+        key = paramiko.PKey.from_path(hook.key_file, password=passphrase)
+    if key is None:
+        raise SpecError(
+            "ssh_conn_id",
+            ssh_conn_id,
+            "has no private key",
+            "set the connection's private_key (or key_file) extra; its public half is installed on each VM",
+        )
+    return ClientIdentity(hook.username, f"{key.get_name()} {key.get_base64()}", hook.port)
 
 
 class VmHook(SSHHook):
-    """An :class:`SSHHook` with one open connection reused for a task's small remote operations."""
+    """An :class:`SSHHook` with one open connection reused for a task's small remote operations.
 
-    def __init__(self, ssh_conn_id: str, remote_host: str | None = None, **kwargs: Any) -> None:
+    :param host_keys: ``{key type: base64}`` the VM published; the connection's own host key settings are then
+        ignored and the VM must present one of these keys.
+    """
+
+    def __init__(
+        self,
+        ssh_conn_id: str,
+        remote_host: str | None = None,
+        host_keys: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(ssh_conn_id=ssh_conn_id, remote_host=remote_host or "", **kwargs)
         self._client: Any = None
+        if host_keys:
+            import paramiko
+
+            key_type = next(t for t in HOST_KEY_TYPES if t in host_keys)
+            self.host_key = paramiko.PKey.from_type_string(key_type, base64.b64decode(host_keys[key_type]))
+            self.no_host_key_check = False
+            self.allow_host_key_change = False
 
     def __enter__(self) -> VmHook:
-        self._client = self.get_conn()
+        import paramiko
+
+        try:
+            self._client = self.get_conn()
+        except paramiko.BadHostKeyException as err:
+            raise VmHostKeyMismatchError(
+                f"The machine at {self.remote_host}:{self.port} presented the {err.key.get_name()} host key "
+                f"SHA256:{err.key.fingerprint.split(':', 1)[-1]}, which is not the one the VM published "
+                f"(SHA256:{err.expected_key.fingerprint.split(':', 1)[-1]}): refusing to connect"
+            ) from None
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -65,3 +129,17 @@ class VmHook(SSHHook):
         from airflow_tpu_posttrain.recipes.storage import exists_command
 
         return self.run(f"{exists_command(uri)} && echo yes || echo no").strip() == "yes"
+
+
+class VmHookAsync(SSHHookAsync):
+    """The triggerer's connection to the VM, pinned to the VM's published ``host_keys`` like :class:`VmHook`."""
+
+    def __init__(self, *args: Any, host_keys: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_keys = host_keys or {}
+
+    def _parse_extras(self, conn: Any) -> None:
+        super()._parse_extras(conn)
+        if self.host_keys:
+            address, port = self.host or conn.host, self.port or conn.port or SSH_PORT
+            self.known_hosts = known_hosts(address, port, self.host_keys).encode()

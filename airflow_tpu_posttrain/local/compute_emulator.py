@@ -16,6 +16,17 @@ threads are needed.
 Faults (stock-outs, quota, missing reservations, transient 503/429, failing deletes) can be
 set from Python with :meth:`ComputeEmulator.set_faults` or over HTTP under ``/_emulator/``.
 
+As strict as the real API where the provider depends on it: insert bodies are checked against Google's Compute
+v1 discovery document (``compute_schema``: an unknown field or enum value is a 400); a network must exist, and
+a custom-mode one needs ``subnetwork``. With a :class:`~airflow_tpu_posttrain.local.fleet.LocalFleet`, every
+instance is a machine of its own (an address, an sshd with fresh host keys that trusts only the instance's
+``ssh-keys``, a disk), booted when the instance turns RUNNING and ended with it; ``getGuestAttributes`` serves
+its host keys once published, and only when ``enable-guest-attributes`` is TRUE. Without a fleet no instance
+ever publishes host keys (an image without Google's guest environment).
+
+What the real ``getGuestAttributes`` answers before anything is published, or with guest attributes off, is
+not documented; this emulator answers 404 and 400 respectively, and the provider treats both as "none yet".
+
 Standard library only; run it standalone with
 ``python -m airflow_tpu_posttrain.local.compute_emulator --port 8930``.
 """
@@ -34,8 +45,13 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Self
 from urllib.parse import parse_qsl, urlsplit
+
+from airflow_tpu_posttrain.local import compute_schema
+
+if TYPE_CHECKING:
+    from airflow_tpu_posttrain.local.fleet import LocalFleet
 
 API_ROOT = "https://www.googleapis.com/compute/v1"
 WAIT_TIMEOUT_SECONDS = 2.0
@@ -56,6 +72,10 @@ class Faults:
     transient_errors: dict[str, int] = dataclasses.field(default_factory=dict)
     """Per request kind (see ``TRANSIENT_KINDS``), how many instance/operation requests fail next."""
     fail_deletes: bool = False
+    no_guest_environment: bool = False
+    """Instances never publish host keys (an image without Google's guest environment)."""
+    impostor_host_keys: bool = False
+    """``getGuestAttributes`` serves host keys that are not the VM's (what a client must never accept)."""
     operation_seconds: float = 0.2
     max_run_duration_scale: float = 1.0
 
@@ -107,6 +127,28 @@ def _numeric_id() -> str:
 def _resource_path(project: str, zone: str | None, collection: str, name: str) -> str:
     scope = f"zones/{zone}" if zone else "global"
     return f"projects/{project}/{scope}/{collection}/{name}"
+
+
+def _impostor_key(key_type: str) -> str:
+    """A well-formed public key of ``key_type`` that belongs to no VM."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    kinds = {"ssh-ed25519": ["-t", "ed25519"], "ssh-rsa": ["-t", "rsa", "-b", "2048"]}
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "key"
+        argv = kinds.get(key_type, ["-t", "ecdsa", "-b", "256"])
+        subprocess.run(["ssh-keygen", "-q", *argv, "-N", "", "-f", str(path)], check=True)
+        return path.with_suffix(".pub").read_text().split()[1]
+
+
+def _check_schema(schema_name: str, body: dict[str, Any]) -> None:
+    """A 400 for what Google's Compute v1 schema does not allow (unknown fields, enum values, types)."""
+    try:
+        compute_schema.validate(schema_name, body)
+    except compute_schema.SchemaError as error:
+        raise _ApiError(400, error.reason, error.message) from error
 
 
 def _not_found(path: str) -> _ApiError:
@@ -167,9 +209,11 @@ class ComputeEmulator:
         operation_seconds: float = 0.2,
         instance_ip: str = "127.0.0.1",
         max_run_duration_scale: float = 1.0,
+        fleet: LocalFleet | None = None,
     ):
         self._port = port
         self._instance_ip = instance_ip
+        self.fleet = fleet
         self._initial_faults = Faults(
             operation_seconds=operation_seconds, max_run_duration_scale=max_run_duration_scale
         )
@@ -188,6 +232,10 @@ class ComputeEmulator:
                 "GET": (self._get_instance, "get"),
                 "DELETE": (self._delete_instance, "delete"),
             },
+            f"{zonal}/instances/(?P<name>[^/]+)/getGuestAttributes": {
+                "GET": (self._get_guest_attributes, "get"),
+            },
+            f"{global_}/networks/(?P<name>[^/]+)": {"GET": (self._get_network, None)},
             f"{zonal}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
             f"{zonal}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
             f"{global_}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
@@ -215,6 +263,8 @@ class ComputeEmulator:
         return self
 
     def stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
         if self._server is None:
             return
         self._server.shutdown()
@@ -276,7 +326,7 @@ class ComputeEmulator:
                     setattr(self._faults, name, copy.deepcopy(value))
 
     def set_instance_status(self, zone: str, name: str, status: str, project: str | None = None) -> None:
-        """Force an instance's status, e.g. TERMINATED after a host error or preemption."""
+        """Force an instance's status, e.g. TERMINATED after a host error or preemption (its machine stops)."""
         with self._lock:
             self._advance()
             keys = [key for key in self._instances if key[1:] == (zone, name) and project in (None, key[0])]
@@ -286,6 +336,21 @@ class ComputeEmulator:
                 self._instances[key]["status"] = status
                 if status != "RUNNING":
                     self._run_deadlines.pop(key, None)
+                    if self.fleet is not None:
+                        self.fleet.end(key)
+
+    def add_reservation(
+        self, name: str, zone: str, vm_count: int, machine_type: str | None = None, project: str | None = None
+    ) -> None:
+        """A specific reservation of ``vm_count`` VMs in ``zone`` (of ``machine_type``, when given): consumed by
+        the live instances naming it, refused to the next one while they hold it all."""
+        with self._lock:
+            self._reservations[(project, zone, name)] = {"count": vm_count, "machineType": machine_type}
+
+    def add_network(self, name: str, custom_mode: bool, project: str | None = None) -> None:
+        """Add a VPC network (every project has the auto-mode ``default``); custom-mode ones need subnetworks."""
+        with self._lock:
+            self._networks[(project, name)] = {"autoCreateSubnetworks": not custom_mode}
 
     def reset(self) -> None:
         """Forget all resources, operations, recorded requests and faults."""
@@ -295,6 +360,12 @@ class ComputeEmulator:
             self._requests: list[dict[str, Any]] = []
             self._instances: dict[tuple[str, str, str], dict[str, Any]] = {}
             self._firewalls: dict[tuple[str, str], dict[str, Any]] = {}
+            # (project or None for every project, zone, name) -> {"count", "machineType"}
+            self._reservations: dict[tuple[str | None, str, str], dict[str, Any]] = {}
+            # (project or None for every project, name) -> network fields
+            self._networks: dict[tuple[str | None, str], dict[str, Any]] = {
+                (None, "default"): {"autoCreateSubnetworks": True}
+            }
             self._operations: dict[tuple[str, str | None, str], _Operation] = {}
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
@@ -465,9 +536,11 @@ class ComputeEmulator:
             replayed = self._replayed_operation(project, query)
             if replayed:
                 return 200, replayed
+            _check_schema("Instance", body)
             name = body.get("name")
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+            self._check_network_interface(project, body)
             key = (project, zone, name)
             path = _resource_path(project, zone, "instances", name)
             if key in self._instances:
@@ -487,6 +560,8 @@ class ComputeEmulator:
                 elif instance["status"] in ("PROVISIONING", "STAGING"):
                     instance["status"] = "RUNNING"
                     self._schedule_max_run_duration(key, instance)
+                    if self.fleet is not None:
+                        self.fleet.boot(key, instance)
 
             failure = self._insert_failure(project, zone, body)
             return 200, self._start_operation(
@@ -503,12 +578,31 @@ class ComputeEmulator:
             status="PROVISIONING",
             creationTimestamp=_timestamp(time.time()),
         )
+        address = self.fleet.allocate((project, zone, body["name"])) if self.fleet else self._instance_ip
         interfaces = instance.setdefault("networkInterfaces", [{}])
-        interfaces[0].update(networkIP=self._instance_ip, name="nic0")
+        interfaces[0].update(networkIP=address, name="nic0")
         # Like the real API, only an interface that asked for an access config gets an external IP.
         for access_config in interfaces[0].get("accessConfigs", []):
-            access_config.update(natIP=self._instance_ip, kind="compute#accessConfig")
+            access_config.update(natIP=address, kind="compute#accessConfig")
         return instance
+
+    def _check_network_interface(self, project: str, body: dict[str, Any]) -> None:
+        """The network must exist; a custom-mode one needs a subnetwork (the real API's 400)."""
+        interface = (body.get("networkInterfaces") or [{}])[0]
+        network_name = (interface.get("network") or "global/networks/default").rsplit("/", 1)[-1]
+        network = self._network(project, network_name)
+        if network is None:
+            raise _not_found(_resource_path(project, None, "networks", network_name))
+        if not network["autoCreateSubnetworks"] and not interface.get("subnetwork"):
+            raise _ApiError(
+                400,
+                "invalid",
+                "Invalid value for field 'resource.networkInterfaces[0]': ''. "
+                "Subnetwork should be specified for custom subnetmode network",
+            )
+
+    def _network(self, project: str, name: str) -> dict[str, Any] | None:
+        return self._networks.get((project, name)) or self._networks.get((None, name))
 
     def _insert_failure(self, project: str, zone: str, body: dict[str, Any]) -> _OperationError | None:
         faults = self._faults
@@ -522,16 +616,9 @@ class ComputeEmulator:
             )
         affinity = body.get("reservationAffinity", {})
         if affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION":
-            for reservation in affinity.get("values", []):
-                reservation_name = reservation.rsplit("/", 1)[-1]  # a name or a full resource path
-                if reservation_name in faults.missing_reservations:
-                    path = _resource_path(project, zone, "reservations", reservation_name)
-                    return _OperationError(
-                        code="RESERVATION_NOT_FOUND",
-                        message=f"The reservation '{path}' was not found.",
-                        http_status=400,
-                        http_message="BAD REQUEST",
-                    )
+            failure = self._reservation_failure(project, zone, body, affinity.get("values", []))
+            if failure:
+                return failure
         if zone in faults.stockout_zones:
             return _OperationError(
                 code="ZONE_RESOURCE_POOL_EXHAUSTED",
@@ -540,6 +627,55 @@ class ComputeEmulator:
                 http_status=503,
                 http_message="SERVICE UNAVAILABLE",
             )
+        return None
+
+    def _reservation_failure(
+        self, project: str, zone: str, body: dict[str, Any], values: list[str]
+    ) -> _OperationError | None:
+        """Why a specific reservation cannot take the instance. Google's wordings, as quoted publicly (no public
+        capture shows their HTTP status): "Specified reservations [R] do not exist." (Dataflow's TPU
+        troubleshooting page, a MIG error: INVALID_FIELD_VALUE), "No available resources in specified
+        reservations." for one of another machine type (Colab's troubleshooting page), and CONDITION_NOT_MET
+        "Specified reservation 'R' does not have available resources for the request." for a fully used one
+        (kubernetes/autoscaler, cluster-autoscaler/cloudprovider/gce/autoscaling_gce_client.go)."""
+        names = [value.rsplit("/", 1)[-1] for value in values]  # a name or a resource path
+        found = {
+            name: self._reservations.get((project, zone, name)) or self._reservations.get((None, zone, name))
+            for name in names
+            if name not in self._faults.missing_reservations
+        }
+        invalid = "Invalid value for field 'resource.reservationAffinity': '{\"consumeReservationType\": \"SPECIFIC_ALLOCATION\"}'."
+        missing = [name for name in names if not found.get(name)]
+        if missing:
+            return _OperationError(
+                "INVALID_FIELD_VALUE",
+                f"{invalid} Specified reservations [{', '.join(missing)}] do not exist.",
+                400,
+                "BAD REQUEST",
+            )
+        machine_type = body.get("machineType", "").rsplit("/", 1)[-1]
+        for name, reservation in found.items():
+            if reservation["machineType"] not in (None, machine_type):
+                return _OperationError(
+                    "INVALID_FIELD_VALUE",
+                    f"{invalid} No available resources in specified reservations.",
+                    400,
+                    "BAD REQUEST",
+                )
+            in_use = sum(
+                1
+                for (instance_project, instance_zone, _), instance in self._instances.items()
+                if (instance_project, instance_zone) == (project, zone)
+                and instance["status"] not in ("TERMINATED", "STOPPED", "SUSPENDED")
+                and name in [v.rsplit("/", 1)[-1] for v in instance.get("reservationAffinity", {}).get("values", [])]
+            )
+            if in_use > reservation["count"]:  # the instance being inserted is already counted
+                return _OperationError(
+                    "CONDITION_NOT_MET",
+                    f"Specified reservation '{name}' does not have available resources for the request.",
+                    400,
+                    "BAD REQUEST",
+                )
         return None
 
     def _schedule_max_run_duration(self, key: tuple[str, str, str], instance: dict[str, Any]) -> None:
@@ -555,6 +691,8 @@ class ComputeEmulator:
     def _remove_instance(self, key: tuple[str, str, str]) -> None:
         del self._instances[key]
         self._run_deadlines.pop(key, None)
+        if self.fleet is not None:
+            self.fleet.end(key)
 
     def _list_instances(self, query: dict, body: dict, project: str, zone: str):
         terms = _parse_filter(query.get("filter", ""))
@@ -573,6 +711,50 @@ class ComputeEmulator:
         if items:  # the real API omits an empty "items"
             listing["items"] = items
         return 200, listing
+
+    def _get_guest_attributes(self, query: dict, body: dict, project: str, zone: str, name: str):
+        """``hostkeys/`` as the guest environment publishes it: only once booted, only when enabled."""
+        with self._lock:
+            self._advance()
+            key = (project, zone, name)
+            instance = self._instances.get(key)
+            path = _resource_path(project, zone, "instances", name)
+            if instance is None:
+                raise _not_found(path)
+            enabled = any(
+                item.get("key") == "enable-guest-attributes" and str(item.get("value", "")).upper() == "TRUE"
+                for item in (instance.get("metadata") or {}).get("items", [])
+            )
+        if not enabled:
+            raise _ApiError(400, "badRequest", f"Guest attributes are not enabled for '{path}'.")
+        query_path = query.get("queryPath", "")
+        published = (
+            self.fleet.guest_attributes(key) if self.fleet and not self._faults.no_guest_environment else []
+        )
+        if published and self._faults.impostor_host_keys:
+            published = [{**item, "value": _impostor_key(item["key"])} for item in published]
+        items = [item for item in published if f"{item['namespace']}/{item['key']}".startswith(query_path)]
+        if not items:
+            raise _not_found(f"{path}/guestAttributes/{query_path}")
+        return 200, {
+            "kind": "compute#guestAttributes",
+            "queryPath": query_path,
+            "queryValue": {"items": items},
+            "selfLink": f"{API_ROOT}/{path}/guestAttributes/{query_path}",
+        }
+
+    def _get_network(self, query: dict, body: dict, project: str, name: str):
+        with self._lock:
+            network = self._network(project, name)
+        path = _resource_path(project, None, "networks", name)
+        if network is None:
+            raise _not_found(path)
+        return 200, {
+            "kind": "compute#network",
+            "name": name,
+            "selfLink": f"{API_ROOT}/{path}",
+            "autoCreateSubnetworks": network["autoCreateSubnetworks"],
+        }
 
     def _get_instance(self, query: dict, body: dict, project: str, zone: str, name: str):
         with self._lock:
@@ -623,6 +805,7 @@ class ComputeEmulator:
             replayed = self._replayed_operation(project, query)
             if replayed:
                 return 200, replayed
+            _check_schema("Firewall", body)
             name = body.get("name")
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")

@@ -1,6 +1,6 @@
 """The local default, end to end: ``python -m airflow_tpu_posttrain.local.demo [sft|rl]``.
 
-Starts the local stack (Compute emulator, sshd playing the TPU VM, Hub server), runs the tiny model's DAG from
+Starts the local stack (Compute emulator whose instances are local machines, Hub server), runs the tiny model's DAG from
 ``dags/`` in real Airflow (SQLite metadata DB under ``.local/airflow``), prints where the trained Hugging Face
 model is, proves it loads and generates with ``transformers``, and stops everything it started.
 """
@@ -39,7 +39,6 @@ def main(recipe: str = "sft") -> int:
     from airflow_tpu_posttrain.local.stack import LocalStack
 
     dag_id = f"posttrain_{recipe}__tiny-llama"
-    published = LOCAL / "published"
     stack = LocalStack(LOCAL)
     with stack as env:
         os.environ.update(env)
@@ -51,7 +50,7 @@ def main(recipe: str = "sft") -> int:
             print(bag.import_errors, file=sys.stderr)
             return 1
         print(f"demo: running {dag_id} (CPU VM converts and exports, TPU VM trains; both deleted at the end)")
-        dag_run = bag.get_dag(dag_id).test(run_conf={"storage_uri": str(published)})
+        dag_run = bag.get_dag(dag_id).test(run_conf={"storage_uri": str(stack.published_dir)})
         states = {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
         print(f"demo: run {dag_run.run_id} ended {dag_run.state}: {states}")
         print(f"demo: VMs left in the Compute emulator: {len(stack.compute.instances())}")

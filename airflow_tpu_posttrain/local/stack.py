@@ -1,10 +1,14 @@
-"""The local stand-ins, together: the Compute emulator (Google Cloud), an sshd on 127.0.0.1 (the TPU VM), the
-Hub server (huggingface.co), the MaxText CPU venv and the tiny model (the VM's software and the HF checkpoint).
+"""The local stand-ins, together: the Compute emulator (Google Cloud) whose every instance is a machine of its
+own (``fleet.py``: an address, an sshd with fresh host keys, a disk), the Hub server (huggingface.co), and the
+tiny model (the HF checkpoint).
 
 ``LocalStack(local_dir).start()`` returns the environment (Airflow connections, ``TPU_POSTTRAIN_LOCAL_DIR``)
-under which the DAGs of models.yaml marked ``local: true`` run end to end. The VM's disk (``vm_dir``, default
-``<local_dir>/vm``) starts empty each time, as a new VM's does; the venv and the tiny model in ``local_dir`` are
-kept, as a VM image would be. Stacks with different ``vm_dir`` can run side by side.
+under which the DAGs of models.yaml marked ``local: true`` run end to end. The SSH connection is made as README
+tells a production user to make it: a login and a private key, no host and no host key (the VMs publish theirs).
+Under ``vm_dir`` (default ``<local_dir>/vm``, emptied at each start): the instances' disks, the checkpoint
+storage every VM sees (standing in for ``gs://``) and the Hub's files. In ``local_dir``, kept: the tiny model,
+the client key, and the package cache the VMs install MaxText from (standing in for a package mirror).
+Stacks with different ``vm_dir`` can run side by side.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import sys
 from pathlib import Path
 
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
+from airflow_tpu_posttrain.local.fleet import LocalFleet
 from airflow_tpu_posttrain.local.hub_server import HubServer
-from airflow_tpu_posttrain.local.sshd import LocalSshd
 from airflow_tpu_posttrain.recipes.install import install_script
 from airflow_tpu_posttrain.recipes.models import model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
+LOCAL_LOGIN = "posttrain"  # the VMs' guest agent creates this account from the ssh-keys metadata
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 
 
@@ -45,12 +50,21 @@ def find_python312() -> str:
     )
 
 
+def package_cache(local_dir: Path) -> Path:
+    """uv's cache the local VMs install from: filled once here, as a package mirror would be."""
+    return local_dir / "vm-packages"
+
+
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
-    """The MaxText venv (the same idempotent script the install step runs) and the tiny model and data."""
+    """A MaxText venv on this machine (the same idempotent script the install step runs; it builds the tiny model
+    and data) — installing it also fills the package cache the VMs install from."""
     venv = local_dir / "maxtext-venv"
-    runtime = cpu_runtime(str(local_dir / "vm" / "work" / "launchers"), str(venv), python312)
+    runtime = cpu_runtime(str(local_dir / "launchers"), str(venv), python312)
     script = install_script(runtime, model_profile("tiny-llama").maxtext_version)
-    subprocess.run(["bash", "-c", script], check=True)
+    cache = package_cache(local_dir)
+    if not cache.exists():  # a venv from before the cache existed: built again, to fill the cache
+        shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run(["bash", "-c", script], check=True, env={**os.environ, "UV_CACHE_DIR": str(cache)})
     subprocess.run(
         [str(venv / "bin" / "python"), str(TINY_MODEL_SCRIPT), "--out", str(local_dir / "tiny")],
         check=True,
@@ -72,23 +86,50 @@ class LocalStack:
         self.vm_dir = Path(vm_dir or self.local_dir / "vm").absolute()
         self.hf_token = hf_token or secrets.token_hex(16)
         self.python312 = find_python312()
-        self.compute = ComputeEmulator(operation_seconds=operation_seconds)
-        self.sshd = LocalSshd(self.vm_dir / "sshd")
+        self.client_key = self.local_dir / "ssh" / "id_ed25519"
+        self.fleet = LocalFleet(
+            self.vm_dir / "instances",
+            shared_paths=(self.storage_dir, self.published_dir),
+            package_cache=package_cache(self.local_dir),
+        )
+        self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
         self.hub = HubServer(self.vm_dir / "hub", tokens=[self.hf_token])
+
+    @property
+    def storage_dir(self) -> Path:
+        """Checkpoint storage: a directory every local VM sees, as every VM sees a gs:// bucket."""
+        return self.vm_dir / "storage"
+
+    @property
+    def published_dir(self) -> Path:
+        """Where runs publish a storage copy of their model (the ``storage_uri`` Param), seen by every VM."""
+        return self.vm_dir / "published"
 
     def start(self) -> dict[str, str]:
         prepare_vm_image(self.local_dir, self.python312)
-        for stale in ("work", "runs", "hub"):
+        for stale in ("instances", "storage", "published", "hub"):
             shutil.rmtree(self.vm_dir / stale, ignore_errors=True)
-        (self.vm_dir / "hub").mkdir(parents=True)
+        for part in (self.storage_dir, self.published_dir, self.vm_dir / "hub"):
+            part.mkdir(parents=True)
+        for shared in (self.storage_dir, self.published_dir):  # a bucket the VMs' service account may write
+            shared.chmod(0o777)
+        if not self.client_key.exists():
+            self.client_key.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "airflow", "-f", str(self.client_key)],
+                check=True,
+            )
         self.compute.start()
-        self.sshd.start()
         self.hub.start()
         return self.environment()
 
     def stop(self) -> None:
-        for part in (self.hub, self.sshd, self.compute):
+        for part in (self.hub, self.compute):
             part.stop()
+
+    def vms(self) -> list:
+        """The machines of the live instances (:class:`~airflow_tpu_posttrain.local.vm.LocalVm`)."""
+        return [vm for instance in self.compute.instances() if (vm := self.fleet.vm(_key(instance)))]
 
     def __enter__(self) -> dict[str, str]:
         return self.start()
@@ -106,14 +147,22 @@ class LocalStack:
             },
         }
         hub = {"conn_type": "generic", "host": self.hub.url, "password": self.hf_token}
+        # As README's "Running on Google Cloud" makes tpu_vm_ssh: a login and a key; no host, no host key.
+        vm = {"conn_type": "ssh", "login": LOCAL_LOGIN, "extra": {"key_file": str(self.client_key)}}
         return {
             "AIRFLOW_CONN_LOCAL_COMPUTE": json.dumps(compute),
-            "AIRFLOW_CONN_LOCAL_VM": json.dumps(self.sshd.airflow_connection(verify_host_key=True)),
+            "AIRFLOW_CONN_LOCAL_VM": json.dumps(vm),
             "AIRFLOW_CONN_LOCAL_HUB": json.dumps(hub),
             "TPU_POSTTRAIN_LOCAL_DIR": str(self.local_dir),
             "TPU_POSTTRAIN_VM_DIR": str(self.vm_dir),
             "TPU_POSTTRAIN_PYTHON312": self.python312,
         }
+
+
+def _key(instance: dict) -> tuple[str, str, str]:
+    """(project, zone, name) of an instance as the emulator lists it."""
+    parts = instance["selfLink"].split("/")
+    return parts[parts.index("projects") + 1], parts[parts.index("zones") + 1], instance["name"]
 
 
 def main() -> None:

@@ -40,8 +40,31 @@ DESTROY_TIMEOUT_S = 10.0
 HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
 # The VM's writable places, each replaced by a directory of its disk.
 PRIVATE_DIRS = {"/tmp": "tmp", "/var/tmp": "var-tmp", "/home": "home", "/root": "root"}
+# Environment the VMs' sessions share with this machine: its tools (uv, Python) and its way to PyPI.
+_VM_ENV = (
+    "PATH",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "UV_NATIVE_TLS",
+    "UV_INDEX_URL",
+    "UV_DEFAULT_INDEX",
+    "PIP_INDEX_URL",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+)
+VM_UV_CACHE = "uv-cache"  # in the VM's /var/tmp: the package cache, as warmed from a mirror
 _LOGIN = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 _ACCOUNTS_LOCK = threading.Lock()
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    b.mkdir(parents=True, exist_ok=True)
+    return a.stat().st_dev == b.stat().st_dev
 
 
 def allocate_address(port: int = 22, taken: AbstractSet[str] = frozenset()) -> str:
@@ -239,6 +262,16 @@ class LocalVm:
         if not self._booted:
             raise RuntimeError(f"VM {self.name} was destroyed before it booted")
 
+    def guest_path(self, path: str) -> Path:
+        """Where the host reads ``path`` as the running VM sees it (its /tmp, /dev/shm, homes), through its init's
+        root; for tests that look at a VM's files before it is deleted."""
+        process = self._process
+        if process is None or not self.is_running:
+            raise RuntimeError(f"VM {self.name} is not running")
+        members = _namespace_members(self._mount_ns)
+        init = next(pid for pid, (ppid, _) in members.items() if ppid == process.pid)
+        return Path(f"/proc/{init}/root") / path.lstrip("/")
+
     def drop_sessions(self) -> list[int]:
         """SIGKILL the per-connection sshd processes (not the listener); returns their pids.
 
@@ -309,19 +342,24 @@ class LocalVm:
             self.package_cache.mkdir(parents=True, exist_ok=True)
             if self.package_cache.stat().st_uid != pwd.getpwnam(logins[0]).pw_uid:
                 _chown(self.package_cache, pwd.getpwnam(logins[0]))
+            # The mirror's packages, hard-linked onto the VM's disk (seconds, no bytes copied): uv then links
+            # them into the venv, both on /var/tmp's mount (links cannot cross mounts). A copy if they cannot.
+            copy = (
+                ["cp", "-a", "--link"]
+                if _same_filesystem(self.package_cache, self.disk_dir)
+                else ["cp", "-a"]
+            )
+            subprocess.run(
+                [*copy, str(self.package_cache), str(self.disk_dir / "var-tmp" / VM_UV_CACHE)], check=True
+            )
         (self._etc / "ssh-keys").write_text(self.ssh_keys)
         shutil.copy(__file__, self._etc / "vm_agent.py")
         self._write_config()
 
     def _write_config(self) -> None:
-        # Imported here: this file also runs standalone (the guest agent), where only the stdlib exists.
-        from airflow_tpu_posttrain.local.sshd import _VM_ENV
-
         env = {name: os.environ[name] for name in _VM_ENV if name in os.environ}
         if self.package_cache is not None:
-            env["UV_CACHE_DIR"] = str(self.package_cache)
-            # The cache and the venvs sit on different (bind) mounts, across which hardlinks fail (EXDEV).
-            env["UV_LINK_MODE"] = "copy"
+            env["UV_CACHE_DIR"] = f"/var/tmp/{VM_UV_CACHE}"
         settings = [
             ("ListenAddress", f"{self.address}:{self.port}"),
             *(("HostKey", f"{VM_SSH_DIR}/ssh_host_{name}_key") for name in HOST_KEY_TYPES),
@@ -350,8 +388,6 @@ class LocalVm:
         disk = self.disk_dir.resolve()
         mounts = [["mount", "--bind", str(disk / "etc"), VM_SSH_DIR]]
         keep = [(path, "rw") for path in self.shared_paths]
-        if self.package_cache is not None:
-            keep.append((self.package_cache, "rw"))
         if PYENV_ROOT.is_dir():
             keep.append((PYENV_ROOT, "ro"))
         for path, mode in keep:

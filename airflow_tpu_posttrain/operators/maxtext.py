@@ -18,6 +18,7 @@ parse; they import the protocol's pieces when they run. What they add:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import posixpath
@@ -77,10 +78,11 @@ class MaxTextJobOperator(BaseOperator):
     Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM.
 
     :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
-    :param ssh_conn_id: SSH connection to the VM; its host is replaced by the VM's address from ``vm_task_id``.
-    :param vm_task_id: the create task whose XCom gives the VM's address and accelerator type.
-    :param use_internal_ip: connect to the VM's internal IP (from inside the VPC) instead of the external one.
+    :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
+    :param vm_task_id: the create task whose XCom gives the VM's address, host keys and accelerator type.
     :param remote_host: the VM's address, when it does not come from ``vm_task_id``.
+    :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
+        ``vm_task_id``); every connection, in the worker and in the triggerer, is pinned to them.
     :param accelerator_type: default: the VM's, from ``vm_task_id``.
     :param runtime: ``tpu`` (the tutorials) or ``cpu`` (the local CPU "VM", see recipes/runtime.py).
     :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
@@ -102,6 +104,7 @@ class MaxTextJobOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "ssh_conn_id",
         "remote_host",
+        "host_keys",
         "model",
         "accelerator_type",
         "root_dir",
@@ -118,8 +121,8 @@ class MaxTextJobOperator(BaseOperator):
         model: str,
         ssh_conn_id: str = "tpu_vm_ssh",
         vm_task_id: str | None = "create_tpu_vm",
-        use_internal_ip: bool = False,
         remote_host: str | None = None,
+        host_keys: dict[str, str] | str | None = None,
         accelerator_type: str | None = None,
         runtime: str = "tpu",
         maxtext_venv: str | None = None,
@@ -137,13 +140,14 @@ class MaxTextJobOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        ip_key = "internal_ip" if use_internal_ip else "external_ip"
         self.vm_task_id = vm_task_id
         if vm_task_id:
-            remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key=ip_key)
+            remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key="ssh_address")
+            host_keys = host_keys or _VM_XCOM.format(task=vm_task_id, key="host_keys")
             accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
         self.ssh_conn_id = ssh_conn_id
         self.remote_host = remote_host
+        self.host_keys = host_keys
         self.model = model
         self.accelerator_type = accelerator_type or "v6e-8"
         self.runtime = runtime
@@ -210,10 +214,20 @@ class MaxTextJobOperator(BaseOperator):
         task = re.sub(r"[^a-z0-9]+", "-", self.task_id.lower()).strip("-")[:40]
         return f"{task}-{compute.run_hash(dag_run.dag_id, dag_run.run_id)}"
 
+    def _pinned_host_keys(self) -> dict[str, str]:
+        """The rendered ``host_keys`` (a dict; a rendered string when the DAG does not render native objects)."""
+        if isinstance(self.host_keys, str):
+            return ast.literal_eval(self.host_keys) if self.host_keys.strip() else {}
+        return dict(self.host_keys or {})
+
     def _vm(self) -> VmHook:
         from airflow_tpu_posttrain.hooks.vm import VmHook
 
-        return VmHook(ssh_conn_id=self.ssh_conn_id, remote_host=self.remote_host or None)
+        return VmHook(
+            ssh_conn_id=self.ssh_conn_id,
+            remote_host=self.remote_host or None,
+            host_keys=self._pinned_host_keys(),
+        )
 
     def _hub_endpoint(self) -> str | None:
         if not self.hf_conn_id:
@@ -251,8 +265,16 @@ class MaxTextJobOperator(BaseOperator):
         step_script = f"{paths.job_dir}.step.sh"
         lines.append(f"bash {shlex.quote(step_script)}")
         if job.done_marker:
-            lines.append(storage.mark_command(job.done_marker))
+            keep_metrics = storage.write_command(storage.metrics_uri(job.done_marker))
+            lines += [
+                f"{{ {self._metric_lines_command(paths.log_file)}; }} | {keep_metrics}",
+                storage.mark_command(job.done_marker),
+            ]
         return "\n".join(lines) + "\n", token_file
+
+    @staticmethod
+    def _metric_lines_command(log_file: str) -> str:
+        return f"grep -aE {shlex.quote(_METRIC_LINES)} {shlex.quote(log_file)} || true"
 
     def _job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         try:
@@ -360,6 +382,7 @@ class MaxTextJobOperator(BaseOperator):
             trigger=MaxTextJobTrigger(
                 ssh_conn_id=self.ssh_conn_id,
                 remote_host=self.remote_host,
+                host_keys=self._pinned_host_keys(),
                 job_id=paths.job_id,
                 job_dir=paths.job_dir,
                 log_file=paths.log_file,
@@ -418,10 +441,15 @@ class MaxTextJobOperator(BaseOperator):
             vm.run(build_posix_kill_command(job["pid_file"]), check=False)
 
     def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
-        """Parse metrics from the job's log, push outputs and metrics, log the one-line summary."""
+        """Parse metrics from the job's log (or those kept in storage), push outputs and metrics, log the
+        one-line summary."""
         from airflow_tpu_posttrain.recipes.metrics import parse_lines
 
-        log = vm.run(f"grep -aE {shlex.quote(_METRIC_LINES)} {shlex.quote(paths.log_file)} || true")
+        log = vm.run(self._metric_lines_command(paths.log_file))
+        if not log.strip() and job.done_marker:
+            # finished on an earlier VM: its log went with that VM's disk; the lines were kept in storage
+            kept = storage.read_command(storage.metrics_uri(job.done_marker))
+            log = vm.run(f"{kept} 2>/dev/null || true")
         metrics = parse_lines(log.splitlines())
         result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
         result.update(self.results(context, vm, job))

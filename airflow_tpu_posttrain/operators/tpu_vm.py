@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.sdk import BaseOperator
 
-from airflow_tpu_posttrain.recipes import compute, validation
+from airflow_tpu_posttrain.exceptions import CapacityTimeoutError, VmNotReadyError
+from airflow_tpu_posttrain.recipes import access, capacity, compute, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -47,10 +49,37 @@ def _as_list(value: Sequence[str] | str | None) -> list[str]:
     return list(value)
 
 
-def _seconds(value: timedelta | int | float | None) -> int | None:
+class _Progress(NamedTuple):
+    """Where a create stands across deferrals (the triggers echo it back as their event's ``state``)."""
+
+    zone_index: int = 0
+    stockouts: tuple[str, ...] = ()
+    attempt: int = 0  # a new insert requestId after each replacement or yielded place
+    deadline: float | None = None  # Unix time the wait for capacity ends
+
+
+def _invalid(task_id: str, err: SpecError) -> AirflowFailException:
+    """Bad input: the task fails at once (a retry would fail the same way), naming the field and the fix."""
+    return AirflowFailException(f"{task_id}: invalid input: {err}")
+
+
+def _ssh_answers(address: str | None, port: int) -> bool:
+    """Whether an SSH server answers on ``address:port`` (its banner read, not only the TCP handshake)."""
+    if not address:
+        return False
+    try:
+        with socket.create_connection((address, port), timeout=2) as conn:
+            conn.settimeout(2)
+            return conn.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _seconds(value: timedelta | int | float | str | None) -> int | None:
+    """Seconds from a timedelta, a number, or a rendered template (a string when not rendered natively)."""
     if value is None:
         return None
-    return int(value.total_seconds() if isinstance(value, timedelta) else value)
+    return int(value.total_seconds() if isinstance(value, timedelta) else float(value))
 
 
 class _ComputeOperator(BaseOperator):
@@ -129,9 +158,14 @@ class TpuVmCreateOperator(_ComputeOperator):
     earlier try: a live one is reused, a TERMINATED/STOPPED one is replaced, and no second one is created.
     Zones are tried in order; a stock-out moves on to the next zone, quota and reservation errors fail at once.
 
-    Returns (XCom) ``name, project, zone, status, internal_ip, external_ip, machine_type, accelerator_type,
-    firewall``; a partial record with the name is pushed before the first API call so a teardown can find
-    the VM even if this task dies half-way.
+    The VM is made reachable the way ``gcloud compute ssh`` reaches one: the public half of the SSH connection's
+    key goes into the instance's ``ssh-keys`` metadata (expiring with the VM), the guest environment publishes
+    the VM's host keys as guest attributes, and the task succeeds only once those are published and the VM's
+    sshd answers (in the triggerer). Every SSH step then pins those host keys.
+
+    Returns (XCom) ``name, project, zone, status, internal_ip, external_ip, ssh_address, ssh_port, host_keys,
+    machine_type, accelerator_type, firewall``; a partial record with the name is pushed before the first API
+    call so a teardown can find the VM even if this task dies half-way.
 
     :param zones: zones to try, in order (a list, or a comma-separated string).
     :param accelerator_type: ``v6e-1``, ``v6e-4`` or ``v6e-8`` (the machine type is derived from it), or
@@ -140,12 +174,25 @@ class TpuVmCreateOperator(_ComputeOperator):
         FLEX_START.
     :param reservation: name of the specific reservation to consume.
     :param network: VPC network name.
+    :param subnetwork: subnetwork name (in each zone's region) or path; required on a custom-mode network.
+    :param network_path: how Airflow reaches the VM: ``internal`` (its internal IP: Airflow inside the VPC, no
+        external IP) or ``external`` (its external IP).
+    :param ssh_source_ranges: CIDR ranges (the Airflow workers' and triggerer's egress) admitted to tcp:22 by a
+        firewall rule created and deleted with the VM; empty: no rule (the network already admits them).
+    :param ssh_conn_id: the SSH connection the MaxText steps use; its login and public key go into the VM's
+        ``ssh-keys`` metadata.
+    :param ready_timeout: how long a RUNNING VM may take to publish its host keys and answer on its SSH port.
+    :param max_tpu_vms: how many of the pipeline's VMs of this capacity group (the reservation, else the zones and
+        machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
+        deployments; the create waits in the triggerer, holding no VM, until one ends. None: no cap.
+    :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` or in a fully used
+        reservation (a timedelta or seconds); then the task fails, having created nothing.
     :param tags: network tags.
-    :param iap_firewall: also create the tutorials' IAP SSH firewall rule (target tag = instance name).
     :param max_run_duration: cloud-side backstop (``scheduling.maxRunDuration``, termination action DELETE).
         Default: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
-    :param service_account_scopes: OAuth scopes of the VM's default service account (e.g.
-        ``compute.STORAGE_SCOPES`` to write gs:// checkpoints); empty: Compute's defaults.
+    :param service_account: the VM's service account (``default``: the project's Compute Engine default); what
+        the VM may do (gs:// checkpoints, logs) is granted to it in IAM.
+    :param service_account_scopes: its OAuth scopes (default ``cloud-platform``, as Google's TPU examples).
     :param instance_name: override the deterministic name (rarely needed).
     :param labels: extra labels; the ownership labels (managed-by, dag, run, task, expires-at) are always set.
     :param metadata: extra instance metadata items (e.g. ``enable-oslogin: "TRUE"``).
@@ -159,6 +206,11 @@ class TpuVmCreateOperator(_ComputeOperator):
         "provisioning_model",
         "reservation",
         "network",
+        "subnetwork",
+        "network_path",
+        "ssh_source_ranges",
+        "ssh_conn_id",
+        "max_wait_for_capacity",
         "tags",
         "instance_name",
         "labels",
@@ -175,13 +227,20 @@ class TpuVmCreateOperator(_ComputeOperator):
         provisioning_model: str = "RESERVATION_BOUND",
         reservation: str | None = None,
         network: str = "default",
+        subnetwork: str | None = None,
+        network_path: str = "external",
+        ssh_source_ranges: Sequence[str] | str | None = None,
+        ssh_conn_id: str = "tpu_vm_ssh",
+        ready_timeout: timedelta = timedelta(minutes=10),
+        max_tpu_vms: int | None = None,
+        max_wait_for_capacity: timedelta | int = timedelta(hours=1),
         tags: Sequence[str] | None = None,
-        iap_firewall: bool = False,
         boot_disk_size_gb: int = 200,
         image_project: str = compute.DEFAULT_IMAGE_PROJECT,
         image_family: str = compute.DEFAULT_IMAGE_FAMILY,
         max_run_duration: timedelta | int | None = None,
-        service_account_scopes: Sequence[str] = (),
+        service_account: str = "default",
+        service_account_scopes: Sequence[str] = (compute.CLOUD_PLATFORM_SCOPE,),
         instance_name: str | None = None,
         labels: dict[str, str] | None = None,
         metadata: dict[str, str] | None = None,
@@ -193,12 +252,19 @@ class TpuVmCreateOperator(_ComputeOperator):
         self.provisioning_model = provisioning_model
         self.reservation = reservation
         self.network = network
+        self.subnetwork = subnetwork
+        self.network_path = network_path
+        self.ssh_source_ranges = ssh_source_ranges
+        self.ssh_conn_id = ssh_conn_id
+        self.ready_timeout = ready_timeout
+        self.max_tpu_vms = max_tpu_vms
+        self.max_wait_for_capacity = max_wait_for_capacity
         self.tags = tags
-        self.iap_firewall = iap_firewall
         self.boot_disk_size_gb = boot_disk_size_gb
         self.image_project = image_project
         self.image_family = image_family
         self.max_run_duration = max_run_duration
+        self.service_account = service_account
         self.service_account_scopes = service_account_scopes
         self.instance_name = instance_name
         self.labels = labels
@@ -223,18 +289,21 @@ class TpuVmCreateOperator(_ComputeOperator):
                 provisioning_model=self.provisioning_model,
                 reservation=self.reservation or None,
                 network=self.network,
+                subnetwork=self.subnetwork or None,
+                network_path=self.network_path,
+                ssh_source_ranges=tuple(_as_list(self.ssh_source_ranges)),
                 tags=tuple(_as_list(self.tags)),
-                iap_firewall=self.iap_firewall,
                 boot_disk_size_gb=self.boot_disk_size_gb,
                 image_project=self.image_project,
                 image_family=self.image_family,
                 max_run_duration_s=self._max_run_duration_s(context),
+                service_account=self.service_account,
                 service_account_scopes=tuple(self.service_account_scopes),
                 labels=dict(self.labels or {}),
                 metadata=dict(self.metadata or {}),
             )
         except SpecError as err:
-            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+            raise _invalid(self.task_id, err) from err
 
     def _name(self, context: Context) -> str:
         if self.instance_name:
@@ -254,27 +323,50 @@ class TpuVmCreateOperator(_ComputeOperator):
             "zones": list(spec.zones),
             "machine_type": spec.machine_type,
             "accelerator_type": spec.accelerator_type,
-            "firewall": compute.firewall_name(name) if spec.iap_firewall else None,
+            "firewall": compute.firewall_name(name) if spec.opens_firewall else None,
             **more,
         }
         context["ti"].xcom_push(key="return_value", value=record)
         return record
 
+    def _check_network(self, spec: compute.TpuVmSpec) -> None:
+        """What the insert would refuse after minutes of waiting, refused now: a missing network, or a
+        custom-mode one (its subnets are not made for you) without ``subnetwork``."""
+        network = self.hook.get_network(spec.project_id, spec.network)
+        if network is None:
+            raise _invalid(
+                self.task_id,
+                SpecError(
+                    "network", spec.network, f"does not exist in {spec.project_id}", "name a VPC network"
+                ),
+            )
+        custom_mode = network.get("autoCreateSubnetworks") is False and not network.get("IPv4Range")
+        if custom_mode and not spec.subnetwork:
+            raise _invalid(
+                self.task_id,
+                SpecError(
+                    "subnetwork",
+                    None,
+                    f"is required: network {spec.network!r} is a custom-mode VPC",
+                    "name the subnetwork of the zones' region the VMs go in",
+                ),
+            )
+
     def execute(self, context: Context) -> Any:
         spec = self._spec(context)
         name = self._name(context)
+        self._check_network(spec)
         self._record(context, spec, name, None, status="CREATING")
         for zone in spec.zones:
             existing = self.hook.get_instance(spec.project_id, zone, name)
             if existing is None:
                 continue
             status = existing.get("status")
+            progress = _Progress(zone_index=spec.zones.index(zone))
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
                 self._record(context, spec, name, zone, status=status)
-                return self._complete_or_defer(
-                    context, [], {"name": name, "zone": zone}, phase="wait", zone_index=spec.zones.index(zone)
-                )
+                return self._complete_or_defer(context, [], {"name": name, "zone": zone}, "wait", progress)
             self.log.info(
                 "Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status
             )
@@ -283,66 +375,135 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
             if operation:
                 return self._complete_or_defer(
-                    context, [{"name": operation, "zone": zone}], None, phase="replace", zone_index=0
+                    context, [{"name": operation, "zone": zone}], None, "replace", _Progress(attempt=1)
                 )
-        return self._insert(context, spec, name, zone_index=0, stockouts=[])
+        return self._insert_when_capacity(context, spec, name, _Progress())
 
-    def _insert(
-        self,
-        context: Context,
-        spec: compute.TpuVmSpec,
-        name: str,
-        zone_index: int,
-        stockouts: list[str],
-        replaced: bool = False,
+    def _capacity_group(self, spec: compute.TpuVmSpec) -> list[dict]:
+        """The live instances of this VM's capacity group, from Compute (the group's label, in its zones)."""
+        label_filter = f"labels.{capacity.GROUP_LABEL} = {self._group(spec)}"
+        return [
+            i for zone in spec.zones for i in self.hook.list_instances(spec.project_id, zone, label_filter)
+        ]
+
+    def _group(self, spec: compute.TpuVmSpec) -> str:
+        return capacity.group_label(
+            spec.project_id, spec.reservation, spec.zones, spec.machine_type, self.name_prefix
+        )
+
+    def _insert_when_capacity(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress
+    ) -> Any:
+        """Insert now if the capacity group has room (``max_tpu_vms``), else wait for it in the triggerer."""
+        if self.max_tpu_vms is None:
+            return self._insert(context, spec, name, progress)
+        others = [i for i in self._capacity_group(spec) if i.get("name") != name]
+        if len(capacity.holders(others)) < self.max_tpu_vms:
+            return self._insert(context, spec, name, progress)
+        return self._wait_for_capacity(
+            context, spec, name, progress, capacity.describe(others, self.max_tpu_vms)
+        )
+
+    def _wait_for_capacity(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, in_use: str
     ) -> None:
-        """Insert in ``zones[zone_index]`` and defer. The requestId is stable for this try and this purpose, so
-        the client's own retries never create twice; after a replacement it differs, or Compute would answer
-        with the old, finished insert."""
-        if zone_index >= len(spec.zones):
+        """Defer until the group has room (or, ``in_use`` empty, a full reservation is worth trying again)."""
+        from airflow_tpu_posttrain.triggers.capacity import TpuCapacityTrigger
+
+        deadline = progress.deadline or time.time() + _seconds(self.max_wait_for_capacity)
+        progress = progress._replace(deadline=deadline)
+        if time.time() >= deadline:
+            raise self._no_capacity(spec, name, in_use)
+        self.log.info(
+            "Waiting for TPU capacity (up to %s s): %s",
+            int(deadline - time.time()),
+            in_use or f"reservation {spec.reservation} is fully used",
+        )
+        self.defer(
+            trigger=TpuCapacityTrigger(
+                project_id=spec.project_id,
+                zones=list(spec.zones),
+                group=self._group(spec),
+                cap=self.max_tpu_vms if in_use else None,
+                own_name=name,
+                deadline=deadline,
+                retry_after=max(3 * self.poll_interval, 1.0),
+                gcp_conn_id=self.gcp_conn_id,
+                api_endpoint=self.api_endpoint,
+                impersonation_chain=self.impersonation_chain,
+                poll_interval=self.poll_interval,
+                state={"phase": "capacity", **progress._asdict()},
+            ),
+            method_name="execute_complete",
+            timeout=timedelta(seconds=max(0.0, deadline - time.time()) + 300),
+        )
+
+    def _no_capacity(self, spec: compute.TpuVmSpec, name: str, in_use: str) -> CapacityTimeoutError:
+        held = in_use or f"reservation {spec.reservation} fully used"
+        return CapacityTimeoutError(
+            f"No TPU capacity for {name} within {_seconds(self.max_wait_for_capacity)} s ({held}). Nothing was "
+            "created. Raise max_wait_for_capacity or max_tpu_vms, or trigger the run later."
+        )
+
+    def _insert(self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress) -> Any:
+        """Insert in ``zones[zone_index]`` and defer. The requestId is stable for this try and this attempt, so
+        the client's own retries never create twice; a later attempt (after a replacement, or after yielding
+        capacity) gets a new one, or Compute would answer with the old, finished insert."""
+        if progress.zone_index >= len(spec.zones):
             raise AirflowException(
-                f"No {spec.accelerator_type} capacity in any zone ({'; '.join(stockouts)}). No instance was left "
-                "behind. Add zones, use a reservation or FLEX_START, or let the task retry later."
+                f"No {spec.accelerator_type} capacity in any zone ({'; '.join(progress.stockouts)}). No "
+                "instance was left behind. Add zones, use a reservation or FLEX_START, or let the task retry later."
             )
-        zone = spec.zones[zone_index]
+        zone = spec.zones[progress.zone_index]
         operations = []
-        if spec.iap_firewall:
+        if spec.opens_firewall:
             firewall_op = self.hook.insert_firewall(
                 spec.project_id,
-                compute.iap_firewall_body(spec, name),
+                compute.ssh_firewall_body(spec, name),
                 _request_id(context, name, "firewall"),
             )
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
-        labels = compute.ownership_labels(
-            context["dag"].dag_id,
-            context["run_id"],
-            self.task_id,
-            compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds())),
-        )
+        expires_at = compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))
+        labels = compute.ownership_labels(context["dag"].dag_id, context["run_id"], self.task_id, expires_at)
+        labels[capacity.GROUP_LABEL] = self._group(spec)
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
-        body = compute.instance_body(spec, name, zone, labels, metadata)
+        body = compute.instance_body(spec, name, zone, labels, metadata, self._ssh_keys(expires_at))
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
-        request_id = _request_id(context, name, zone, "replacement" if replaced else "insert")
+        request_id = _request_id(context, name, zone, "insert", progress.attempt)
         operation = self.hook.insert_instance(spec.project_id, zone, body, request_id)
         if operation:
             operations.append({"name": operation, "zone": zone})
         else:
             self.log.info("Instance %s already exists in %s: waiting for it instead", name, zone)
-        return self._complete_or_defer(
-            context,
-            operations,
-            {"name": name, "zone": zone},
-            phase="create",
-            zone_index=zone_index,
-            stockouts=stockouts,
+        if self._lost_the_race(spec, name):
+            return self._yield_capacity(context, spec, name, progress)
+        return self._complete_or_defer(context, operations, {"name": name, "zone": zone}, "create", progress)
+
+    def _lost_the_race(self, spec: compute.TpuVmSpec, name: str) -> bool:
+        """Right after the insert, before the VM runs: whether another create took the last place first (both
+        saw room and inserted; the later by creation time yields). Checked again once RUNNING, in case Compute
+        listed the new instance late."""
+        return self.max_tpu_vms is not None and capacity.over_cap(
+            name, self._capacity_group(spec), self.max_tpu_vms
         )
 
+    def _ssh_keys(self, expires_at: int) -> str:
+        """The ``ssh-keys`` line for the SSH connection's key, valid until the VM expires."""
+        from airflow_tpu_posttrain.hooks.vm import client_identity
+
+        try:
+            client = client_identity(self.ssh_conn_id)
+            return access.ssh_keys_metadata(client.login, client.public_key, expires_at)
+        except SpecError as err:
+            raise _invalid(self.task_id, err) from err
+
     def _complete_or_defer(
-        self, context: Context, operations: list[dict], instance: dict | None, **state: Any
+        self, context: Context, operations: list[dict], instance: dict | None, phase: str, progress: _Progress
     ) -> Any:
         """Wait up to ``inline_wait`` seconds here (a reused VM, a quick operation), else in the triggerer."""
+        state = {"phase": phase, **progress._asdict()}
         event = self._wait_briefly(operations, instance)
         if event is None:
             self._defer_on(operations, instance, **state)
@@ -372,42 +533,42 @@ class TpuVmCreateOperator(_ComputeOperator):
             time.sleep(0.5)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
-        phase, zone_index = event["state"]["phase"], event["state"]["zone_index"]
-        stockouts = list(event["state"].get("stockouts") or [])
+        state = dict(event["state"])
+        phase, vm = state.pop("phase"), state.pop("vm", None)
+        progress = _Progress(**{**state, "stockouts": tuple(state.get("stockouts") or ())})
         spec = self._spec(context)
         name = self._name(context)
-        if phase == "replace" and event["status"] == "success":
-            return self._insert(context, spec, name, zone_index, stockouts, replaced=True)
-        zone = spec.zones[zone_index]
-        if event["status"] == "success":
-            instance = event["instance"]
-            interface = (instance.get("networkInterfaces") or [{}])[0]
-            access = (interface.get("accessConfigs") or [{}])[0]
-            record = self._record(
-                context,
-                spec,
-                name,
-                zone,
-                status=instance.get("status"),
-                internal_ip=interface.get("networkIP"),
-                external_ip=access.get("natIP"),
-                self_link=instance.get("selfLink"),
-            )
+        if phase == "capacity":
+            if event["status"] == "available":
+                return self._insert_when_capacity(context, spec, name, progress)
+            raise self._no_capacity(spec, name, event.get("in_use", ""))
+        if phase in ("replace", "yield") and event["status"] == "success":
+            return self._insert_when_capacity(context, spec, name, progress)
+        zone = spec.zones[progress.zone_index]
+        if phase == "ready" and event["status"] == "ready":
+            record = self._record(context, spec, name, zone, **vm, host_keys=event["host_keys"])
             self.log.info(
-                "TPU VM %s is RUNNING in %s (internal %s, external %s)",
+                "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",
                 name,
                 zone,
-                record["internal_ip"],
-                record["external_ip"],
+                record["ssh_address"],
+                record["ssh_port"],
+                ", ".join(sorted(record["host_keys"])),
             )
             return record
+        if event["status"] == "success":
+            if self._lost_the_race(spec, name):
+                return self._yield_capacity(context, spec, name, progress)
+            return self._ready_or_defer(context, spec, name, progress, event["instance"])
 
         errors = event.get("errors", [])
         detail = compute.describe_errors(errors)
         kind = compute.classify_errors(errors)
         if phase == "create" and kind == compute.ErrorKind.CAPACITY:
             self.log.warning("Zone %s is out of %s capacity: %s", zone, spec.accelerator_type, detail)
-            stockouts.append(f"{zone}: {detail}")
+            progress = progress._replace(
+                zone_index=progress.zone_index + 1, stockouts=(*progress.stockouts, f"{zone}: {detail}")
+            )
             leftover = self.hook.get_instance(spec.project_id, zone, name)
             if leftover:
                 operation = self.hook.delete_instance(
@@ -415,15 +576,17 @@ class TpuVmCreateOperator(_ComputeOperator):
                 )
                 if operation:
                     return self._complete_or_defer(
-                        context,
-                        [{"name": operation, "zone": zone}],
-                        None,
-                        phase="replace",
-                        zone_index=zone_index + 1,
-                        stockouts=stockouts,
+                        context, [{"name": operation, "zone": zone}], None, "replace", progress
                     )
-            return self._insert(context, spec, name, zone_index + 1, stockouts)
+            return self._insert(context, spec, name, progress)
         self._delete_leftover(context, spec, name, zone)
+        if phase == "ready":
+            raise VmNotReadyError(f"{detail}. The VM was deleted; a retry creates a new one.")
+        if phase == "create" and kind == compute.ErrorKind.RESERVATION_FULL:
+            self.log.warning("Reservation %s is fully used: %s", spec.reservation, detail)
+            return self._wait_for_capacity(
+                context, spec, name, progress._replace(attempt=progress.attempt + 1), ""
+            )
         if kind == compute.ErrorKind.QUOTA:
             raise AirflowFailException(
                 f"Quota exceeded creating {name} in {zone}: {detail}. Request a quota increase for "
@@ -432,10 +595,75 @@ class TpuVmCreateOperator(_ComputeOperator):
         if kind == compute.ErrorKind.RESERVATION:
             raise AirflowFailException(
                 f"Reservation problem creating {name} in {zone}: {detail}. Check that reservation "
-                f"'{spec.reservation}' exists in {zone}, has free {spec.machine_type} capacity and allows "
-                "specific consumption, or choose another provisioning_model."
+                f"'{spec.reservation}' exists in {zone}, is of {spec.machine_type} and is shared with this "
+                "project, or choose another provisioning_model."
             )
         raise AirflowException(f"{phase} of {name} in {zone} failed: {detail}")
+
+    def _yield_capacity(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress
+    ) -> Any:
+        """Another run's VM of the group was created first and the group is over its cap: delete ours, wait."""
+        zone = spec.zones[progress.zone_index]
+        self.log.warning(
+            "%s is over the cap of %s TPU VMs (another run created its VM first): deleting it and waiting",
+            name,
+            self.max_tpu_vms,
+        )
+        operation = self.hook.delete_instance(
+            spec.project_id, zone, name, _request_id(context, name, zone, "yield", progress.attempt)
+        )
+        progress = progress._replace(attempt=progress.attempt + 1)
+        operations = [{"name": operation, "zone": zone}] if operation else []
+        return self._complete_or_defer(context, operations, None, "yield", progress)
+
+    def _ready_or_defer(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, instance: dict
+    ) -> Any:
+        """Wait until the RUNNING VM can be logged into: briefly here, else in the triggerer."""
+        from airflow_tpu_posttrain.hooks.vm import client_identity
+
+        zone = spec.zones[progress.zone_index]
+        interface = (instance.get("networkInterfaces") or [{}])[0]
+        vm = {
+            "status": instance.get("status"),
+            "internal_ip": interface.get("networkIP"),
+            "external_ip": ((interface.get("accessConfigs") or [{}])[0]).get("natIP"),
+            "ssh_address": access.ssh_address(instance, spec.network_path),
+            "ssh_port": client_identity(self.ssh_conn_id).port,
+            "network_path": spec.network_path,
+            "self_link": instance.get("selfLink"),
+        }
+        self.log.info("VM %s is RUNNING in %s; waiting for its host keys and its SSH port", name, zone)
+        self._record(context, spec, name, zone, **vm)
+        deadline = time.monotonic() + self.inline_wait
+        while time.monotonic() < deadline:
+            host_keys = self.hook.get_host_keys(spec.project_id, zone, name)
+            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"]):
+                event = {"status": "ready", "host_keys": host_keys}
+                return self.execute_complete(
+                    context, {**event, "state": {"phase": "ready", **progress._asdict(), "vm": vm}}
+                )
+            time.sleep(0.5)
+        from airflow_tpu_posttrain.triggers.compute import VmReadyTrigger
+
+        self.defer(
+            trigger=VmReadyTrigger(
+                project_id=spec.project_id,
+                zone=zone,
+                name=name,
+                address=vm["ssh_address"],
+                port=vm["ssh_port"],
+                timeout=self.ready_timeout.total_seconds(),
+                gcp_conn_id=self.gcp_conn_id,
+                api_endpoint=self.api_endpoint,
+                impersonation_chain=self.impersonation_chain,
+                poll_interval=min(self.poll_interval, 5.0),
+                state={"phase": "ready", **progress._asdict(), "vm": vm},
+            ),
+            method_name="execute_complete",
+            timeout=self.ready_timeout + timedelta(minutes=1),
+        )
 
     def _delete_leftover(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str) -> None:
         """Delete-on-error: a teardown does not run when its setup failed, so a failing create cleans up."""
@@ -449,7 +677,7 @@ class TpuVmCreateOperator(_ComputeOperator):
 
 class TpuDeleteOperator(_ComputeOperator):
     """
-    Delete the TPU VM (or CPU VM) of this DAG run and its IAP firewall rule, from the triggerer. Built to be the
+    Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer. Built to be the
     teardown: the worker only works out what to delete and defers at once.
 
     It finds the VM from the create task's XCom (also the partial record a failed create leaves) and, when
@@ -459,7 +687,7 @@ class TpuDeleteOperator(_ComputeOperator):
     :param create_task_id: the task id of the :class:`TpuVmCreateOperator` whose VM to delete.
     :param zones: where to look when there is no XCom (a list, or a comma-separated string).
     :param instance_name: delete this instance instead of the deterministic name.
-    :param iap_firewall: also delete the deterministic IAP firewall rule when there is no XCom.
+    :param firewall: also delete the deterministic SSH firewall rule when there is no XCom.
     """
 
     template_fields: Sequence[str] = ("project_id", "zones", "instance_name", "api_endpoint")
@@ -471,14 +699,14 @@ class TpuDeleteOperator(_ComputeOperator):
         create_task_id: str | None = "create_tpu_vm",
         zones: Sequence[str] | str | None = None,
         instance_name: str | None = None,
-        iap_firewall: bool = False,
+        firewall: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.create_task_id = create_task_id
         self.zones = zones
         self.instance_name = instance_name
-        self.iap_firewall = iap_firewall
+        self.firewall = firewall
 
     def _target(self, context: Context) -> tuple[str, list[str], str | None]:
         record = None
@@ -492,7 +720,7 @@ class TpuDeleteOperator(_ComputeOperator):
             context["dag"].dag_id, context["run_id"], self.name_prefix
         )
         self.log.info("No XCom from %s: looking for %s by its deterministic name", self.create_task_id, name)
-        return name, _as_list(self.zones), compute.firewall_name(name) if self.iap_firewall else None
+        return name, _as_list(self.zones), compute.firewall_name(name) if self.firewall else None
 
     def execute(self, context: Context) -> Any:
         name, zones, firewall = self._target(context)

@@ -104,6 +104,16 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
             description="Name of the specific reservation (RESERVATION_BOUND only), e.g. my-v6e-reservation: "
             "lowercase letters, digits and '-'. Empty: none.",
         ),
+        "max_wait_for_capacity": Param(
+            cfg.max_wait_for_capacity_minutes,
+            type="integer",
+            minimum=0,
+            maximum=cfg.max_wait_for_capacity_minutes,
+            title="Max wait for TPU capacity (minutes)",
+            description=f"How long the run may wait, holding no VM, for a place under the cap of "
+            f"{cfg.max_tpu_vms or 'no'} TPU VM(s) of its reservation or zones, or in a fully used reservation; "
+            f"e.g. 30. 0 to {cfg.max_wait_for_capacity_minutes}; then the run fails having created nothing.",
+        ),
         "maxtext_version": Param(
             cfg.maxtext_version,
             type=["null", "string"],
@@ -231,6 +241,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     if cfg.recipe not in RECIPES:
         raise ValueError(f"recipe={cfg.recipe!r}: use one of {RECIPES}")
     t = cfg.timeouts
+    wait_for_capacity = timedelta(minutes=cfg.max_wait_for_capacity_minutes)
     split = cfg.layout == "split"
     train_title = "SFT" if cfg.recipe == "sft" else "GRPO"
     default_args = {
@@ -245,7 +256,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         start_date=None if cfg.schedule is None else START_DATE,
         catchup=False,
         max_active_runs=1,
-        dagrun_timeout=t.run,
+        dagrun_timeout=t.run + wait_for_capacity,
         default_args=default_args,
         params=_params(cfg),
         render_template_as_native_obj=True,
@@ -258,7 +269,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         ),
     )
     storage = cfg.checkpoint_storage if split else None
-    scopes = compute.STORAGE_SCOPES if storage and storage.startswith("gs://") else ()
     poll = (lambda seconds: 2) if cfg.local else (lambda seconds: seconds)
     on_vm = {
         "ssh_conn_id": cfg.ssh_conn_id,
@@ -275,13 +285,16 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "gcp_conn_id": cfg.gcp_conn_id,
         "poll_interval": poll(10),
         "zones": "{{ params.zones }}",
-        "iap_firewall": cfg.iap_firewall,
     }
     creating = {
         **on_compute,
         "network": cfg.network,
-        "service_account_scopes": scopes,
-        "max_run_duration": t.run + timedelta(minutes=30),
+        "subnetwork": cfg.subnetwork,
+        "network_path": cfg.network_path,
+        "ssh_source_ranges": cfg.ssh_source_ranges,
+        "ssh_conn_id": cfg.ssh_conn_id,
+        "service_account": cfg.service_account,
+        "max_run_duration": t.run + wait_for_capacity + timedelta(minutes=30),
         "execution_timeout": t.create,
     }
 
@@ -291,6 +304,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             task_id=f"delete_{kind}_vm",
             create_task_id=f"create_{kind}_vm",
             name_prefix=kind,
+            firewall=bool(cfg.ssh_source_ranges),
             execution_timeout=t.delete,
             retries=max(cfg.retries, 3),
             **on_compute,
@@ -302,8 +316,10 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             accelerator_type="{{ params.accelerator_type }}",
             provisioning_model="{{ params.provisioning_model }}",
             reservation="{{ params.reservation }}",
-            pool=POOL,
-            **creating,
+            # Caps the VMs themselves; the pool caps the TPU VM's steps (a waiting create holds no VM or slot).
+            max_tpu_vms=cfg.max_tpu_vms,
+            max_wait_for_capacity="{{ params.max_wait_for_capacity * 60 }}",
+            **{**creating, "execution_timeout": t.create + wait_for_capacity},
         )
         install_tpu = MaxTextInstallOperator(
             task_id="install_maxtext",

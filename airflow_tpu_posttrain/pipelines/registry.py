@@ -65,7 +65,14 @@ class PipelineConfig:
     provisioning_model: str = "RESERVATION_BOUND"
     reservation: str | None = None
     network: str = "default"
-    iap_firewall: bool = False
+    subnetwork: str | None = None
+    network_path: str = "external"
+    ssh_source_ranges: tuple[str, ...] = ()
+    service_account: str = "default"
+    # How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the zones),
+    # counted from Compute across DAGs; None: no cap. The wait for a place: the trigger form's default.
+    max_tpu_vms: int | None = 1
+    max_wait_for_capacity_minutes: int = 60
     maxtext_version: str | None = None
     dataset: str | None = None
     train_split: str | None = None
@@ -99,15 +106,19 @@ class PipelineConfig:
         return f"posttrain_{self.recipe}__{self.model}{suffix}"
 
 
-def local_settings(local_dir: str, vm_dir: str, python312: str) -> dict[str, str]:
-    """Where the local CPU "VM" keeps things: its image (MaxText venv, tiny model) and its disk (runs, jobs)."""
+# The local VMs' MaxText venv: on each VM's own disk, installed there from the package cache (an absolute path
+# keeps it out of the environment archive, which for a CPU venv would cost more than installing it).
+LOCAL_VENV = "/var/tmp/maxtext-venv"
+
+
+def local_settings(local_dir: str, python312: str) -> dict[str, str]:
+    """How the local CPU "VM" differs from a TPU VM: the CPU runtime, its venv, the tiny model's directory.
+    The jobs' files go where production puts them (``/tmp``, ``/dev/shm``), on each VM's own disk."""
     return {
         "runtime": "cpu",
-        "maxtext_venv": f"{local_dir}/maxtext-venv",
+        "maxtext_venv": LOCAL_VENV,
         "base_python": python312,
         "model_source_dir": f"{local_dir}/tiny",
-        "workdir": f"{vm_dir}/work",
-        "root_dir": f"{vm_dir}/runs",
     }
 
 
@@ -131,14 +142,12 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
                 continue
             vm_dir = os.environ.get("TPU_POSTTRAIN_VM_DIR", f"{local_dir}/vm")
             merged.update(
-                local=local_settings(
-                    local_dir, vm_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")
-                ),
+                local=local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
                 timeouts=LOCAL_TIMEOUTS,
                 checkpoint_storage=f"{vm_dir}/storage",  # the directory both local "VMs" see
                 cpu_accelerator_type="cpu",
             )
-        for key in ("zones", "overrides", "tags"):
+        for key in ("zones", "overrides", "tags", "ssh_source_ranges"):
             if key in merged:
                 merged[key] = tuple(merged[key])
         configs.append(PipelineConfig(**merged))

@@ -11,7 +11,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.recipes import access, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -22,9 +22,10 @@ DEFAULT_IMAGE_FAMILY = "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
 # The CPU VM (split layout): a plain Ubuntu 22.04, as the TPU image's base.
 CPU_IMAGE_PROJECT = "ubuntu-os-cloud"
 CPU_IMAGE_FAMILY = "ubuntu-2204-lts"
-# What a VM needs to read and write gs:// checkpoints (the default scopes only read storage).
-STORAGE_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
-IAP_SOURCE_RANGE = "35.235.240.0/20"
+# Google's TPU examples attach the default service account with this scope; IAM then decides what it may do
+# (gs:// checkpoints need roles/storage.objectUser on the bucket, logs roles/logging.logWriter).
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+_SERVICE_ACCOUNT = re.compile(r"^(default|[a-z0-9._-]+@[a-z0-9.-]+\.gserviceaccount\.com)$")
 # Compute accepts 30 s .. 120 days for scheduling.maxRunDuration.
 MIN_RUN_DURATION_S = 30
 MAX_RUN_DURATION_S = 120 * 24 * 3600
@@ -55,7 +56,7 @@ def instance_name(dag_id: str, run_id: str, prefix: str = "tpu") -> str:
 
 
 def firewall_name(instance: str) -> str:
-    return f"{instance[:54]}-iap-ssh"
+    return f"{instance[:56]}-ssh"
 
 
 def ownership_labels(dag_id: str, run_id: str, task_id: str, expires_at: int) -> dict[str, str]:
@@ -80,13 +81,16 @@ class TpuVmSpec:
     provisioning_model: str = "RESERVATION_BOUND"
     reservation: str | None = None
     network: str = "default"
+    subnetwork: str | None = None
+    network_path: str = "external"
+    ssh_source_ranges: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
-    iap_firewall: bool = False
     boot_disk_size_gb: int = 200
     image_project: str = DEFAULT_IMAGE_PROJECT
     image_family: str = DEFAULT_IMAGE_FAMILY
     max_run_duration_s: int | None = None
-    service_account_scopes: tuple[str, ...] = ()  # empty: Compute's defaults, as the tutorials' gcloud
+    service_account: str = "default"
+    service_account_scopes: tuple[str, ...] = (CLOUD_PLATFORM_SCOPE,)
     labels: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
 
@@ -126,6 +130,19 @@ class TpuVmSpec:
                 "drop it or set provisioning_model to RESERVATION_BOUND",
             )
         validation.gce_name("network", self.network)
+        if self.subnetwork is not None and not re.fullmatch(
+            r"(projects/[a-z][a-z0-9-]{4,61}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
+            + validation.GCE_NAME_RE,
+            self.subnetwork,
+        ):
+            raise SpecError(
+                "subnetwork",
+                self.subnetwork,
+                "is not a subnetwork name or path",
+                "give its name (in each zone's region) or projects/P/regions/R/subnetworks/S",
+            )
+        validation.one_of("network_path", self.network_path, access.NETWORK_PATHS)
+        access.source_ranges("ssh_source_ranges", self.ssh_source_ranges)
         for i, tag in enumerate(self.tags):
             validation.gce_name(f"tags[{i}]", tag)
         if not 10 <= self.boot_disk_size_gb <= 65536:
@@ -147,6 +164,20 @@ class TpuVmSpec:
             raise SpecError(
                 "max_run_duration", None, "is required for FLEX_START VMs", "set it (10 minutes to 7 days)"
             )
+        if not _SERVICE_ACCOUNT.fullmatch(self.service_account or ""):
+            raise SpecError(
+                "service_account",
+                self.service_account,
+                "is not a service account",
+                "use 'default' (the project's Compute Engine default) or NAME@PROJECT.iam.gserviceaccount.com",
+            )
+        if not self.service_account_scopes:
+            raise SpecError(
+                "service_account_scopes",
+                [],
+                "is empty",
+                f"use [{CLOUD_PLATFORM_SCOPE!r}] and grant roles in IAM",
+            )
         for i, scope in enumerate(self.service_account_scopes):
             if not re.fullmatch(r"https://www\.googleapis\.com/auth/[a-z0-9._-]+", scope):
                 raise SpecError(
@@ -163,11 +194,28 @@ class TpuVmSpec:
     def machine_type(self) -> str:
         return accelerator(self.accelerator_type).machine_type
 
+    @property
+    def opens_firewall(self) -> bool:
+        """Whether the VM gets its own SSH firewall rule (admitting the ranges the user gave)."""
+        return bool(self.ssh_source_ranges)
+
+    def subnetwork_path(self, zone: str) -> str | None:
+        if not self.subnetwork or "/" in self.subnetwork:
+            return self.subnetwork
+        return f"regions/{zone.rsplit('-', 1)[0]}/subnetworks/{self.subnetwork}"
+
 
 def instance_body(
-    spec: TpuVmSpec, name: str, zone: str, labels: dict[str, str], metadata: dict[str, str] | None = None
+    spec: TpuVmSpec,
+    name: str,
+    zone: str,
+    labels: dict[str, str],
+    metadata: dict[str, str] | None = None,
+    ssh_keys: str | None = None,
 ) -> dict:
-    """The ``instances.insert`` body: the tutorials' gcloud flags mapped field by field (gce-tpu.md)."""
+    """The ``instances.insert`` body: the tutorials' gcloud flags mapped field by field (gce-tpu.md), plus what
+    gcloud does for them: the default service account, and the way in over SSH (``ssh_keys``: the ``ssh-keys``
+    metadata line; host keys published as guest attributes)."""
     scheduling: dict = {
         "onHostMaintenance": "TERMINATE",
         "instanceTerminationAction": "DELETE",
@@ -175,6 +223,11 @@ def instance_body(
     }
     if spec.max_run_duration_s is not None:
         scheduling["maxRunDuration"] = {"seconds": str(spec.max_run_duration_s)}
+    interface: dict = {"network": f"global/networks/{spec.network}"}
+    if spec.subnetwork:
+        interface["subnetwork"] = spec.subnetwork_path(zone)
+    if spec.network_path == "external":  # no external IP otherwise, as `--no-address`
+        interface["accessConfigs"] = [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]
     body: dict = {
         "name": name,
         "machineType": f"zones/{zone}/machineTypes/{spec.machine_type}",
@@ -188,12 +241,8 @@ def instance_body(
                 },
             }
         ],
-        "networkInterfaces": [
-            {
-                "network": f"global/networks/{spec.network}",
-                "accessConfigs": [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}],
-            }
-        ],
+        "networkInterfaces": [interface],
+        "serviceAccounts": [{"email": spec.service_account, "scopes": list(spec.service_account_scopes)}],
         "scheduling": scheduling,
         "labels": {**spec.labels, **labels},
     }
@@ -205,25 +254,25 @@ def instance_body(
         }
     elif spec.provisioning_model in ("SPOT", "FLEX_START"):
         body["reservationAffinity"] = {"consumeReservationType": "NO_RESERVATION"}
-    if spec.service_account_scopes:
-        body["serviceAccounts"] = [{"email": "default", "scopes": list(spec.service_account_scopes)}]
-    tags = list(spec.tags) + ([name] if spec.iap_firewall and name not in spec.tags else [])
+    tags = list(spec.tags) + ([name] if spec.opens_firewall and name not in spec.tags else [])
     if tags:
         body["tags"] = {"items": tags}
-    items = {**spec.metadata, **(metadata or {})}
-    if items:
-        body["metadata"] = {"items": [{"key": k, "value": v} for k, v in items.items()]}
+    access_items = {"enable-guest-attributes": "TRUE", "enable-oslogin": "FALSE"}
+    if ssh_keys:
+        access_items["ssh-keys"] = ssh_keys
+    items = {**spec.metadata, **(metadata or {}), **access_items}
+    body["metadata"] = {"items": [{"key": k, "value": v} for k, v in items.items()]}
     return body
 
 
-def iap_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
-    """The SFT tutorial's IAP SSH rule: tcp:22 from IAP's range to the instance's tag."""
+def ssh_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
+    """tcp:22 to the instance's tag from the ranges given (the Airflow workers' and triggerer's egress)."""
     return {
         "name": firewall_name(instance),
         "network": f"global/networks/{spec.network}",
         "direction": "INGRESS",
-        "allowed": [{"IPProtocol": "tcp", "ports": ["22"]}],
-        "sourceRanges": [IAP_SOURCE_RANGE],
+        "allowed": [{"IPProtocol": "tcp", "ports": [str(access.SSH_PORT)]}],
+        "sourceRanges": list(spec.ssh_source_ranges),
         "targetTags": [instance],
     }
 
@@ -237,6 +286,7 @@ class ErrorKind:
     CAPACITY = "capacity"
     QUOTA = "quota"
     RESERVATION = "reservation"
+    RESERVATION_FULL = "reservation fully used"
     OTHER = "other"
 
 
@@ -250,6 +300,10 @@ def classify_errors(errors: list[dict]) -> str:
         return ErrorKind.CAPACITY
     if any("QUOTA" in code for code in codes):
         return ErrorKind.QUOTA
+    # The reservation exists and fits, but its VMs are all in use: it frees up when they end (the other reservation
+    # errors — missing, another machine type, not shared — stay until someone changes it).
+    if any("does not have available resources" in str(e.get("message", "")) for e in errors):
+        return ErrorKind.RESERVATION_FULL
     if any("RESERVATION" in code for code in codes) or any(
         "reservation" in str(e.get("message", "")).lower() for e in errors
     ):

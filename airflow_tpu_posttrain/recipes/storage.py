@@ -30,6 +30,27 @@ def exists_command(uri: str) -> str:
     return f"test -e {shlex.quote(uri)}"
 
 
+def write_command(uri: str) -> str:
+    """Write standard input to the file ``uri`` (its parent directory is created when local); one command, so
+    it can end a pipeline."""
+    if is_gcs(uri):
+        return f"gcloud storage cp - {shlex.quote(uri)}"
+    return f"{{ mkdir -p {shlex.quote(posixpath.dirname(uri))} && cat > {shlex.quote(uri)}; }}"
+
+
+def read_command(uri: str) -> str:
+    """Print the file ``uri``."""
+    if is_gcs(uri):
+        return f"gcloud storage cat {shlex.quote(uri)}"
+    return f"cat {shlex.quote(uri)}"
+
+
+def metrics_uri(done_marker: str) -> str:
+    """Where a step keeps its metric lines next to its done marker, so a re-run on a new VM (whose job log
+    went with the old VM's disk) still reports what the finished step measured."""
+    return f"{done_marker}.metrics"
+
+
 def mark_command(uri: str) -> str:
     """Write the empty marker ``uri`` (its parent directory is created when local)."""
     if is_gcs(uri):

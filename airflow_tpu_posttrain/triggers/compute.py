@@ -15,7 +15,66 @@ from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
 from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 
-class ComputeOperationsTrigger(BaseTrigger):
+class ComputeTrigger(BaseTrigger):
+    """
+    What the Compute triggers share: the connection, the poll interval, and the deferring operator's ``state``,
+    returned unchanged in every event; no event comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
+    deferral. Subclasses yield from ``_events`` and add their own arguments to ``_kwargs``.
+
+    :param project_id: the project the trigger works in.
+    :param poll_interval: seconds between polls.
+    :param state: the deferring operator's state, returned unchanged in the event as ``state``.
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        gcp_conn_id: str = "google_cloud_default",
+        api_endpoint: str | None = None,
+        impersonation_chain: str | list[str] | None = None,
+        poll_interval: float = 10.0,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.project_id = project_id
+        self.gcp_conn_id = gcp_conn_id
+        self.api_endpoint = api_endpoint
+        self.impersonation_chain = impersonation_chain
+        self.poll_interval = poll_interval
+        self.state = state or {}
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            "project_id": self.project_id,
+            "gcp_conn_id": self.gcp_conn_id,
+            "api_endpoint": self.api_endpoint,
+            "impersonation_chain": self.impersonation_chain,
+            "poll_interval": self.poll_interval,
+            "state": self.state,
+        }
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{type(self).__module__}.{type(self).__qualname__}", self._kwargs()
+
+    def _hook(self) -> TpuVmAsyncHook:
+        return TpuVmAsyncHook(
+            gcp_conn_id=self.gcp_conn_id,
+            api_endpoint=self.api_endpoint,
+            impersonation_chain=self.impersonation_chain,
+        )
+
+    def _event(self, payload: dict[str, Any]) -> TriggerEvent:
+        return TriggerEvent({**payload, "state": self.state})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        async for event in not_before_settled(self._events(), time.monotonic()):
+            yield event
+
+    def _events(self) -> AsyncIterator[TriggerEvent]:
+        raise NotImplementedError
+
+
+class ComputeOperationsTrigger(ComputeTrigger):
     """
     Start ``deletes``, then poll their and the given operations until DONE, reading ``operation.error``; then,
     if ``instance`` is given, poll it to RUNNING.
@@ -30,7 +89,6 @@ class ComputeOperationsTrigger(BaseTrigger):
         The event's ``deleted`` lists those that existed.
     :param instance: ``{"name", "zone"}`` of an instance that must reach RUNNING, or None.
     :param max_transient_failures: consecutive 429/5xx answers tolerated while polling.
-    :param state: the deferring operator's state, returned unchanged in the event as ``state``.
     """
 
     def __init__(
@@ -39,41 +97,23 @@ class ComputeOperationsTrigger(BaseTrigger):
         operations: list[dict[str, str | None]],
         instance: dict[str, str] | None = None,
         deletes: list[dict[str, str | None]] | None = None,
-        gcp_conn_id: str = "google_cloud_default",
-        api_endpoint: str | None = None,
-        impersonation_chain: str | list[str] | None = None,
-        poll_interval: float = 10.0,
         max_transient_failures: int = 10,
-        state: dict[str, Any] | None = None,
+        **common: Any,
     ) -> None:
-        super().__init__()
-        self.project_id = project_id
+        super().__init__(project_id, **common)
         self.operations = operations
         self.instance = instance
         self.deletes = deletes or []
-        self.gcp_conn_id = gcp_conn_id
-        self.api_endpoint = api_endpoint
-        self.impersonation_chain = impersonation_chain
-        self.poll_interval = poll_interval
         self.max_transient_failures = max_transient_failures
-        self.state = state or {}
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "project_id": self.project_id,
-                "operations": self.operations,
-                "instance": self.instance,
-                "deletes": self.deletes,
-                "gcp_conn_id": self.gcp_conn_id,
-                "api_endpoint": self.api_endpoint,
-                "impersonation_chain": self.impersonation_chain,
-                "poll_interval": self.poll_interval,
-                "max_transient_failures": self.max_transient_failures,
-                "state": self.state,
-            },
-        )
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            **super()._kwargs(),
+            "operations": self.operations,
+            "instance": self.instance,
+            "deletes": self.deletes,
+            "max_transient_failures": self.max_transient_failures,
+        }
 
     async def _poll(self, call) -> Any:
         """Run ``call`` until it answers, sleeping between transient API failures."""
@@ -101,19 +141,8 @@ class ComputeOperationsTrigger(BaseTrigger):
             )
         return await hook.delete_firewall(self.project_id, target["name"], target["request_id"])
 
-    def _event(self, payload: dict[str, Any]) -> TriggerEvent:
-        return TriggerEvent({**payload, "state": self.state})
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        async for event in not_before_settled(self._events(), time.monotonic()):
-            yield event
-
     async def _events(self) -> AsyncIterator[TriggerEvent]:
-        hook = TpuVmAsyncHook(
-            gcp_conn_id=self.gcp_conn_id,
-            api_endpoint=self.api_endpoint,
-            impersonation_chain=self.impersonation_chain,
-        )
+        hook = self._hook()
         try:
             operations, deleted = list(self.operations), []
             for target in self.deletes:
@@ -157,3 +186,103 @@ class ComputeOperationsTrigger(BaseTrigger):
             yield self._event(
                 {"status": "error", "errors": [{"code": type(err).__name__, "message": str(err)}]}
             )
+
+
+async def ssh_port_open(address: str, port: int, timeout: float = 5.0) -> bool:
+    """Whether an SSH server answers on ``address:port`` (its banner read, not only the TCP handshake)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(address, port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        banner = await asyncio.wait_for(reader.read(4), timeout)
+    except (OSError, TimeoutError):
+        banner = b""
+    finally:
+        writer.close()
+    return banner.startswith(b"SSH-")
+
+
+class VmReadyTrigger(ComputeTrigger):
+    """
+    Wait until a RUNNING VM can be logged into: its guest environment published its host keys (``hostkeys/``
+    guest attributes) and, unless reached through IAP, its sshd answers on ``address:port``.
+
+    Fires once with fixed keys: ``{"status": "ready", "host_keys": {type: base64}, "state"}`` or
+    ``{"status": "error", "errors": [{"code", "message"}], "state"}`` (timed out, or the VM is gone).
+
+    :param project_id: the VM's project.
+    :param zone: the VM's zone.
+    :param name: the VM's name.
+    :param address: where to check the sshd; None: skip the check (IAP: the VM has no address to dial).
+    :param port: the sshd's port.
+    :param timeout: seconds to wait in all.
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        zone: str,
+        name: str,
+        address: str | None,
+        port: int = 22,
+        timeout: float = 600.0,
+        **common: Any,
+    ) -> None:
+        super().__init__(project_id, **common)
+        self.zone = zone
+        self.name = name
+        self.address = address
+        self.port = port
+        self.timeout = timeout
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            **super()._kwargs(),
+            "zone": self.zone,
+            "name": self.name,
+            "address": self.address,
+            "port": self.port,
+            "timeout": self.timeout,
+        }
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook()
+        deadline = time.monotonic() + self.timeout
+        host_keys: dict[str, str] = {}
+        port_open = False
+        try:
+            while True:
+                if not host_keys:
+                    host_keys = await hook.get_host_keys(self.project_id, self.zone, self.name)
+                if host_keys and not port_open:
+                    port_open = self.address is None or await ssh_port_open(self.address, self.port)
+                if host_keys and port_open:
+                    yield self._event({"status": "ready", "host_keys": host_keys})
+                    return
+                instance = await hook.get_instance(self.project_id, self.zone, self.name)
+                status = instance.get("status") if instance else None
+                if status != "RUNNING" or time.monotonic() > deadline:
+                    yield self._error(not_ready_message(self.name, status, host_keys, self.timeout))
+                    return
+                await asyncio.sleep(self.poll_interval)
+        except Exception as err:
+            yield self._error(f"{type(err).__name__}: {err}")
+
+    def _error(self, message: str) -> TriggerEvent:
+        return self._event({"status": "error", "errors": [{"code": "VM_NOT_READY", "message": message}]})
+
+
+def not_ready_message(name: str, status: str | None, host_keys: dict[str, str], timeout: float) -> str:
+    """Why a VM could not be logged into, and what to check."""
+    if status != "RUNNING":
+        return f"VM {name} is {status or 'gone'} while waiting to log in to it"
+    if not host_keys:
+        return (
+            f"VM {name} published no SSH host keys within {timeout:.0f} s: its image must run Google's guest "
+            "environment, and the instance needs metadata enable-guest-attributes=TRUE (set by this operator)"
+        )
+    return (
+        f"VM {name} published its host keys but its SSH port did not answer within {timeout:.0f} s: check the "
+        "firewall (ssh_source_ranges / network_path) and that Airflow can route to the VM's address"
+    )

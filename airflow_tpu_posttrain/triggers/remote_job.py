@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
 from airflow.triggers.base import TriggerEvent
 
+from airflow_tpu_posttrain.hooks.vm import VmHookAsync
 from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 if TYPE_CHECKING:
@@ -24,7 +25,13 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
     Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code (its whole
     process group was killed, e.g. by the OOM killer): otherwise the task would stay deferred until its timeout.
     Its event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
+
+    :param host_keys: ``{key type: base64}`` the VM published; the connection to the VM is pinned to them.
     """
+
+    def __init__(self, *args: Any, host_keys: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_keys = host_keys or {}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in not_before_settled(super().run(), time.monotonic()):
@@ -32,7 +39,10 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         _, kwargs = super().serialize()
-        return f"{type(self).__module__}.{type(self).__qualname__}", kwargs
+        return f"{type(self).__module__}.{type(self).__qualname__}", {**kwargs, "host_keys": self.host_keys}
+
+    def _get_hook(self) -> VmHookAsync:
+        return VmHookAsync(ssh_conn_id=self.ssh_conn_id, host=self.remote_host, host_keys=self.host_keys)
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:
         exit_code = shlex.quote(self.exit_code_file)

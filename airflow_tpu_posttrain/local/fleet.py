@@ -1,0 +1,117 @@
+"""The local machines behind the Compute emulator's instances: one :class:`LocalVm` per inserted instance.
+
+The emulator tells the fleet what Compute Engine would do to the machine: an address when the instance is
+inserted, a boot when it turns RUNNING (reading its ``ssh-keys`` and ``enable-guest-attributes`` metadata), the
+end of everything when it is deleted or stops. The fleet never outlives what it was told: a deleted instance's
+processes and disk are gone, as on Google Cloud.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from airflow_tpu_posttrain.local.vm import LocalVm, allocate_address
+
+InstanceKey = tuple[str, str, str]  # (project, zone, name)
+
+
+def _metadata(instance: dict) -> dict[str, str]:
+    return {item["key"]: item.get("value", "") for item in (instance.get("metadata") or {}).get("items", [])}
+
+
+class LocalFleet:
+    """Addresses, disks and sshds of the emulator's instances.
+
+    :param disks_root: each instance's disk is a directory below it, deleted with the instance.
+    :param shared_paths: host directories every VM sees (checkpoint storage standing in for ``gs://``).
+    :param package_cache: a host directory standing in for a package mirror (uv's cache on the VMs).
+    :param boot_delay: seconds from RUNNING until the VM's sshd answers.
+    """
+
+    def __init__(
+        self,
+        disks_root: Path,
+        shared_paths: Sequence[Path] = (),
+        package_cache: Path | None = None,
+        boot_delay: float = 2.0,
+        port: int = 22,
+    ) -> None:
+        self.disks_root = Path(disks_root)
+        self.shared_paths = tuple(shared_paths)
+        self.package_cache = package_cache
+        self.boot_delay = boot_delay
+        self.port = port
+        self._addresses: dict[InstanceKey, str] = {}
+        self._vms: dict[InstanceKey, LocalVm] = {}
+        self._endings: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.before_end: Callable[[LocalVm], None] | None = None
+        """Tests: called with each machine just before it ends (its files still readable, e.g. ``guest_path``)."""
+
+    def allocate(self, key: InstanceKey) -> str:
+        """The instance's address, fixed at insert (as its IP is on Google Cloud)."""
+        with self._lock:
+            taken = set(self._addresses.values())
+            self._addresses[key] = allocate_address(self.port, taken)
+            return self._addresses[key]
+
+    def boot(self, key: InstanceKey, instance: dict) -> None:
+        """Start the instance's machine (its sshd answers ``boot_delay`` seconds later)."""
+        metadata = _metadata(instance)
+        # OS Login ignores metadata keys; nobody logs in with them then (this fleet has no OS Login).
+        oslogin = metadata.get("enable-oslogin", "").upper() == "TRUE"
+        with self._lock:
+            if key in self._vms or key not in self._addresses:
+                return
+            vm = LocalVm(
+                key[2],
+                self.disks_root / f"{key[1]}-{key[2]}-{instance['id']}",
+                self._addresses[key],
+                None if oslogin else metadata.get("ssh-keys"),
+                port=self.port,
+                guest_attributes=metadata.get("enable-guest-attributes", "").upper() == "TRUE",
+                boot_delay=self.boot_delay,
+                shared_paths=self.shared_paths,
+                package_cache=self.package_cache,
+            )
+            self._vms[key] = vm
+        vm.boot()
+
+    def end(self, key: InstanceKey) -> None:
+        """The instance is deleted (or stopped): its processes die and its disk is deleted, in the background."""
+        with self._lock:
+            self._addresses.pop(key, None)
+            vm = self._vms.pop(key, None)
+            if vm is None:
+                return
+            ending = threading.Thread(target=self._end, args=(vm, self.before_end), name=f"end-{key[2]}")
+            self._endings.append(ending)
+        ending.start()
+
+    @staticmethod
+    def _end(vm: LocalVm, before_end: Callable[[LocalVm], None] | None) -> None:
+        try:
+            if before_end is not None and vm.is_running:
+                before_end(vm)
+        finally:
+            vm.destroy()
+
+    def guest_attributes(self, key: InstanceKey) -> list[dict]:
+        with self._lock:
+            vm = self._vms.get(key)
+        return vm.guest_attributes if vm else []
+
+    def vm(self, key: InstanceKey) -> LocalVm | None:
+        """The machine of a live instance (tests: drop its SSH sessions, read its disk)."""
+        with self._lock:
+            return self._vms.get(key)
+
+    def stop(self) -> None:
+        """End every machine and wait until all are gone."""
+        for key in list(self._vms):
+            self.end(key)
+        for ending in list(self._endings):
+            ending.join()
+        self._endings.clear()

@@ -1,0 +1,56 @@
+"""The TPU capacity cap: how many of the pipeline's TPU VMs may live at once in one capacity group.
+
+Pure. A capacity group is what the VMs compete for: a reservation (in a project), or, without one, the set of
+zones they are created in. Every TPU VM carries its group's label, so the live VMs of a group are counted from
+Compute by that label — across DAGs, schedulers and Airflow deployments. Two creates racing for the last place
+both insert; the later by creation time (then name) sees itself over the cap, deletes its VM and waits again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from airflow_tpu_posttrain.recipes.compute import LIVE_STATES
+
+GROUP_LABEL = "tpu-capacity-group"
+# A VM that holds (or is about to hold) capacity: PENDING is a FLEX_START VM queued for capacity.
+HOLDING_STATES = LIVE_STATES | {"PENDING"}
+
+
+def group_label(
+    project: str, reservation: str | None, zones: Iterable[str], machine_type: str, role: str = "tpu"
+) -> str:
+    """The label value of a capacity group: the reservation's name, or else the zones and the machine series
+    (``ct6e``), in one project, for one role of VM (a run's CPU VM never counts against TPU VMs)."""
+    series = machine_type.split("-", 1)[0]
+    key = (
+        f"reservation:{reservation.rsplit('/', 1)[-1]}"
+        if reservation
+        else f"zones:{','.join(sorted(zones))}:{series}:{role}"
+    )
+    return hashlib.sha256(f"{project}\0{key}".encode()).hexdigest()[:16]
+
+
+def holders(instances: Iterable[dict]) -> list[dict]:
+    """The group's instances that hold capacity, first created first (ties broken by name)."""
+    live = [i for i in instances if i.get("status") in HOLDING_STATES]
+    return sorted(live, key=lambda i: (i.get("creationTimestamp", ""), i.get("name", "")))
+
+
+def over_cap(name: str, instances: Iterable[dict], cap: int) -> bool:
+    """Whether ``name`` is not among the ``cap`` first-created holders (it lost the race and must yield)."""
+    names = [i.get("name") for i in holders(instances)]
+    return name in names and names.index(name) >= cap
+
+
+def describe(instances: Iterable[dict], cap: int) -> str:
+    """``1 of 1 in use by posttrain_rl__llama3.1-8b-Instruct run scheduled__...`` for the wait's log line."""
+    held = holders(instances)
+    users = []
+    for instance in held:
+        metadata = {m["key"]: m.get("value") for m in (instance.get("metadata") or {}).get("items", [])}
+        dag = metadata.get("airflow-dag-id") or (instance.get("labels") or {}).get("airflow-dag", "?")
+        run = metadata.get("airflow-run-id") or (instance.get("labels") or {}).get("airflow-run", "?")
+        users.append(f"{dag} run {run} ({instance.get('name')})")
+    return f"{len(held)} of {cap} in use by " + ("; ".join(users) or "nobody")

@@ -1,0 +1,30 @@
+"""The storage commands a job script runs on a VM, run here with bash on a local directory."""
+
+import subprocess
+
+from airflow_tpu_posttrain.recipes import storage
+
+
+def _bash(script: str) -> str:
+    return subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{script}"], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def test_metric_lines_kept_next_to_the_done_marker_can_be_read_back(tmp_path):
+    marker = str(tmp_path / "run" / ".complete-10")
+    log = tmp_path / "stdout.log"
+    log.write_text("noise\ncompleted step: 9, loss: 6.2\n")
+    kept = storage.metrics_uri(marker)
+    # As the job script does: the grep's output ends a pipeline into the storage write, then the marker.
+    _bash(
+        f"{{ grep -a 'completed step' {log} || true; }} | {storage.write_command(kept)}\n{storage.mark_command(marker)}"
+    )
+    assert _bash(storage.exists_command(marker) + " && echo yes") == "yes\n"
+    assert _bash(storage.read_command(kept)) == "completed step: 9, loss: 6.2\n"
+
+
+def test_gcs_commands_quote_the_uri():
+    uri = "gs://bucket/run name/.complete-10.metrics"
+    assert storage.write_command(uri) == "gcloud storage cp - 'gs://bucket/run name/.complete-10.metrics'"
+    assert storage.read_command(uri) == "gcloud storage cat 'gs://bucket/run name/.complete-10.metrics'"

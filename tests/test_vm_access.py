@@ -1,0 +1,153 @@
+"""Reaching a fresh VM as on Compute Engine: the connection's key in the VM's metadata, host keys pinned from guest
+attributes, the network checked before the insert; and the emulator refusing what the real API refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import PROJECT, log_excerpt
+from test_tpu_vm_operators import inserts, lifecycle, no_instances_within, task_states, xcom
+
+STEP_DAG = """
+from datetime import datetime
+from airflow.sdk import DAG
+from airflow_tpu_posttrain.operators.maxtext import MaxTextInstallOperator
+from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+
+with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+         render_template_as_native_obj=True):
+    create = TpuVmCreateOperator(
+        task_id="create_tpu_vm", zones=["us-east5-b"], reservation="my-reservation", poll_interval=0.2
+    )
+    install = MaxTextInstallOperator(
+        task_id="install_maxtext", model="tiny-llama", runtime="cpu", maxtext_venv="/var/tmp/venv", retries=0
+    )
+    delete = TpuDeleteOperator(task_id="delete_tpu_vm", zones=["us-east5-b"], poll_interval=0.2)
+    create >> install >> delete.as_teardown(setups=create)
+"""
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"name": "tpu-x", "acceleratorType": "v6e-8"}, "Unknown name \"acceleratorType\" at 'resource'"),
+        ({"name": "tpu-x", "scheduling": {"provisioningModel": "CHEAP"}}, '"CHEAP"'),
+    ],
+)
+def test_emulator_answers_400_for_what_compute_v1_does_not_know(emulator, body, message):
+    status, answer = _post(f"{emulator.url}/compute/v1/projects/{PROJECT}/zones/us-east5-b/instances", body)
+    assert status == 400 and message in answer["error"]["message"]
+    assert answer["error"]["errors"][0]["reason"] == "invalid"
+    assert emulator.instances() == []
+
+
+def test_custom_mode_network_without_subnetwork_fails_before_the_insert(
+    emulator, run_dag, capfd, fault_matrix
+):
+    emulator.add_network("tpu-vpc", custom_mode=True)
+    body = lifecycle("access_custom_vpc", tasks="create", create_kwargs='network="tpu-vpc"')
+    dr = run_dag("access_custom_vpc", body)
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "subnetwork=None: is required: network 'tpu-vpc' is a custom-mode VPC" in logs
+    assert inserts(emulator) == []
+    fault_matrix.record(
+        "access: custom-mode VPC without subnetwork -> refused before the insert",
+        None,
+        dr.state,
+        None,
+        log_excerpt(logs, "subnetwork=None"),
+    )
+
+
+def test_vm_without_guest_environment_fails_the_create_and_is_deleted(emulator, run_dag, capfd, fault_matrix):
+    emulator.set_faults(no_guest_environment=True)
+    kwargs = "ready_timeout=__import__('datetime').timedelta(seconds=8)"
+    dr = run_dag("access_no_guest", lifecycle("access_no_guest", create_kwargs=kwargs))
+    assert task_states(dr)["create_tpu_vm"] == "failed" and dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "published no SSH host keys within 8 s" in logs and "The VM was deleted" in logs
+    assert no_instances_within(emulator, seconds=10)
+    fault_matrix.record(
+        "access: VM never publishes its host keys -> create fails, VM deleted",
+        True,
+        dr.state,
+        None,
+        log_excerpt(logs, "published no SSH host keys"),
+    )
+
+
+def test_a_machine_with_other_host_keys_is_refused_by_the_first_ssh_step(
+    emulator, run_dag, capfd, fault_matrix
+):
+    emulator.set_faults(impostor_host_keys=True)
+    dr = run_dag("access_impostor", STEP_DAG.format(dag_id="access_impostor"))
+    states = task_states(dr)
+    assert states["create_tpu_vm"] == "success" and states["install_maxtext"] == "failed"
+    logs = "".join(capfd.readouterr())
+    address = xcom(dr, "create_tpu_vm")["ssh_address"]
+    assert f"The machine at {address}:22 presented the ssh-ed25519 host key" in logs
+    assert "which is not the one the VM published" in logs
+    assert "Started job" not in logs  # nothing was run on the impostor
+    assert no_instances_within(emulator)
+    fault_matrix.record(
+        "access: the VM's host key differs from its guest attribute -> step refuses to connect",
+        True,
+        "failed",
+        None,
+        log_excerpt(logs, "presented the ssh-ed25519 host key"),
+    )
+
+
+def test_the_triggers_connection_is_pinned_to_the_published_keys(emulator, run_dag):
+    import asyncssh
+
+    from airflow_tpu_posttrain.hooks.vm import VmHookAsync
+
+    first = xcom(run_dag("access_pin_a", lifecycle("access_pin_a", tasks="create")), "create_tpu_vm")
+    second = xcom(run_dag("access_pin_b", lifecycle("access_pin_b", tasks="create")), "create_tpu_vm")
+    assert first["ssh_address"] != second["ssh_address"] and first["host_keys"] != second["host_keys"]
+
+    async def whoami(host_keys: dict) -> str:
+        hook = VmHookAsync(ssh_conn_id="tpu_vm_ssh", host=first["ssh_address"], host_keys=host_keys)
+        return (await hook.run_command("id -un"))[1].strip()
+
+    assert asyncio.run(whoami(first["host_keys"])) == "posttrain"
+    with pytest.raises(asyncssh.HostKeyNotVerifiable):
+        asyncio.run(whoami(second["host_keys"]))
+
+
+def test_private_key_is_in_no_log_xcom_request_or_rendered_field(emulator, run_dag, capfd, client_key):
+    from airflow.models.renderedtifields import RenderedTaskInstanceFields
+
+    dr = run_dag("access_secret", lifecycle("access_secret"))
+    assert dr.state == "success", task_states(dr)
+    private = client_key.read_text().splitlines()[1:-1]  # the PEM body, line by line
+    public = client_key.with_suffix(".pub").read_text().split()[1]
+    seen = {
+        "logs": "".join(capfd.readouterr()),
+        "xcom": json.dumps([xcom(dr, "create_tpu_vm"), xcom(dr, "delete_tpu_vm")]),
+        "requests": json.dumps(emulator.requests),
+        "rendered": json.dumps(
+            [RenderedTaskInstanceFields.get_templated_fields(ti) for ti in dr.get_task_instances()],
+            default=str,
+        ),
+    }
+    assert public in seen["requests"]  # what the VM needs: the public half, in its metadata
+    for where, text in seen.items():
+        assert not any(line in text for line in private), where
