@@ -59,7 +59,8 @@ def emulator(monkeypatch, tmp_path, client_key):
         for zone in ("us-east5-a", "us-east5-b"):  # the reservations the tests' DAGs name
             for reservation in ("my-reservation", "r"):
                 emu.add_reservation(reservation, zone, vm_count=8)
-        extra = {"is_anonymous": True, "project": PROJECT, "compute_api_endpoint": emu.url}
+        # The emulator serves the OS Login API too.
+        extra = {"is_anonymous": True, "project": PROJECT, "compute_api_endpoint": emu.url, "oslogin_api_endpoint": emu.url}
         monkeypatch.setenv(
             "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
         )

@@ -186,6 +186,49 @@ def test_expiry_is_checked_at_login(make_vm, keys):
         _connect(vm, keys["expiring"][0])
 
 
+def test_oslogin_vm_takes_only_the_oslogin_profiles_current_keys(make_vm, keys):
+    """With OS Login on, the VM's sshd asks the metadata server for the login's keys: keys imported through the
+    real OS Login client log in as the POSIX name it answered, until they expire; metadata keys do not."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud.oslogin_v1 import OsLoginServiceClient
+
+    from airflow_tpu_posttrain.local.compute_emulator import GUEST_OSLOGIN_PATH, ComputeEmulator
+
+    with ComputeEmulator() as emulator:
+        client = OsLoginServiceClient(
+            transport="rest", credentials=AnonymousCredentials(), client_options={"api_endpoint": emulator.url}
+        )
+        user = "runner@my-project.iam.gserviceaccount.com"
+        expire_on = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=8)
+        answers = [
+            client.import_ssh_public_key(
+                request={"parent": f"users/{user}", "ssh_public_key": {"key": key, "expiration_time_usec": usec}}
+            )
+            for key, usec in [
+                (keys["user"][1], int((time.time() + 3600) * 1e6)),
+                (keys["expiring"][1], int(expire_on.timestamp() * 1e6)),
+            ]
+        ]
+        login = answers[-1].login_profile.posix_accounts[0].username
+        assert login.startswith("sa_") and len(answers[-1].login_profile.ssh_public_keys) == 2
+        vm = make_vm(
+            "vm-oslogin",
+            f"{LOGIN}:{keys['stranger'][1]}\n",  # metadata keys: ignored under OS Login
+            oslogin_url=emulator.url + GUEST_OSLOGIN_PATH,
+            oslogin_logins=[login],
+        )
+        with _connect(vm, keys["user"][0], user=login) as session:
+            assert _run(session, "id -un").strip() == login
+        _connect(vm, keys["expiring"][0], user=login).close()
+        for user_, key in [(LOGIN, "stranger"), (login, "stranger"), (LOGIN, "user")]:
+            with pytest.raises(paramiko.AuthenticationException):
+                _connect(vm, keys[key][0], user=user_)
+        assert _wait_for(lambda: datetime.now(UTC) > expire_on, timeout=12)
+        with pytest.raises(paramiko.AuthenticationException):
+            _connect(vm, keys["expiring"][0], user=login)
+        _connect(vm, keys["user"][0], user=login).close()
+
+
 def test_no_keys_no_login(make_vm, keys):
     vm = make_vm("vm-nokeys", "")
     with pytest.raises(paramiko.AuthenticationException):

@@ -114,6 +114,58 @@ def test_a_machine_with_other_host_keys_is_refused_by_the_first_ssh_step(
     )
 
 
+def test_oslogin_mode_puts_the_key_in_os_login_and_the_vm_takes_only_its_posix_name(
+    emulator, run_dag, capfd, client_key, fault_matrix
+):
+    import paramiko
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook, VmHookAsync
+    from airflow_tpu_posttrain.local.oslogin import posix_username
+
+    user = "airflow-runner@my-project.iam.gserviceaccount.com"
+    kwargs = f'ssh_key_mode="oslogin", oslogin_user="{user}"'
+    dr = run_dag("access_oslogin", lifecycle("access_oslogin", tasks="create", create_kwargs=kwargs))
+    assert dr.state == "success", task_states(dr)
+    logs = "".join(capfd.readouterr())
+    vm, login = xcom(dr, "create_tpu_vm"), posix_username(user)
+    assert vm["ssh_login"] == login
+    [insert] = inserts(emulator)
+    metadata = {item["key"]: item["value"] for item in insert["body"]["metadata"]["items"]}
+    assert metadata["enable-oslogin"] == "TRUE" and "ssh-keys" not in metadata
+    # Before the insert, and again once RUNNING (a retry reusing the VM renews the key the same way).
+    imports = [r for r in emulator.requests if r["path"].endswith(":importSshPublicKey")]
+    public = " ".join(client_key.with_suffix(".pub").read_text().split()[:2])
+    assert imports and {r["path"] for r in imports} == {f"/v1/users/{user.replace('@', '%40')}:importSshPublicKey"}
+    assert {r["body"]["key"] for r in imports} == {public}
+    expires_at = int(imports[0]["body"]["expirationTimeUsec"]) / 1e6
+    assert 0 < expires_at - dr.start_date.timestamp() <= 13 * 3600  # with the VM (12 h backstop, no DAG timeout)
+
+    # What every SSH step does, in the worker and in the triggerer: log in as the OS Login name, host keys pinned.
+    pinned = {"ssh_conn_id": "tpu_vm_ssh", "host_keys": vm["host_keys"]}
+    with VmHook(remote_host=vm["ssh_address"], username=login, **pinned) as session:
+        assert session.run("id -un").strip() == login
+    hook = VmHookAsync(host=vm["ssh_address"], username=login, **pinned)
+    assert asyncio.run(hook.run_command("id -un"))[1].strip() == login
+    # The connection's own login with the same key is not let in: the key is in OS Login, not in the metadata.
+    with pytest.raises(paramiko.AuthenticationException), VmHook(remote_host=vm["ssh_address"], **pinned):
+        pass
+    fault_matrix.record(
+        "access: OS Login mode -> key in the OS Login profile, the VM lets in only its POSIX name",
+        None,
+        dr.state,
+        None,
+        log_excerpt(logs, f"login {login}"),
+    )
+
+
+def test_oslogin_user_that_is_not_an_email_fails_before_anything_is_created(emulator, run_dag, capfd):
+    kwargs = 'ssh_key_mode="oslogin", oslogin_user="airflow"'
+    dr = run_dag("access_oslogin_bad", lifecycle("access_oslogin_bad", tasks="create", create_kwargs=kwargs))
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "oslogin_user='airflow': is not a Google account e-mail" in "".join(capfd.readouterr())
+    assert emulator.requests == []
+
+
 def test_the_triggers_connection_is_pinned_to_the_published_keys(emulator, run_dag):
     import asyncssh
 

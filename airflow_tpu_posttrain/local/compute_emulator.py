@@ -46,9 +46,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from airflow_tpu_posttrain.local import compute_schema
+from airflow_tpu_posttrain.local.oslogin import OsLoginDirectory, OsLoginError
 
 if TYPE_CHECKING:
     from airflow_tpu_posttrain.local.fleet import LocalFleet
@@ -58,6 +59,9 @@ WAIT_TIMEOUT_SECONDS = 2.0
 """How long ``operations/{op}/wait`` blocks before returning a not-yet-DONE operation."""
 MAX_PENDING_SECONDS = 1.0
 """An operation is PENDING for half its time, but at most this long, then RUNNING until DONE."""
+
+GUEST_OSLOGIN_PATH = "/computeMetadata/v1/oslogin/"
+"""Where a local VM's sshd looks up OS Login keys, as a real one asks its metadata server."""
 
 TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
 
@@ -245,6 +249,10 @@ class ComputeEmulator:
                 "GET": (self._get_firewall, None),
                 "DELETE": (self._delete_firewall, None),
             },
+            # OS Login API v1 (oslogin.googleapis.com), and its metadata-server side that a VM's sshd asks.
+            r"/v1/users/(?P<user>[^/:]+):importSshPublicKey": {"POST": (self._import_ssh_public_key, None)},
+            r"/v1/users/(?P<user>[^/:]+)/loginProfile": {"GET": (self._get_login_profile, None)},
+            GUEST_OSLOGIN_PATH + "users": {"GET": (self._guest_oslogin_user, None)},
         }
         self._routes = [(re.compile(pattern), methods) for pattern, methods in routes.items()]
         self.reset()
@@ -370,6 +378,7 @@ class ComputeEmulator:
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
             self._run_deadlines: dict[tuple[str, str, str], tuple[float, str]] = {}
+            self.oslogin = OsLoginDirectory()
 
     # ---------------------------------------------------------------- dispatch
 
@@ -561,7 +570,9 @@ class ComputeEmulator:
                     instance["status"] = "RUNNING"
                     self._schedule_max_run_duration(key, instance)
                     if self.fleet is not None:
-                        self.fleet.boot(key, instance)
+                        self.fleet.boot(
+                            key, instance, self.url + GUEST_OSLOGIN_PATH, self.oslogin.usernames()
+                        )
 
             failure = self._insert_failure(project, zone, body)
             return 200, self._start_operation(
@@ -667,7 +678,8 @@ class ComputeEmulator:
                 for (instance_project, instance_zone, _), instance in self._instances.items()
                 if (instance_project, instance_zone) == (project, zone)
                 and instance["status"] not in ("TERMINATED", "STOPPED", "SUSPENDED")
-                and name in [v.rsplit("/", 1)[-1] for v in instance.get("reservationAffinity", {}).get("values", [])]
+                and name
+                in [v.rsplit("/", 1)[-1] for v in instance.get("reservationAffinity", {}).get("values", [])]
             )
             if in_use > reservation["count"]:  # the instance being inserted is already counted
                 return _OperationError(
@@ -848,6 +860,26 @@ class ComputeEmulator:
                     del self._firewalls[(project, name)]
 
             return 200, self._start_operation(project, None, "delete", firewall, query, on_done=on_done)
+
+    # ---------------------------------------------------------------- OS Login
+
+    def _import_ssh_public_key(self, query: dict, body: dict, user: str):
+        try:
+            return 200, self.oslogin.import_key(unquote(user), body)
+        except OsLoginError as error:
+            return error.code, error.body
+
+    def _get_login_profile(self, query: dict, body: dict, user: str):
+        try:
+            return 200, self.oslogin.login_profile(unquote(user))
+        except OsLoginError as error:
+            return error.code, error.body
+
+    def _guest_oslogin_user(self, query: dict, body: dict):
+        try:
+            return 200, self.oslogin.guest_profile(query.get("username", ""))
+        except OsLoginError as error:
+            return error.code, error.body
 
 
 class _Handler(BaseHTTPRequestHandler):

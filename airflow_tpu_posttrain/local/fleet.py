@@ -1,7 +1,8 @@
 """The local machines behind the Compute emulator's instances: one :class:`LocalVm` per inserted instance.
 
 The emulator tells the fleet what Compute Engine would do to the machine: an address when the instance is
-inserted, a boot when it turns RUNNING (reading its ``ssh-keys`` and ``enable-guest-attributes`` metadata), the
+inserted, a boot when it turns RUNNING (reading its ``ssh-keys``, ``enable-oslogin`` and ``enable-guest-attributes``
+metadata), the
 end of everything when it is deleted or stops. The fleet never outlives what it was told: a deleted instance's
 processes and disk are gone, as on Google Cloud.
 """
@@ -57,10 +58,17 @@ class LocalFleet:
             self._addresses[key] = allocate_address(self.port, taken)
             return self._addresses[key]
 
-    def boot(self, key: InstanceKey, instance: dict) -> None:
-        """Start the instance's machine (its sshd answers ``boot_delay`` seconds later)."""
+    def boot(
+        self,
+        key: InstanceKey,
+        instance: dict,
+        oslogin_url: str | None = None,
+        oslogin_logins: Sequence[str] = (),
+    ) -> None:
+        """Start the instance's machine (its sshd answers ``boot_delay`` seconds later). With
+        ``enable-oslogin: TRUE`` its sshd takes keys from ``oslogin_url`` only (metadata keys are ignored, as
+        on Google Cloud), and the OS Login accounts known at boot exist on it."""
         metadata = _metadata(instance)
-        # OS Login ignores metadata keys; nobody logs in with them then (this fleet has no OS Login).
         oslogin = metadata.get("enable-oslogin", "").upper() == "TRUE"
         with self._lock:
             if key in self._vms or key not in self._addresses:
@@ -75,6 +83,8 @@ class LocalFleet:
                 boot_delay=self.boot_delay,
                 shared_paths=self.shared_paths,
                 package_cache=self.package_cache,
+                oslogin_url=oslogin_url if oslogin else None,
+                oslogin_logins=tuple(oslogin_logins) if oslogin else (),
             )
             self._vms[key] = vm
         vm.boot()

@@ -144,6 +144,7 @@ class LocalStack:
                 "is_anonymous": True,
                 "project": LOCAL_PROJECT,
                 "compute_api_endpoint": self.compute.url,
+                "oslogin_api_endpoint": self.compute.url,  # the emulator also serves OS Login
             },
         }
         hub = {"conn_type": "generic", "host": self.hub.url, "password": self.hf_token}

@@ -35,6 +35,7 @@ IMAGE_PYTHON = "/usr/bin/python3"
 PYENV_ROOT = Path("/root/.pyenv")
 VM_SSH_DIR = "/etc/ssh"
 _KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py keys {VM_SSH_DIR}/ssh-keys %u"
+_OSLOGIN_KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py oslogin-keys {{url}} %u"
 START_TIMEOUT_S = 15.0
 DESTROY_TIMEOUT_S = 10.0
 HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
@@ -119,6 +120,34 @@ def authorized_keys(lines: Iterable[str], user: str, now: datetime) -> list[str]
     return keys
 
 
+def oslogin_keys(url: str, user: str, now: datetime) -> list[str]:
+    """The ``KEYTYPE KEY`` entries of OS Login user ``user`` valid at ``now``, from the metadata server's
+    ``oslogin/users?username=`` (what Google's ``google_authorized_keys`` asks); none for an unknown user."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{url}users?username={urllib.parse.quote(user)}", headers={"Metadata-Flavor": "Google"}
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the metadata server is local
+    try:
+        with opener.open(request, timeout=10) as answer:
+            profiles = json.load(answer).get("loginProfiles", [])
+    except urllib.error.HTTPError:
+        return []
+    now_usec = int(now.timestamp() * 1_000_000)
+    keys = []
+    for profile in profiles:
+        for entry in (profile.get("sshPublicKeys") or {}).values():
+            if int(entry.get("expirationTimeUsec") or now_usec + 1) <= now_usec:
+                continue
+            fields = entry.get("key", "").split()
+            if len(fields) >= 2:
+                keys.append(f"{fields[0]} {fields[1]}")
+    return keys
+
+
 def _init(mounts: list[list[str]], sshd_argv: list[str]) -> int:
     """PID 1 of the VM: make its mounts, start sshd, reap orphans (a zombie looks alive) until sshd exits."""
     for argv in mounts:
@@ -189,6 +218,8 @@ class LocalVm:
         boot_delay: float = 2.0,
         shared_paths: Sequence[Path] = (),
         package_cache: Path | None = None,
+        oslogin_url: str | None = None,
+        oslogin_logins: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.disk_dir = Path(disk_dir).absolute()
@@ -198,6 +229,9 @@ class LocalVm:
         self.boot_delay = boot_delay
         self.shared_paths = [Path(path).resolve() for path in shared_paths]
         self.package_cache = Path(package_cache).resolve() if package_cache else None
+        # OS Login: sshd asks this metadata-server URL for a login's keys; these accounts exist from boot.
+        self.oslogin_url = oslogin_url
+        self.oslogin_logins = tuple(oslogin_logins)
         self.console_path = self.disk_dir / "console.log"
         self._etc = self.disk_dir / "etc"
         self._publish_guest_attributes = guest_attributes
@@ -333,7 +367,8 @@ class LocalVm:
         (self.disk_dir / "root").chmod(0o711)  # traversable, so the login user reaches /root/.pyenv
         # The guest agent creates an account per login named in a well-formed line (never root).
         parsed = (_key_fields(line) for line in self.ssh_keys.splitlines())
-        logins = list(dict.fromkeys(fields[0] for fields in parsed if fields and fields[0] != "root"))
+        named = [fields[0] for fields in parsed if fields] + list(self.oslogin_logins)
+        logins = list(dict.fromkeys(login for login in named if login != "root"))
         for login in logins:
             home = self.disk_dir / "home" / login
             shutil.copytree("/etc/skel", home, symlinks=True)
@@ -364,10 +399,14 @@ class LocalVm:
             ("ListenAddress", f"{self.address}:{self.port}"),
             *(("HostKey", f"{VM_SSH_DIR}/ssh_host_{name}_key") for name in HOST_KEY_TYPES),
             ("PidFile", "none"),  # /run is the image's, shared by every VM
-            # Only the instance's ssh-keys metadata, checked at each login (keys expire); sshd requires the
+            # Only the instance's ssh-keys metadata (or, with OS Login, the login's OS Login keys), checked at
+            # each login (keys expire); sshd requires the
             # command to be root-owned in root-owned, not group/world-writable directories: /usr/bin/python3.
             ("AuthorizedKeysFile", "none"),
-            ("AuthorizedKeysCommand", _KEYS_COMMAND),
+            (
+                "AuthorizedKeysCommand",
+                _OSLOGIN_KEYS_COMMAND.format(url=self.oslogin_url) if self.oslogin_url else _KEYS_COMMAND,
+            ),
             ("AuthorizedKeysCommandUser", "nobody"),
             ("PermitRootLogin", "no"),
             ("PasswordAuthentication", "no"),
@@ -463,7 +502,12 @@ def _main(argv: list[str]) -> int:
         lines = Path(argv[1]).read_text().splitlines()
         print("\n".join(authorized_keys(lines, argv[2], datetime.now(UTC))))
         return 0
-    raise SystemExit("usage: vm_agent.py init MOUNTS_JSON_FILE SSHD_ARGV... | keys KEYS_FILE USER")
+    if argv[0] == "oslogin-keys":
+        print("\n".join(oslogin_keys(argv[1], argv[2], datetime.now(UTC))))
+        return 0
+    raise SystemExit(
+        "usage: vm_agent.py init MOUNTS_JSON_FILE SSHD_ARGV... | keys KEYS_FILE USER | oslogin-keys URL USER"
+    )
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ class MaxTextJobOperator(BaseOperator):
     :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
     :param vm_task_id: the create task whose XCom gives the VM's address, host keys and accelerator type.
     :param remote_host: the VM's address, when it does not come from ``vm_task_id``.
+    :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm_task_id``: the
+        connection's login, or the OS Login POSIX name); empty: the connection's login.
     :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
         ``vm_task_id``); every connection, in the worker and in the triggerer, is pinned to them.
     :param accelerator_type: default: the VM's, from ``vm_task_id``.
@@ -104,6 +106,7 @@ class MaxTextJobOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "ssh_conn_id",
         "remote_host",
+        "ssh_login",
         "host_keys",
         "model",
         "accelerator_type",
@@ -122,6 +125,7 @@ class MaxTextJobOperator(BaseOperator):
         ssh_conn_id: str = "tpu_vm_ssh",
         vm_task_id: str | None = "create_tpu_vm",
         remote_host: str | None = None,
+        ssh_login: str | None = None,
         host_keys: dict[str, str] | str | None = None,
         accelerator_type: str | None = None,
         runtime: str = "tpu",
@@ -143,10 +147,12 @@ class MaxTextJobOperator(BaseOperator):
         self.vm_task_id = vm_task_id
         if vm_task_id:
             remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key="ssh_address")
+            ssh_login = ssh_login or _VM_XCOM.format(task=vm_task_id, key="ssh_login")
             host_keys = host_keys or _VM_XCOM.format(task=vm_task_id, key="host_keys")
             accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
         self.ssh_conn_id = ssh_conn_id
         self.remote_host = remote_host
+        self.ssh_login = ssh_login
         self.host_keys = host_keys
         self.model = model
         self.accelerator_type = accelerator_type or "v6e-8"
@@ -226,6 +232,7 @@ class MaxTextJobOperator(BaseOperator):
         return VmHook(
             ssh_conn_id=self.ssh_conn_id,
             remote_host=self.remote_host or None,
+            username=self.ssh_login or None,
             host_keys=self._pinned_host_keys(),
         )
 
@@ -382,6 +389,7 @@ class MaxTextJobOperator(BaseOperator):
             trigger=MaxTextJobTrigger(
                 ssh_conn_id=self.ssh_conn_id,
                 remote_host=self.remote_host,
+                login=self.ssh_login or None,
                 host_keys=self._pinned_host_keys(),
                 job_id=paths.job_id,
                 job_dir=paths.job_dir,

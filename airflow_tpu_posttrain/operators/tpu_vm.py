@@ -29,6 +29,11 @@ BACKSTOP_MARGIN = timedelta(minutes=30)
 _REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 
 
+def _expires_at(spec: compute.TpuVmSpec) -> int:
+    """When the VM (and the key that lets Airflow in) expires."""
+    return compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))
+
+
 def _request_id(context: Context, *parts: object) -> str:
     """A requestId stable within one try of one task instance (the same call repeated by the client's retries,
     or after a deferral, is recognised by Compute as a repeat) and new for every try and every re-run: the task
@@ -159,12 +164,13 @@ class TpuVmCreateOperator(_ComputeOperator):
     Zones are tried in order; a stock-out moves on to the next zone, quota and reservation errors fail at once.
 
     The VM is made reachable the way ``gcloud compute ssh`` reaches one: the public half of the SSH connection's
-    key goes into the instance's ``ssh-keys`` metadata (expiring with the VM), the guest environment publishes
-    the VM's host keys as guest attributes, and the task succeeds only once those are published and the VM's
+    key goes into the instance's ``ssh-keys`` metadata, or with ``ssh_key_mode="oslogin"`` into the OS Login
+    profile of the Google Cloud connection's account (either way expiring with the VM), the guest environment
+    publishes the VM's host keys as guest attributes, and the task succeeds only once those are published and the VM's
     sshd answers (in the triggerer). Every SSH step then pins those host keys.
 
-    Returns (XCom) ``name, project, zone, status, internal_ip, external_ip, ssh_address, ssh_port, host_keys,
-    machine_type, accelerator_type, firewall``; a partial record with the name is pushed before the first API
+    Returns (XCom) ``name, project, zone, status, internal_ip, external_ip, ssh_address, ssh_port, ssh_login,
+    host_keys, machine_type, accelerator_type, firewall``; a partial record with the name is pushed before the first API
     call so a teardown can find the VM even if this task dies half-way.
 
     :param zones: zones to try, in order (a list, or a comma-separated string).
@@ -180,7 +186,12 @@ class TpuVmCreateOperator(_ComputeOperator):
     :param ssh_source_ranges: CIDR ranges (the Airflow workers' and triggerer's egress) admitted to tcp:22 by a
         firewall rule created and deleted with the VM; empty: no rule (the network already admits them).
     :param ssh_conn_id: the SSH connection the MaxText steps use; its login and public key go into the VM's
-        ``ssh-keys`` metadata.
+        ``ssh-keys`` metadata (``metadata`` mode), or its public key into OS Login (``oslogin`` mode).
+    :param ssh_key_mode: ``metadata`` (instance ``ssh-keys``, ``enable-oslogin: FALSE``) or ``oslogin``
+        (``enable-oslogin: TRUE``; needed where the organization enforces OS Login); the SSH steps then log in
+        as the POSIX login OS Login answers, from this task's XCom ``ssh_login``.
+    :param oslogin_user: the account whose OS Login profile gets the key (default: the Google Cloud
+        connection's account, as ``gcloud compute ssh`` does).
     :param ready_timeout: how long a RUNNING VM may take to publish its host keys and answer on its SSH port.
     :param max_tpu_vms: how many of the pipeline's VMs of this capacity group (the reservation, else the zones and
         machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
@@ -210,6 +221,8 @@ class TpuVmCreateOperator(_ComputeOperator):
         "network_path",
         "ssh_source_ranges",
         "ssh_conn_id",
+        "ssh_key_mode",
+        "oslogin_user",
         "max_wait_for_capacity",
         "tags",
         "instance_name",
@@ -231,6 +244,8 @@ class TpuVmCreateOperator(_ComputeOperator):
         network_path: str = "external",
         ssh_source_ranges: Sequence[str] | str | None = None,
         ssh_conn_id: str = "tpu_vm_ssh",
+        ssh_key_mode: str = "metadata",
+        oslogin_user: str | None = None,
         ready_timeout: timedelta = timedelta(minutes=10),
         max_tpu_vms: int | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(hours=1),
@@ -256,6 +271,8 @@ class TpuVmCreateOperator(_ComputeOperator):
         self.network_path = network_path
         self.ssh_source_ranges = ssh_source_ranges
         self.ssh_conn_id = ssh_conn_id
+        self.ssh_key_mode = ssh_key_mode
+        self.oslogin_user = oslogin_user
         self.ready_timeout = ready_timeout
         self.max_tpu_vms = max_tpu_vms
         self.max_wait_for_capacity = max_wait_for_capacity
@@ -282,7 +299,7 @@ class TpuVmCreateOperator(_ComputeOperator):
     def _spec(self, context: Context) -> compute.TpuVmSpec:
         """Validate everything the user gave before any API call; bad input fails without a retry."""
         try:
-            return compute.TpuVmSpec(
+            spec = compute.TpuVmSpec(
                 project_id=self.project,
                 zones=tuple(_as_list(self.zones)),
                 accelerator_type=self.accelerator_type,
@@ -292,6 +309,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 subnetwork=self.subnetwork or None,
                 network_path=self.network_path,
                 ssh_source_ranges=tuple(_as_list(self.ssh_source_ranges)),
+                ssh_key_mode=self.ssh_key_mode,
                 tags=tuple(_as_list(self.tags)),
                 boot_disk_size_gb=self.boot_disk_size_gb,
                 image_project=self.image_project,
@@ -302,6 +320,9 @@ class TpuVmCreateOperator(_ComputeOperator):
                 labels=dict(self.labels or {}),
                 metadata=dict(self.metadata or {}),
             )
+            if self.oslogin_user:
+                access.oslogin_user("oslogin_user", self.oslogin_user)
+            return spec
         except SpecError as err:
             raise _invalid(self.task_id, err) from err
 
@@ -464,11 +485,12 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
-        expires_at = compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))
+        expires_at = _expires_at(spec)
         labels = compute.ownership_labels(context["dag"].dag_id, context["run_id"], self.task_id, expires_at)
         labels[capacity.GROUP_LABEL] = self._group(spec)
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
-        body = compute.instance_body(spec, name, zone, labels, metadata, self._ssh_keys(expires_at))
+        ssh_keys, _ = self._authorize_key(spec, expires_at)
+        body = compute.instance_body(spec, name, zone, labels, metadata, ssh_keys)
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
         request_id = _request_id(context, name, zone, "insert", progress.attempt)
@@ -489,15 +511,40 @@ class TpuVmCreateOperator(_ComputeOperator):
             name, self._capacity_group(spec), self.max_tpu_vms
         )
 
-    def _ssh_keys(self, expires_at: int) -> str:
-        """The ``ssh-keys`` line for the SSH connection's key, valid until the VM expires."""
+    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, str]:
+        """Let the SSH connection's key in until the VM expires: the ``ssh-keys`` line to put in the metadata
+        (None in ``oslogin`` mode, where the key goes into the OS Login profile now), and the login to use."""
         from airflow_tpu_posttrain.hooks.vm import client_identity
 
         try:
             client = client_identity(self.ssh_conn_id)
-            return access.ssh_keys_metadata(client.login, client.public_key, expires_at)
+            if spec.ssh_key_mode == "metadata":
+                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), client.login
+            public_key = access.public_key("ssh public key", client.public_key)
         except SpecError as err:
             raise _invalid(self.task_id, err) from err
+        return None, self._import_oslogin_key(spec, public_key, expires_at)
+
+    def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
+        from google.api_core.exceptions import PermissionDenied, Unauthenticated
+
+        from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyHook
+
+        hook = OsLoginKeyHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        user = self.oslogin_user or hook.account_email()
+        try:
+            login = hook.import_key(
+                access.oslogin_user("oslogin_user", user), public_key, expires_at, spec.project_id
+            )
+        except SpecError as err:
+            raise _invalid(self.task_id, err) from err
+        except (PermissionDenied, Unauthenticated) as err:
+            raise AirflowFailException(
+                f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
+                "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
+            ) from err
+        self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
+        return login
 
     def _complete_or_defer(
         self, context: Context, operations: list[dict], instance: dict | None, phase: str, progress: _Progress
@@ -631,6 +678,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             "external_ip": ((interface.get("accessConfigs") or [{}])[0]).get("natIP"),
             "ssh_address": access.ssh_address(instance, spec.network_path),
             "ssh_port": client_identity(self.ssh_conn_id).port,
+            "ssh_login": self._authorize_key(spec, _expires_at(spec))[1],
             "network_path": spec.network_path,
             "self_link": instance.get("selfLink"),
         }

@@ -293,6 +293,8 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "network_path": cfg.network_path,
         "ssh_source_ranges": cfg.ssh_source_ranges,
         "ssh_conn_id": cfg.ssh_conn_id,
+        "ssh_key_mode": cfg.ssh_key_mode,
+        "oslogin_user": cfg.oslogin_user,
         "service_account": cfg.service_account,
         "max_run_duration": t.run + wait_for_capacity + timedelta(minutes=30),
         "execution_timeout": t.create,

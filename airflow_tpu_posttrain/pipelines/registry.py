@@ -68,6 +68,8 @@ class PipelineConfig:
     subnetwork: str | None = None
     network_path: str = "external"
     ssh_source_ranges: tuple[str, ...] = ()
+    ssh_key_mode: str = "metadata"
+    oslogin_user: str | None = None
     service_account: str = "default"
     # How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the zones),
     # counted from Compute across DAGs; None: no cap. The wait for a place: the trigger form's default.

@@ -5,6 +5,9 @@ VM over SSH"):
 
 - a VM accepts only keys in its ``ssh-keys`` metadata (``LOGIN:KEYTYPE KEY google-ssh {"userName": ...,
   "expireOn": ...}``; the guest agent drops expired keys) — cloud.google.com/compute/docs/connect/add-ssh-keys;
+- with ``enable-oslogin: TRUE`` the VM ignores ``ssh-keys`` and accepts the keys of the caller's OS Login profile
+  (``users.importSshPublicKey``, with an expiry), as the POSIX login OS Login answers —
+  cloud.google.com/compute/docs/oslogin/manage-oslogin-in-an-org (``compute.requireOsLogin`` enforces it);
 - with ``enable-guest-attributes: TRUE`` the guest environment publishes the VM's host keys as guest attributes
   under ``hostkeys/`` (``instances.getGuestAttributes``), which is what ``gcloud compute ssh`` pins —
   cloud.google.com/compute/docs/metadata/manage-guest-attributes;
@@ -24,12 +27,14 @@ from datetime import UTC, datetime
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 NETWORK_PATHS = ("internal", "external")
+KEY_MODES = ("metadata", "oslogin")
 SSH_PORT = 22
 HOST_KEY_NAMESPACE = "hostkeys"
 # Host key types a client can pin, in order of preference (what the guest environment publishes).
 HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
 CLIENT_KEY_TYPES = (*HOST_KEY_TYPES, "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521")
 _LOGIN = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+_EMAIL = re.compile(r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}$")
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
 
 
@@ -64,6 +69,19 @@ def ssh_keys_metadata(user: str, key: str, expire_at: int) -> str:
     expire_on = datetime.fromtimestamp(expire_at, UTC).strftime("%Y-%m-%dT%H:%M:%S+0000")
     details = json.dumps({"userName": user, "expireOn": expire_on}, separators=(",", ":"))
     return f"{login('ssh login', user)}:{public_key('ssh public key', key)} google-ssh {details}"
+
+
+def oslogin_user(field: str, value: str) -> str:
+    """The Google account (user or service account e-mail) whose OS Login profile gets the key."""
+    if not value or not _EMAIL.fullmatch(value):
+        raise SpecError(
+            field,
+            value,
+            "is not a Google account e-mail",
+            "use the e-mail of the account the Google Cloud connection uses, e.g. "
+            "'airflow@my-project.iam.gserviceaccount.com'",
+        )
+    return value
 
 
 def source_ranges(field: str, ranges: tuple[str, ...]) -> tuple[str, ...]:

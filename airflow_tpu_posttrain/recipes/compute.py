@@ -84,6 +84,7 @@ class TpuVmSpec:
     subnetwork: str | None = None
     network_path: str = "external"
     ssh_source_ranges: tuple[str, ...] = ()
+    ssh_key_mode: str = "metadata"
     tags: tuple[str, ...] = ()
     boot_disk_size_gb: int = 200
     image_project: str = DEFAULT_IMAGE_PROJECT
@@ -142,6 +143,7 @@ class TpuVmSpec:
                 "give its name (in each zone's region) or projects/P/regions/R/subnetworks/S",
             )
         validation.one_of("network_path", self.network_path, access.NETWORK_PATHS)
+        validation.one_of("ssh_key_mode", self.ssh_key_mode, access.KEY_MODES)
         access.source_ranges("ssh_source_ranges", self.ssh_source_ranges)
         for i, tag in enumerate(self.tags):
             validation.gce_name(f"tags[{i}]", tag)
@@ -215,7 +217,7 @@ def instance_body(
 ) -> dict:
     """The ``instances.insert`` body: the tutorials' gcloud flags mapped field by field (gce-tpu.md), plus what
     gcloud does for them: the default service account, and the way in over SSH (``ssh_keys``: the ``ssh-keys``
-    metadata line; host keys published as guest attributes)."""
+    metadata line, or OS Login when ``spec.ssh_key_mode`` says so; host keys published as guest attributes)."""
     scheduling: dict = {
         "onHostMaintenance": "TERMINATE",
         "instanceTerminationAction": "DELETE",
@@ -257,8 +259,9 @@ def instance_body(
     tags = list(spec.tags) + ([name] if spec.opens_firewall and name not in spec.tags else [])
     if tags:
         body["tags"] = {"items": tags}
-    access_items = {"enable-guest-attributes": "TRUE", "enable-oslogin": "FALSE"}
-    if ssh_keys:
+    oslogin = spec.ssh_key_mode == "oslogin"
+    access_items = {"enable-guest-attributes": "TRUE", "enable-oslogin": "TRUE" if oslogin else "FALSE"}
+    if ssh_keys and not oslogin:
         access_items["ssh-keys"] = ssh_keys
     items = {**spec.metadata, **(metadata or {}), **access_items}
     body["metadata"] = {"items": [{"key": k, "value": v} for k, v in items.items()]}

@@ -27,11 +27,15 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
     Its event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
 
     :param host_keys: ``{key type: base64}`` the VM published; the connection to the VM is pinned to them.
+    :param login: the login on the VM, instead of the connection's (an OS Login POSIX name).
     """
 
-    def __init__(self, *args: Any, host_keys: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, host_keys: dict[str, str] | None = None, login: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.host_keys = host_keys or {}
+        self.login = login
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in not_before_settled(super().run(), time.monotonic()):
@@ -39,10 +43,16 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         _, kwargs = super().serialize()
-        return f"{type(self).__module__}.{type(self).__qualname__}", {**kwargs, "host_keys": self.host_keys}
+        return f"{type(self).__module__}.{type(self).__qualname__}", {
+            **kwargs,
+            "host_keys": self.host_keys,
+            "login": self.login,
+        }
 
     def _get_hook(self) -> VmHookAsync:
-        return VmHookAsync(ssh_conn_id=self.ssh_conn_id, host=self.remote_host, host_keys=self.host_keys)
+        return VmHookAsync(
+            ssh_conn_id=self.ssh_conn_id, host=self.remote_host, username=self.login, host_keys=self.host_keys
+        )
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:
         exit_code = shlex.quote(self.exit_code_file)
