@@ -1,4 +1,5 @@
-"""The reaper deletes our VMs whose run is over or expired, and nothing else."""
+"""The reaper deletes our VMs whose run is over or expired, and our SSH firewall rules whose VM is gone; nothing
+else, and nothing on doubt."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from conftest import log_excerpt
 
 from airflow_tpu_posttrain.recipes import reaper
 
@@ -33,14 +35,39 @@ def instance(age_s=3600, expires_in_s=3600, ours=True):
         (instance(), "queued", False, "is queued"),
         (instance(), "failed", True, "is failed"),  # a user marked the run failed: teardown was skipped
         (instance(), "success", True, "is success"),
-        (instance(), None, True, "no longer exists"),  # a deleted DAG
-        (instance(age_s=60), None, False, "grace"),
+        (instance(), reaper.RUN_ABSENT, True, "no longer exists"),  # a deleted DAG
+        (instance(age_s=60), reaper.RUN_ABSENT, False, "grace"),
+        (instance(), None, False, "could not be read"),  # the Airflow API is down: maybe still training
+        (instance(expires_in_s=-7200), None, True, "expired"),  # ... but not past its expiry
         (instance(expires_in_s=-7200), "running", True, "expired"),  # the run hangs past its deadline
         (instance(expires_in_s=-60), "running", False, "is running"),  # expired by less than the grace
     ],
 )
 def test_decisions(vm, run_state, delete, reason):
     decision = reaper.decide(vm, run_state, NOW, grace_s=900)
+    assert decision.delete is delete and reason in decision.reason
+
+
+def rule(age_s=3600, description="airflow-tpu-posttrain: SSH to instance tpu-x"):
+    return {
+        "name": "tpu-x-ssh",
+        "description": description,
+        "creationTimestamp": (NOW - timedelta(seconds=age_s)).isoformat(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("firewall", "exists", "delete", "reason"),
+    [
+        (rule(), False, True, "tpu-x is gone"),
+        (rule(), True, False, "tpu-x exists"),
+        (rule(), None, False, "could not look up"),
+        (rule(age_s=60), False, False, "grace"),  # the create makes the rule just before its VM
+        (rule(description="allow ssh"), False, False, "not ours"),
+    ],
+)
+def test_firewall_decisions(firewall, exists, delete, reason):
+    decision = reaper.decide_firewall(firewall, exists, NOW, grace_s=900)
     assert decision.delete is delete and reason in decision.reason
 
 
@@ -86,11 +113,11 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
     client.insert(project="test-project", zone="us-east5-b", instance_resource=compute_v1.Instance(name="not-ours"))
 
     dry = run_dag("reaper_dry", REAPER.format(mode="dry", dry_run=True))
-    assert reap_counts(dry) == {"seen": 1, "deleted": 0, "kept": 0, "dry_run": True}
+    assert reap_counts(dry) == {"seen": 1, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": True}
     assert len(emulator.instances()) == 2
 
     wet = run_dag("reaper_wet", REAPER.format(mode="wet", dry_run=False))
-    assert reap_counts(wet) == {"seen": 1, "deleted": 1, "kept": 0, "dry_run": False}
+    assert reap_counts(wet) == {"seen": 1, "deleted": 1, "kept": 0, "firewalls_deleted": 0, "dry_run": False}
     deadline = datetime.now() + timedelta(seconds=3)
     while len(emulator.instances()) > 1 and datetime.now() < deadline:
         time.sleep(0.1)
@@ -106,4 +133,82 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
     )
     fault_matrix.record(
         "reaper: an instance without our label is spared", False, wet.state, None, "'not-ours' still there; list filtered by the managed-by label",
+    )
+
+
+def _wait_until(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_reaper_keeps_a_vm_whose_run_state_cannot_be_read(emulator, run_dag, monkeypatch, capfd, fault_matrix):
+    from airflow.sdk.exceptions import AirflowRuntimeError, ErrorType
+    from airflow.sdk.execution_time.comms import ErrorResponse
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    victim = run_dag("reaper_victim", CREATE_ONLY)
+    assert victim.state == "success" and len(emulator.instances()) == 1
+
+    def api_down(self, dag_id, run_id):
+        detail = {"status_code": 503, "message": "Service Unavailable"}
+        raise AirflowRuntimeError(ErrorResponse(error=ErrorType.API_SERVER_ERROR, detail=detail))
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_dagrun_state", api_down)
+    down = run_dag("reaper_down", REAPER.format(mode="down", dry_run=False))
+    counts = reap_counts(down)
+    logs = "".join(capfd.readouterr())
+    assert counts["seen"] == 1 and counts["kept"] == 1 and counts["deleted"] == 0, counts
+    assert "Cannot read the state of DAG run reaper_victim" in logs and "could not be read" in logs
+    assert len(emulator.instances()) == 1 and not [r for r in emulator.requests if r["method"] == "DELETE"]
+    fault_matrix.record(
+        "reaper: Airflow API down -> the VM is kept (until it expires)", False, down.state, None,
+        log_excerpt(logs, "could not be read"),
+    )
+
+
+def test_reaper_deletes_the_vm_of_a_deleted_run(emulator, run_dag, capfd):
+    from airflow.models import DagRun
+    from airflow.utils.session import create_session
+
+    victim = run_dag("reaper_victim", CREATE_ONLY)
+    assert victim.state == "success" and len(emulator.instances()) == 1
+    with create_session() as session:
+        session.query(DagRun).filter(DagRun.dag_id == "reaper_victim").delete()
+    wet = run_dag("reaper_gone", REAPER.format(mode="gone", dry_run=False))
+    assert reap_counts(wet)["deleted"] == 1
+    assert "its DAG run no longer exists" in "".join(capfd.readouterr())
+    assert _wait_until(lambda: emulator.instances() == [])
+
+
+FIREWALLED = CREATE_ONLY.replace('poll_interval=0.2)', 'poll_interval=0.2, ssh_source_ranges=["10.0.0.0/8"])')
+
+
+def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_dag, capfd, fault_matrix):
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    victim = run_dag("reaper_victim", FIREWALLED)
+    assert victim.state == "success"
+    [vm] = emulator.instances()
+    [ours] = emulator.firewalls()
+    assert ours["description"] == f"airflow-tpu-posttrain: SSH to instance {vm['name']}"
+    options = {"transport": "rest", "client_options": {"api_endpoint": emulator.url}, "credentials": AnonymousCredentials()}
+    rule = compute_v1.Firewall(name="allow-ssh", network="global/networks/default", source_ranges=["0.0.0.0/0"],
+                               allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])])
+    compute_v1.FirewallsClient(**options).insert(project="test-project", firewall_resource=rule)
+
+    # The VM goes without its teardown (deleted by hand, or preempted and removed): its rule stays behind.
+    compute_v1.InstancesClient(**options).delete(project="test-project", zone="us-east5-b", instance=vm["name"])
+    assert _wait_until(lambda: emulator.instances() == [])
+    swept = run_dag("reaper_sweep", REAPER.format(mode="sweep", dry_run=False))
+    logs = "".join(capfd.readouterr())
+    assert reap_counts(swept)["firewalls_deleted"] == 1
+    assert _wait_until(lambda: [r["name"] for r in emulator.firewalls()] == ["allow-ssh"])
+    fault_matrix.record(
+        "reaper: an SSH rule whose VM is gone is deleted; other rules spared", True, swept.state, None,
+        log_excerpt(logs, "delete firewall"),
     )

@@ -172,6 +172,22 @@ def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd, fault
     )
 
 
+def test_a_failed_create_deletes_its_firewall_rule(emulator, run_dag, capfd, fault_matrix):
+    emulator.set_faults(missing_reservations=["my-reservation"])
+    dr = run_dag("lifecycle_fw", lifecycle("lifecycle_fw", ranges=["10.0.0.0/8"], tasks="create"))
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert any(r["method"] == "POST" and r["path"].endswith("/firewalls") for r in emulator.requests)
+    deadline = time.monotonic() + 5
+    while emulator.firewalls() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert emulator.firewalls() == [] and no_instances_within(emulator)
+    fault_matrix.record(
+        "compute: a failed create (no teardown) deletes its SSH firewall rule", True, dr.state, None,
+        log_excerpt(logs, "Reservation problem"),
+    )
+
+
 def test_bad_input_fails_before_any_api_call(emulator, run_dag, capfd, fault_matrix):
     body = lifecycle("lifecycle_badzone", zones=("us-east5-b; curl evil",), tasks="create")
     dr = run_dag("lifecycle_badzone", body)

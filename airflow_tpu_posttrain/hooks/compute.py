@@ -144,6 +144,17 @@ class TpuVmHook(GoogleBaseHook):
         )
         return [_message_to_dict(instance) for instance in pages]
 
+    def find_instances(self, project: str, name: str) -> list[dict]:
+        """The project's instances named ``name``, in any zone (``instances.aggregatedList``)."""
+        pages = self.instances.aggregated_list(
+            request={"project": project, "filter": f"name = {name}"}, retry=self.retry
+        )
+        return [_message_to_dict(instance) for _, scoped in pages for instance in scoped.instances]
+
+    def list_firewalls(self, project: str) -> list[dict]:
+        pages = self.firewalls.list(request={"project": project}, retry=self.retry)
+        return [_message_to_dict(rule) for rule in pages]
+
     def insert_instance(self, project: str, zone: str, body: dict, request_id: str) -> str | None:
         """Start an insert; the operation name, or None when an instance of that name already exists."""
         from google.api_core.exceptions import Conflict

@@ -244,7 +244,13 @@ class ComputeEmulator:
             f"{zonal}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
             f"{global_}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
             f"{global_}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
-            f"{global_}/firewalls": {"POST": (self._insert_firewall, None)},
+            f"{global_}/firewalls": {
+                "GET": (self._list_firewalls, "list"),
+                "POST": (self._insert_firewall, None),
+            },
+            r"/projects/(?P<project>[^/]+)/aggregated/instances": {
+                "GET": (self._aggregated_instances, "list")
+            },
             f"{global_}/firewalls/(?P<name>[^/]+)": {
                 "GET": (self._get_firewall, None),
                 "DELETE": (self._delete_firewall, None),
@@ -706,6 +712,23 @@ class ComputeEmulator:
         if self.fleet is not None:
             self.fleet.end(key)
 
+    def _aggregated_instances(self, query: dict, body: dict, project: str):
+        """``instances.aggregatedList``: the project's instances of every zone, keyed ``zones/<zone>``."""
+        terms = _parse_filter(query.get("filter", ""))
+        with self._lock:
+            self._advance()
+            scoped: dict[str, dict[str, Any]] = {}
+            for (instance_project, zone, _), instance in self._instances.items():
+                if instance_project == project and _matches(instance, terms):
+                    scoped.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(
+                        copy.deepcopy(instance)
+                    )
+        return 200, {
+            "kind": "compute#instanceAggregatedList",
+            "id": f"projects/{project}/aggregated/instances",
+            "items": scoped,
+        }
+
     def _list_instances(self, query: dict, body: dict, project: str, zone: str):
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
@@ -836,6 +859,18 @@ class ComputeEmulator:
             }
             self._firewalls[(project, name)] = firewall
             return 200, self._start_operation(project, None, "insert", firewall, query)
+
+    def _list_firewalls(self, query: dict, body: dict, project: str):
+        terms = _parse_filter(query.get("filter", ""))
+        with self._lock:
+            self._advance()
+            items = [
+                copy.deepcopy(firewall)
+                for (firewall_project, _), firewall in self._firewalls.items()
+                if firewall_project == project and _matches(firewall, terms)
+            ]
+        listing = {"kind": "compute#firewallList", "id": f"projects/{project}/global/firewalls"}
+        return 200, {**listing, **({"items": items} if items else {})}
 
     def _get_firewall(self, query: dict, body: dict, project: str, name: str):
         with self._lock:

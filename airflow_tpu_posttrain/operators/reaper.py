@@ -1,4 +1,5 @@
-"""The reaper: deletes TPU VMs of this provider whose DAG run is over or whose expiry has passed."""
+"""The reaper: deletes TPU VMs of this provider whose DAG run is over or whose expiry has passed, and SSH
+firewall rules whose VM is gone."""
 
 from __future__ import annotations
 
@@ -8,17 +9,32 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.operators.tpu_vm import _as_list, _ComputeOperator
-from airflow_tpu_posttrain.recipes import reaper
+from airflow_tpu_posttrain.recipes import compute, reaper
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
 
+def _status_code(err: Exception) -> int | None:
+    """The HTTP status of Airflow's answer: a task sees the Execution API's error as an ``AirflowRuntimeError``
+    from its supervisor, or (in-process, as under ``dag.test()``) as the client's ``ServerResponseError``."""
+    from airflow.sdk.api.client import ServerResponseError
+    from airflow.sdk.exceptions import AirflowRuntimeError
+
+    if isinstance(err, ServerResponseError):
+        return err.response.status_code
+    if isinstance(err, AirflowRuntimeError) and isinstance(err.error.detail, dict):
+        return err.error.detail.get("status_code")
+    return None
+
+
 class TpuVmReaperOperator(_ComputeOperator):
     """
     List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones`` and delete those whose expiry
-    label has passed or whose DAG run is no longer queued or running (looked up through Airflow's API), after a
-    grace period. Instances without the label are never touched. One log line per decision; XCom: counts.
+    label has passed or whose DAG run Airflow's API says is over or absent, after a grace period; a run state
+    that cannot be read keeps the VM (until it expires). Then delete the project's SSH firewall rules made by
+    this provider whose instance is gone from every zone. Nothing without our label or description is touched.
+    One log line per decision; XCom: counts.
 
     :param zones: zones to sweep (a list, or a comma-separated string).
     :param grace_period_s: an instance younger than this, or expired by less than this, is kept.
@@ -37,18 +53,31 @@ class TpuVmReaperOperator(_ComputeOperator):
         self.dry_run = dry_run
 
     def _run_state(self, context: Context, instance: dict) -> str | None:
+        """The run's state; ``reaper.RUN_ABSENT`` when Airflow answers 404; None when it cannot be read."""
         dag_id, run_id = reaper.run_of(instance)
         if not dag_id or not run_id:
             return None
         try:
             return str(context["ti"].get_dagrun_state(dag_id=dag_id, run_id=run_id))
-        except Exception as err:  # the API answers "not found" as an error: the run or its DAG is gone
-            self.log.info("No DAG run %s / %s (%s)", dag_id, run_id, err)
+        except Exception as err:  # noqa: BLE001 - any failure but a 404 leaves the state unknown, never "gone"
+            if _status_code(err) == 404:
+                self.log.info("No DAG run %s / %s (Airflow answered 404)", dag_id, run_id)
+                return reaper.RUN_ABSENT
+            self.log.warning("Cannot read the state of DAG run %s / %s: %s", dag_id, run_id, err)
+            return None
+
+    def _instance_exists(self, name: str) -> bool | None:
+        from google.api_core.exceptions import GoogleAPICallError
+
+        try:
+            return bool(self.hook.find_instances(self.project, name))
+        except GoogleAPICallError as err:
+            self.log.warning("Cannot look up instance %s: %s", name, err)
             return None
 
     def execute(self, context: Context) -> dict:
         now = datetime.now(timezone.utc)
-        counts = {"seen": 0, "deleted": 0, "kept": 0, "dry_run": self.dry_run}
+        counts = {"seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": self.dry_run}
         for zone in _as_list(self.zones):
             for instance in self.hook.list_instances(self.project, zone, reaper.LABEL_FILTER):
                 counts["seen"] += 1
@@ -66,5 +95,18 @@ class TpuVmReaperOperator(_ComputeOperator):
                 self.log.warning("delete %s in %s: %s", name, zone, decision.reason)
                 self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
                 counts["deleted"] += 1
+        for rule in self.hook.list_firewalls(self.project):
+            instance = compute.firewall_instance(rule)
+            if instance is None:
+                continue
+            decision = reaper.decide_firewall(rule, self._instance_exists(instance), now, self.grace_period_s)
+            if not decision.delete:
+                self.log.info("keep   firewall %s: %s", rule["name"], decision.reason)
+            elif self.dry_run:
+                self.log.info("WOULD delete firewall %s: %s (dry run)", rule["name"], decision.reason)
+            else:
+                self.log.warning("delete firewall %s: %s", rule["name"], decision.reason)
+                self.hook.delete_firewall(self.project, rule["name"], str(uuid.uuid4()))
+                counts["firewalls_deleted"] += 1
         self.log.info("Reaper: %s", counts)
         return counts

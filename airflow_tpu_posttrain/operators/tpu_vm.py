@@ -714,7 +714,12 @@ class TpuVmCreateOperator(_ComputeOperator):
         )
 
     def _delete_leftover(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str) -> None:
-        """Delete-on-error: a teardown does not run when its setup failed, so a failing create cleans up."""
+        """Delete-on-error: a teardown does not run when its setup failed, so a failing create cleans up (its
+        firewall rule too)."""
+        if spec.opens_firewall:
+            self.hook.delete_firewall(
+                spec.project_id, compute.firewall_name(name), _request_id(context, name, "firewall-on-error")
+            )
         if self.hook.get_instance(spec.project_id, zone, name) is None:
             return
         self.log.warning(

@@ -59,6 +59,18 @@ def firewall_name(instance: str) -> str:
     return f"{instance[:56]}-ssh"
 
 
+_FIREWALL_DESCRIPTION = f"{MANAGED_BY}: SSH to instance "
+
+
+def firewall_instance(rule: dict) -> str | None:
+    """The instance an SSH rule of ours was made for (firewall rules carry no labels: the description says),
+    or None for any other rule."""
+    description = rule.get("description") or ""
+    if not description.startswith(_FIREWALL_DESCRIPTION):
+        return None
+    return description.removeprefix(_FIREWALL_DESCRIPTION) or None
+
+
 def ownership_labels(dag_id: str, run_id: str, task_id: str, expires_at: int) -> dict[str, str]:
     """Labels that say the VM is ours, which DAG run and task made it, and when it may be reaped."""
     return {
@@ -272,6 +284,7 @@ def ssh_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
     """tcp:22 to the instance's tag from the ranges given (the Airflow workers' and triggerer's egress)."""
     return {
         "name": firewall_name(instance),
+        "description": _FIREWALL_DESCRIPTION + instance,
         "network": f"global/networks/{spec.network}",
         "direction": "INGRESS",
         "allowed": [{"IPProtocol": "tcp", "ports": [str(access.SSH_PORT)]}],
