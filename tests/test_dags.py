@@ -518,8 +518,9 @@ def test_params_reject_trailing_newline(dags, key, value):
         _validate_with(dags[SFT_GEMMA], key, value)
 
 
-@pytest.mark.parametrize("value", ["/../../etc", "gs://bucket/../other"])
-def test_params_reject_storage_uri_traversal(dags, value):
+@pytest.mark.parametrize("value", ["/../../etc", "gs://bucket/../other", "/etc/passwd", "file:///srv/models"])
+def test_params_reject_storage_uri_traversal_and_vm_directories(dags, value):
+    """On Google Cloud, only gs://: a directory on the VM goes with the VM."""
     from airflow.sdk.exceptions import ParamValidationError
 
     with pytest.raises(ParamValidationError, match="Invalid input for param storage_uri:"):

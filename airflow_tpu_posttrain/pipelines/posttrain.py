@@ -131,13 +131,19 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
             description="Hugging Face repo owner/name, e.g. my-org/gemma3-4b-sft; the model goes to branch "
             "run-<run name> (private). Empty: no upload (then set a Storage URI).",
         ),
+        # On Google Cloud the VM that writes the copy is deleted afterwards: a directory there keeps nothing.
         "storage_uri": Param(
             cfg.storage_uri,
             type=["null", "string"],
-            pattern=r"^(?!.*\.\.)(gs://[a-z0-9][a-z0-9._-]+|file:///?|/)[A-Za-z0-9._/=-]*" + END,
+            pattern=r"^(?!.*\.\.)(gs://[a-z0-9][a-z0-9._-]+"
+            + (r"|file:///?|/" if cfg.local else "")
+            + r")[A-Za-z0-9._/=-]*"
+            + END,
             title="Storage URI",
             description="Where to copy the model too, one folder per run: gs://bucket/prefix (e.g. "
-            "gs://my-bucket/models) or an absolute directory. Empty: no copy.",
+            "gs://my-bucket/models)"
+            + (" or an absolute directory shared with the local VMs" if cfg.local else "")
+            + ". Empty: no copy.",
         ),
         "overrides": Param(
             list(cfg.overrides),
