@@ -29,6 +29,7 @@ _SERVICE_ACCOUNT = re.compile(r"^(default|[a-z0-9._-]+@[a-z0-9.-]+\.gserviceacco
 # Compute accepts 30 s .. 120 days for scheduling.maxRunDuration.
 MIN_RUN_DURATION_S = 30
 MAX_RUN_DURATION_S = 120 * 24 * 3600
+FLEX_START_RUN_DURATION_S = (10 * 60, 7 * 24 * 3600)  # a flex-start VM runs 10 min to 7 days
 
 # Instance states from which the VM can still become (or is) usable, and those that must be replaced.
 LIVE_STATES = frozenset({"PROVISIONING", "STAGING", "RUNNING", "REPAIRING"})
@@ -174,9 +175,14 @@ class TpuVmSpec:
                 "is outside what Compute accepts",
                 "use between 30 seconds and 120 days",
             )
-        if self.provisioning_model == "FLEX_START" and self.max_run_duration_s is None:
+        if self.provisioning_model == "FLEX_START" and not (
+            FLEX_START_RUN_DURATION_S[0] <= (self.max_run_duration_s or 0) <= FLEX_START_RUN_DURATION_S[1]
+        ):
             raise SpecError(
-                "max_run_duration", None, "is required for FLEX_START VMs", "set it (10 minutes to 7 days)"
+                "max_run_duration",
+                self.max_run_duration_s,
+                "must be 10 minutes to 7 days for FLEX_START VMs (gce-tpu.md)",
+                "set it within that range, e.g. the run's timeout",
             )
         if not _SERVICE_ACCOUNT.fullmatch(self.service_account or ""):
             raise SpecError(
