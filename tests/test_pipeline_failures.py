@@ -342,32 +342,44 @@ def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkey
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed_port = probe.getsockname()[1]
-    hub_conn = json.loads(os.environ["AIRFLOW_CONN_LOCAL_HUB"])
-    monkeypatch.setenv("AIRFLOW_CONN_LOCAL_HUB", json.dumps({**hub_conn, "host": f"http://127.0.0.1:{closed_port}"}))
+    hub_conn = os.environ["AIRFLOW_CONN_LOCAL_HUB"]
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_LOCAL_HUB", json.dumps({**json.loads(hub_conn), "host": f"http://127.0.0.1:{closed_port}"})
+    )
     hub_requests_before = len(stack.hub.requests)
-    dr = run_pipeline()
+    logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__publish-fails"
+    dr = run_pipeline(logical_date=logical_date, run_id=run_id)
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
     assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
     assert "Export failed on the VM with exit code" in logs
     assert "publish_model: error:" in logs
-    # The error says where the exported model was (which VM, which directory), and it was there, whole, until
-    # the CPU VM was deleted: only the upload failed.
-    hint = "The exported model, if the export finished, was at"
-    assert hint in logs
-    found = re.search(re.escape(hint) + r" (\S+) on the VM \(host (\S+)\)", logs)
-    export_dir, host = Path(found.group(1)), found.group(2)
-    assert host == xcom(dr, "create_cpu_vm")["ssh_address"], host
-    exported = vm_ends.seen[xcom(dr, "create_cpu_vm")["name"]]["exports"]
-    assert export_dir.is_relative_to(root()) and str(export_dir) in exported, (export_dir, exported)
-    files = exported[str(export_dir)]
-    assert ".complete" in files, files
-    assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
     assert len(stack.hub.requests) == hub_requests_before  # nothing reached the Hub
+    # Both VMs and their disks are gone (assert_failed_cleanly), yet the checked export is whole in checkpoint
+    # storage: the error and XCom say where.
+    kept = checkpoint_storage(stack) / "exports" / trained["run_name"]
+    assert f"The checked export is kept at {kept}" in logs
+    [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
+    assert export_ti.xcom_pull(task_ids="export_and_publish", key="kept_export") == str(kept)
+    files = sorted(p.name for p in kept.iterdir())
+    assert kept.with_name(kept.name + ".complete").is_file()
+    assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
+
+    # The Hub is back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
+    vm_ends.forget()
+    monkeypatch.setenv("AIRFLOW_CONN_LOCAL_HUB", hub_conn)
+    rerun = run_pipeline(logical_date=logical_date, run_id=run_id)
+    relogs = "".join(capfd.readouterr())
+    assert rerun.state == "success", states(rerun)
+    assert f"Restoring the export kept at {kept}" in relogs
+    published = xcom(rerun, "export_and_publish")
+    assert published["kept_uri"] == str(kept) and published["hub"]["revision"] == f"run-{trained['run_name']}"
+    assert_vms_gone(vm_ends, rerun)
     fault_matrix.record(
-        "pipeline: publish, Hub unreachable (exported model whole on the VM disk until the VM's deletion)",
-        stack.compute.instances() == [], dr.state, "config.json" in files, log_excerpt(logs, hint),
+        "pipeline: publish, Hub unreachable (checked export kept in storage; a re-run publishes it, no re-export)",
+        stack.compute.instances() == [], dr.state, "config.json" in files,
+        log_excerpt(logs, "The checked export is kept at"),
     )
 
 

@@ -342,6 +342,28 @@ def test_uploads_to_gcs(tmp_path, run_publish, export, gcs_emulator):
     assert "(unchanged)" in again.stdout
 
 
+def test_keeps_the_checked_export_before_a_publish_that_fails(tmp_path, run_publish, export, token_file):
+    """The Hub unreachable: the export is already kept (marked complete) in checkpoint storage."""
+    kept = tmp_path / "storage" / "exports" / "run-42"
+    proc = run_publish("--model-dir", str(export), "--result-file", str(tmp_path / "r.json"),
+                       "--keep-uri", str(kept), "--hub-repo", "me/m", "--hub-endpoint", f"http://127.0.0.1:{free_port()}",
+                       token_file=token_file)
+    assert proc.returncode == 1 and "publish_model: error:" in proc.stderr
+    assert f"the checked export is kept at {kept} (copied)" in proc.stdout
+    assert folder_contents(kept) == folder_contents(export) and Path(f"{kept}.complete").is_file()
+
+
+def test_keeps_the_checked_export_in_gcs(tmp_path, run_publish, export, gcs_emulator):
+    from google.cloud import storage
+
+    proc = run_publish("--model-dir", str(export), "--result-file", str(tmp_path / "r.json"),
+                       "--keep-uri", "gs://models/exports/run-42", env={"STORAGE_EMULATOR_HOST": gcs_emulator})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["kept_uri"] == "gs://models/exports/run-42"
+    names = {blob.name for blob in storage.Client().bucket("models").list_blobs(prefix="exports/")}
+    assert "exports/run-42.complete" in names and "exports/run-42/config.json" in names
+
+
 def test_hub_server_rejects_writes_without_a_valid_token(tmp_path):
     with HubServer(tmp_path / "hub", tokens=["the-token"]) as server:
         def create(headers: dict[str, str]) -> int:

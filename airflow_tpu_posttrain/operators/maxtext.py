@@ -753,7 +753,12 @@ class HfExportOperator(MaxTextJobOperator):
     BEFORE the VM can go: to a Hub repo (private by default, one branch per DAG run, commit message naming dag
     and run) and/or a copy to a storage URI (``gs://``, ``file://`` or a local directory on the VM).
 
-    XCom: ``export_dir``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``, ``validated``.
+    With checkpoint storage (the split layout) the checked export is first kept there
+    (``<checkpoint_storage>/exports/<run name>``): a failed publish loses nothing (the URI is in the error and
+    in XCom ``kept_export``), and a retry or a re-run on a new VM publishes that copy without exporting again.
+
+    XCom: ``export_dir``, ``kept_uri``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``,
+    ``validated``.
 
     :param train_task_id: the training task whose XCom ``checkpoint`` to export.
     :param hub_repo_id: ``owner/name`` on the Hub (or None). :param hub_private: create the repo private.
@@ -789,8 +794,20 @@ class HfExportOperator(MaxTextJobOperator):
         self.storage_uri = storage_uri
 
     def failure_hint(self, context: Context) -> str:
-        export_dir = self.run_spec(context).layout.export_dir
-        return f". The exported model, if the export finished, was at {export_dir} on the VM (host {self.remote_host})"
+        layout = self.run_spec(context).layout
+        kept = layout.kept_export_dir
+        if kept:
+            with self._vm() as vm:
+                if vm.exists(f"{kept}.complete"):
+                    context["ti"].xcom_push(key="kept_export", value=kept)
+                    return (
+                        f". The checked export is kept at {kept}: a retry or a re-run publishes it without "
+                        "exporting again"
+                    )
+        return (
+            f". The exported model, if the export finished, was at {layout.export_dir} on the VM "
+            f"(host {self.remote_host})"
+        )
 
     def _publish_script_path(self) -> str:
         return f"{self.workdir}/vm_scripts/publish_model.py"
@@ -830,11 +847,24 @@ class HfExportOperator(MaxTextJobOperator):
             uri = validation.storage_uri("storage_uri", storage_uri)
             publish += ["--storage-uri", f"{uri}/{spec.layout.run_name}"]
         export_marker = f"{spec.layout.export_dir}/.complete"
+        kept = spec.layout.kept_export_dir
+        export_step = [f"  bash -c {shlex.quote(export.script())}"]
+        if kept:
+            publish += ["--keep-uri", kept]
+            restore = storage.copy_tree_command(kept, spec.layout.export_dir)
+            export_step = [
+                f"  if {storage.exists_command(kept + '.complete')}; then",
+                f"    echo {shlex.quote(f'Restoring the export kept at {kept} (checked by an earlier try)')}",
+                f"    {restore}",
+                "  else",
+                f"  {export_step[0]}",
+                "  fi",
+            ]
         script = "\n".join(
             [
                 "set -euo pipefail",
                 f"if [ ! -e {shlex.quote(export_marker)} ]; then",
-                f"  bash -c {shlex.quote(export.script())}",
+                *export_step,
                 f"  touch {shlex.quote(export_marker)}",
                 "fi",
                 "export HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_PROGRESS_BARS=1",

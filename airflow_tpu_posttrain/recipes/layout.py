@@ -83,6 +83,13 @@ class RunLayout:
         return f"{self.checkpoints_dir}/actor/{validation.positive_int('num_batches', step)}/model_params"
 
     @property
+    def kept_export_dir(self) -> str | None:
+        """Where the validated export is kept in checkpoint storage (split layout), marked complete by
+        ``<dir>.complete``: it outlives the VM, so a failed publish loses nothing and a retry or a re-run
+        publishes it without exporting again."""
+        return f"{self.storage}/exports/{self.run_name}" if self.storage else None
+
+    @property
     def export_dir(self) -> str:
         """to_huggingface's output (HF_EXPORT), one per run so runs sharing a root never mix exports."""
         return f"{self.root}/hf-trained/{self.run_name}"

@@ -45,6 +45,14 @@ def read_command(uri: str) -> str:
     return f"cat {shlex.quote(uri)}"
 
 
+def copy_tree_command(source: str, destination: str) -> str:
+    """Copy the contents of the directory ``source`` into ``destination`` (either may be ``gs://``)."""
+    mkdir = "" if is_gcs(destination) else f"mkdir -p {shlex.quote(destination)} && "
+    if is_gcs(source) or is_gcs(destination):
+        return f"{mkdir}gcloud storage rsync --recursive {shlex.quote(source)} {shlex.quote(destination)}"
+    return f"{mkdir}cp -a {shlex.quote(source + '/.')} {shlex.quote(destination + '/')}"
+
+
 def metrics_uri(done_marker: str) -> str:
     """Where a step keeps its metric lines next to its done marker, so a re-run on a new VM (whose job log
     went with the old VM's disk) still reports what the finished step measured."""

@@ -326,6 +326,17 @@ def copy_to_storage(model_dir: Path, uri: str) -> str:
     return copy_to_directory(model_dir, destination)
 
 
+def mark_complete(uri: str) -> None:
+    """Write the empty marker ``<uri>.complete`` once everything under ``uri`` is there."""
+    if uri.startswith("gs://"):
+        from google.cloud import storage
+
+        bucket_name, _, prefix = uri.removeprefix("gs://").partition("/")
+        storage.Client().bucket(bucket_name).blob(f"{prefix.strip('/')}.complete").upload_from_string(b"")
+        return
+    Path(uri.removeprefix("file://") + ".complete").touch()
+
+
 def write_json_atomically(path: Path, data: dict) -> None:
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     staging.write_text(json.dumps(data, indent=2) + "\n")
@@ -358,6 +369,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hub.add_argument("--commit-message", default="Upload model exported by airflow-tpu-posttrain")
     hub.add_argument("--hub-endpoint", help="Hub URL (default: $HF_ENDPOINT, else huggingface.co)")
     parser.add_argument("--storage-uri", help="gs://bucket/prefix, file:///abs/dir or /abs/dir")
+    parser.add_argument(
+        "--keep-uri",
+        help="checkpoint storage to keep the checked export in before publishing (marked <uri>.complete)",
+    )
     args = parser.parse_args(argv)
     if args.hub_repo is not None and args.hub_repo.count("/") != 1:
         parser.error(f"--hub-repo must look like owner/name, got {args.hub_repo!r}")
@@ -367,6 +382,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace, token: str | None) -> dict:
     expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
     validated = validate_export(args.model_dir, expected_config)
+    kept = None
+    if args.keep_uri:
+        kept = args.keep_uri.rstrip("/")
+        outcome = copy_to_storage(args.model_dir, kept)
+        mark_complete(kept)
+        print(f"publish_model: the checked export is kept at {kept} ({outcome})", flush=True)
     hub = None
     if args.hub_repo:
         hub = publish_to_hub(
@@ -382,7 +403,7 @@ def run(args: argparse.Namespace, token: str | None) -> dict:
     if args.storage_uri:
         storage_uri = args.storage_uri.rstrip("/")
         storage_outcome = copy_to_storage(args.model_dir, storage_uri)
-    result = {"validated": validated, "hub": hub, "storage_uri": storage_uri}
+    result = {"validated": validated, "kept_uri": kept, "hub": hub, "storage_uri": storage_uri}
     write_json_atomically(args.result_file, result)
 
     summary = f"publish_model: validated {validated['n_tensors']} tensors, {validated['params']} params"
