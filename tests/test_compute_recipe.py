@@ -128,6 +128,13 @@ def test_ssh_firewall_admits_the_given_ranges_to_the_instance_only():
     assert rule["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
 
 
+def test_iap_path_has_no_external_ip_and_a_rule_for_iaps_range_only():
+    spec = compute.TpuVmSpec(**SEED, network_path="iap")
+    body = compute.instance_body(spec, "tpu-x", "us-east5-b", {})
+    assert "accessConfigs" not in body["networkInterfaces"][0] and body["tags"]["items"] == ["tpu-x"]
+    assert compute.ssh_firewall_body(spec, "tpu-x")["sourceRanges"] == ["35.235.240.0/20"]
+
+
 def test_instance_name_is_deterministic_valid_and_distinct_per_run():
     dag_id = "posttrain_sft__Gemma3-4B.with_a_very_long_name_that_keeps_going_and_going_and_going"
     first = compute.instance_name(dag_id, "manual__2026-11-29T10:00:00+00:00")
@@ -165,7 +172,8 @@ def test_ownership_labels_are_valid_compute_labels():
         ({"service_account_scopes": ()}, "service_account_scopes"),
         ({"service_account": "me@gmail.com"}, "service_account"),
         ({"subnetwork": "regions/us-east5/subnetworks/x"}, "subnetwork"),
-        ({"network_path": "iap"}, "network_path"),
+        ({"network_path": "tunnel"}, "network_path"),
+        ({"network_path": "iap", "ssh_source_ranges": ("10.0.0.0/8",)}, "ssh_source_ranges"),
         ({"ssh_source_ranges": ("0.0.0.0/33",)}, "ssh_source_ranges[0]"),
     ],
 )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -155,6 +157,58 @@ def test_oslogin_mode_puts_the_key_in_os_login_and_the_vm_takes_only_its_posix_n
         dr.state,
         None,
         log_excerpt(logs, f"login {login}"),
+    )
+
+
+def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
+    emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix
+):
+    import os
+
+    import paramiko
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook, VmHookAsync
+    from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE
+    from airflow_tpu_posttrain.local.stack import write_gcloud_stand_in
+
+    write_gcloud_stand_in(tmp_path / "bin")  # gcloud compute start-iap-tunnel, reading the emulator
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
+    dr = run_dag("access_iap", lifecycle("access_iap", tasks="create", create_kwargs='network_path="iap"'))
+    assert dr.state == "success", task_states(dr)
+    logs = "".join(capfd.readouterr())
+    vm = xcom(dr, "create_tpu_vm")
+    assert vm["external_ip"] is None and vm["ssh_address"] == vm["internal_ip"]
+    tunnel = f"gcloud compute start-iap-tunnel {vm['name']} 22 --listen-on-stdin --project={PROJECT} --zone=us-east5-b"
+    assert vm["ssh_proxy_command"].startswith(tunnel)
+    [rule] = emulator.firewalls()
+    assert rule["sourceRanges"] == ["35.235.240.0/20"] and rule["targetTags"] == [vm["name"]]
+
+    pinned = {"ssh_conn_id": "tpu_vm_ssh", "host_keys": vm["host_keys"], "proxy_command": vm["ssh_proxy_command"]}
+    with VmHook(remote_host=vm["ssh_address"], **pinned) as session:
+        assert session.run("id -un").strip() == "posttrain"
+    hook = VmHookAsync(host=vm["ssh_address"], **pinned)
+    assert asyncio.run(hook.run_command("id -un"))[1].strip() == "posttrain"
+
+    # Without a rule admitting IAP's range, the tunnel cannot reach the VM (IAP's 4003).
+    options = {"api_endpoint": emulator.url}
+    firewalls = compute_v1.FirewallsClient(transport="rest", client_options=options, credentials=AnonymousCredentials())
+    firewalls.delete(project=PROJECT, firewall=rule["name"])
+    deadline = time.monotonic() + 5
+    while emulator.firewalls() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    refused = subprocess.run(vm["ssh_proxy_command"], shell=True, capture_output=True, text=True, input="")
+    assert refused.returncode == 1 and "4003: 'failed to connect to backend'" in refused.stderr
+    with pytest.raises(paramiko.SSHException), VmHook(remote_host=vm["ssh_address"], **pinned):
+        pass
+    fault_matrix.record(
+        "access: IAP path -> only through the tunnel, and only while a rule admits IAP's range",
+        None,
+        dr.state,
+        None,
+        refused.stderr.strip()[:80],
     )
 
 

@@ -54,6 +54,7 @@ class VmHook(SSHHook):
 
     :param host_keys: ``{key type: base64}`` the VM published; the connection's own host key settings are then
         ignored and the VM must present one of these keys.
+    :param proxy_command: reach the VM through this command's stdin/stdout (an IAP tunnel).
     """
 
     def __init__(
@@ -61,9 +62,12 @@ class VmHook(SSHHook):
         ssh_conn_id: str,
         remote_host: str | None = None,
         host_keys: dict[str, str] | None = None,
+        proxy_command: str | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(ssh_conn_id=ssh_conn_id, remote_host=remote_host or "", **kwargs)
+        super().__init__(
+            ssh_conn_id=ssh_conn_id, remote_host=remote_host or "", host_proxy_cmd=proxy_command, **kwargs
+        )
         self._client: Any = None
         if host_keys:
             import paramiko
@@ -132,11 +136,49 @@ class VmHook(SSHHook):
 
 
 class VmHookAsync(SSHHookAsync):
-    """The triggerer's connection to the VM, pinned to the VM's published ``host_keys`` like :class:`VmHook`."""
+    """The triggerer's connection to the VM, pinned to the VM's published ``host_keys`` and reached through
+    ``proxy_command`` (an IAP tunnel) like :class:`VmHook`."""
 
-    def __init__(self, *args: Any, host_keys: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        host_keys: dict[str, str] | None = None,
+        proxy_command: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.host_keys = host_keys or {}
+        self.proxy_command = proxy_command
+
+    async def _get_conn(self) -> Any:
+        """SSHHookAsync's connection, plus asyncssh's ``proxy_command`` (which SSHHookAsync does not pass)."""
+        if not self.proxy_command:
+            return await super()._get_conn()
+        import asyncssh
+        from airflow.providers.common.compat.connection import get_async_connection
+
+        conn = await get_async_connection(self.ssh_conn_id)
+        self._parse_extras(conn)
+        if not self.host_keys:
+            raise ValueError(
+                "a VM reached through a proxy command is verified against its published host keys"
+            )
+        options: dict[str, Any] = {
+            "host": self.host or conn.host,
+            "port": self.port or conn.port or SSH_PORT,
+            "username": self.username or conn.login,
+            "known_hosts": self.known_hosts,
+            "proxy_command": self.proxy_command,
+        }
+        if self.key_file:
+            options["client_keys"] = self.key_file
+        if self.private_key:
+            options["client_keys"] = [asyncssh.import_private_key(self.private_key, self.passphrase)]
+        if self.passphrase:
+            options["passphrase"] = self.passphrase
+        if self.keepalive_interval:
+            options["keepalive_interval"] = self.keepalive_interval
+        return await asyncssh.connect(**options)
 
     def _parse_extras(self, conn: Any) -> None:
         super()._parse_extras(conn)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
 from airflow_tpu_posttrain.local.fleet import LocalFleet
 from airflow_tpu_posttrain.local.hub_server import HubServer
+from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.recipes.install import install_script
 from airflow_tpu_posttrain.recipes.models import model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
@@ -70,6 +72,17 @@ def prepare_vm_image(local_dir: Path, python312: str) -> None:
         check=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "TRANSFORMERS_VERBOSITY": "error"},
     )
+
+
+def write_gcloud_stand_in(bin_dir: Path) -> Path:
+    """``bin_dir/gcloud``: runs ``local/iap_tunnel.py``, which serves ``gcloud compute start-iap-tunnel`` only."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m airflow_tpu_posttrain.local.iap_tunnel "$@"\n'
+    )
+    gcloud.chmod(0o755)
+    return gcloud
 
 
 class LocalStack:
@@ -119,9 +132,15 @@ class LocalStack:
                 ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "airflow", "-f", str(self.client_key)],
                 check=True,
             )
+        write_gcloud_stand_in(self.bin_dir)
         self.compute.start()
         self.hub.start()
         return self.environment()
+
+    @property
+    def bin_dir(self) -> Path:
+        """On the PATH of the local runs: ``gcloud``, standing in for ``gcloud compute start-iap-tunnel``."""
+        return self.vm_dir / "bin"
 
     def stop(self) -> None:
         for part in (self.hub, self.compute):
@@ -157,6 +176,9 @@ class LocalStack:
             "TPU_POSTTRAIN_LOCAL_DIR": str(self.local_dir),
             "TPU_POSTTRAIN_VM_DIR": str(self.vm_dir),
             "TPU_POSTTRAIN_PYTHON312": self.python312,
+            # The iap network path's ProxyCommand: the stand-in gcloud, reading Compute where gcloud would.
+            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            IAP_ENDPOINT_VARIABLE: f"{self.compute.url}/compute/v1/",
         }
 
 

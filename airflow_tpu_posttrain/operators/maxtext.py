@@ -83,6 +83,8 @@ class MaxTextJobOperator(BaseOperator):
     :param remote_host: the VM's address, when it does not come from ``vm_task_id``.
     :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm_task_id``: the
         connection's login, or the OS Login POSIX name); empty: the connection's login.
+    :param ssh_proxy_command: reach the VM through this command (default: the IAP tunnel the create task names,
+        from ``vm_task_id``; empty: dial ``remote_host`` directly).
     :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
         ``vm_task_id``); every connection, in the worker and in the triggerer, is pinned to them.
     :param accelerator_type: default: the VM's, from ``vm_task_id``.
@@ -107,6 +109,7 @@ class MaxTextJobOperator(BaseOperator):
         "ssh_conn_id",
         "remote_host",
         "ssh_login",
+        "ssh_proxy_command",
         "host_keys",
         "model",
         "accelerator_type",
@@ -126,6 +129,7 @@ class MaxTextJobOperator(BaseOperator):
         vm_task_id: str | None = "create_tpu_vm",
         remote_host: str | None = None,
         ssh_login: str | None = None,
+        ssh_proxy_command: str | None = None,
         host_keys: dict[str, str] | str | None = None,
         accelerator_type: str | None = None,
         runtime: str = "tpu",
@@ -148,11 +152,13 @@ class MaxTextJobOperator(BaseOperator):
         if vm_task_id:
             remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key="ssh_address")
             ssh_login = ssh_login or _VM_XCOM.format(task=vm_task_id, key="ssh_login")
+            ssh_proxy_command = ssh_proxy_command or _VM_XCOM.format(task=vm_task_id, key="ssh_proxy_command")
             host_keys = host_keys or _VM_XCOM.format(task=vm_task_id, key="host_keys")
             accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
         self.ssh_conn_id = ssh_conn_id
         self.remote_host = remote_host
         self.ssh_login = ssh_login
+        self.ssh_proxy_command = ssh_proxy_command
         self.host_keys = host_keys
         self.model = model
         self.accelerator_type = accelerator_type or "v6e-8"
@@ -234,7 +240,13 @@ class MaxTextJobOperator(BaseOperator):
             remote_host=self.remote_host or None,
             username=self.ssh_login or None,
             host_keys=self._pinned_host_keys(),
+            proxy_command=self._proxy_command(),
         )
+
+    def _proxy_command(self) -> str | None:
+        """The rendered ``ssh_proxy_command``; a missing XCom value renders as "None"."""
+        command = (self.ssh_proxy_command or "").strip()
+        return command if command and command != "None" else None
 
     def _hub_endpoint(self) -> str | None:
         if not self.hf_conn_id:
@@ -390,6 +402,7 @@ class MaxTextJobOperator(BaseOperator):
                 ssh_conn_id=self.ssh_conn_id,
                 remote_host=self.remote_host,
                 login=self.ssh_login or None,
+                proxy_command=self._proxy_command(),
                 host_keys=self._pinned_host_keys(),
                 job_id=paths.job_id,
                 job_dir=paths.job_dir,

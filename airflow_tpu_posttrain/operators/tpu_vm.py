@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import select
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Sequence
@@ -68,8 +71,22 @@ def _invalid(task_id: str, err: SpecError) -> AirflowFailException:
     return AirflowFailException(f"{task_id}: invalid input: {err}")
 
 
-def _ssh_answers(address: str | None, port: int) -> bool:
-    """Whether an SSH server answers on ``address:port`` (its banner read, not only the TCP handshake)."""
+def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
+    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command`` (an IAP
+    tunnel); its banner read, not only the TCP handshake."""
+    if proxy_command:
+        with subprocess.Popen(
+            proxy_command,
+            shell=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        ) as tunnel:
+            try:
+                readable, _, _ = select.select([tunnel.stdout], [], [], 5)
+                return bool(readable) and os.read(tunnel.stdout.fileno(), 4).startswith(b"SSH-")
+            finally:
+                tunnel.kill()
     if not address:
         return False
     try:
@@ -170,7 +187,7 @@ class TpuVmCreateOperator(_ComputeOperator):
     sshd answers (in the triggerer). Every SSH step then pins those host keys.
 
     Returns (XCom) ``name, project, zone, status, internal_ip, external_ip, ssh_address, ssh_port, ssh_login,
-    host_keys, machine_type, accelerator_type, firewall``; a partial record with the name is pushed before the first API
+    ssh_proxy_command, host_keys, machine_type, accelerator_type, firewall``; a partial record with the name is pushed before the first API
     call so a teardown can find the VM even if this task dies half-way.
 
     :param zones: zones to try, in order (a list, or a comma-separated string).
@@ -182,7 +199,8 @@ class TpuVmCreateOperator(_ComputeOperator):
     :param network: VPC network name.
     :param subnetwork: subnetwork name (in each zone's region) or path; required on a custom-mode network.
     :param network_path: how Airflow reaches the VM: ``internal`` (its internal IP: Airflow inside the VPC, no
-        external IP) or ``external`` (its external IP).
+        external IP), ``external`` (its external IP) or ``iap`` (IAP's TCP forwarding, ``gcloud compute
+        start-iap-tunnel`` as the SSH ProxyCommand; no external IP; a rule admitting IAP's range).
     :param ssh_source_ranges: CIDR ranges (the Airflow workers' and triggerer's egress) admitted to tcp:22 by a
         firewall rule created and deleted with the VM; empty: no rule (the network already admits them).
     :param ssh_conn_id: the SSH connection the MaxText steps use; its login and public key go into the VM's
@@ -679,6 +697,9 @@ class TpuVmCreateOperator(_ComputeOperator):
             "ssh_address": access.ssh_address(instance, spec.network_path),
             "ssh_port": client_identity(self.ssh_conn_id).port,
             "ssh_login": self._authorize_key(spec, _expires_at(spec))[1],
+            "ssh_proxy_command": (
+                access.iap_proxy_command(spec.project_id, zone, name) if spec.network_path == "iap" else None
+            ),
             "network_path": spec.network_path,
             "self_link": instance.get("selfLink"),
         }
@@ -687,7 +708,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         deadline = time.monotonic() + self.inline_wait
         while time.monotonic() < deadline:
             host_keys = self.hook.get_host_keys(spec.project_id, zone, name)
-            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"]):
+            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], vm["ssh_proxy_command"]):
                 event = {"status": "ready", "host_keys": host_keys}
                 return self.execute_complete(
                     context, {**event, "state": {"phase": "ready", **progress._asdict(), "vm": vm}}
@@ -702,6 +723,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 name=name,
                 address=vm["ssh_address"],
                 port=vm["ssh_port"],
+                proxy_command=vm["ssh_proxy_command"],
                 timeout=self.ready_timeout.total_seconds(),
                 gcp_conn_id=self.gcp_conn_id,
                 api_endpoint=self.api_endpoint,

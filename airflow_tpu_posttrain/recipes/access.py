@@ -11,8 +11,11 @@ VM over SSH"):
 - with ``enable-guest-attributes: TRUE`` the guest environment publishes the VM's host keys as guest attributes
   under ``hostkeys/`` (``instances.getGuestAttributes``), which is what ``gcloud compute ssh`` pins —
   cloud.google.com/compute/docs/metadata/manage-guest-attributes;
-- a VM is reached on its internal IP from inside the VPC, or on its external IP through a firewall rule that
-  admits the client's egress ranges. (IAP's TCP forwarding, a third way, is not supported yet.)
+- a VM is reached on its internal IP from inside the VPC, on its external IP through a firewall rule that
+  admits the client's egress ranges, or through IAP's TCP forwarding (``gcloud compute start-iap-tunnel
+  NAME 22 --listen-on-stdin`` as the SSH ProxyCommand, as providers-google's ``ComputeEngineSSHHook`` and
+  ``gcloud compute ssh --tunnel-through-iap`` do) with a firewall rule admitting IAP's range 35.235.240.0/20 —
+  cloud.google.com/iap/docs/using-tcp-forwarding.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import binascii
 import ipaddress
 import json
 import re
+import shlex
 from datetime import UTC, datetime
 
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
-NETWORK_PATHS = ("internal", "external")
+NETWORK_PATHS = ("internal", "external", "iap")
+IAP_SOURCE_RANGE = "35.235.240.0/20"  # where IAP's TCP forwarding connects from
 KEY_MODES = ("metadata", "oslogin")
 SSH_PORT = 22
 HOST_KEY_NAMESPACE = "hostkeys"
@@ -118,8 +123,19 @@ def known_hosts(address: str, port: int, host_keys: dict[str, str]) -> str:
     return "".join(f"{host} {key_type} {host_keys[key_type]}\n" for key_type in sorted(host_keys))
 
 
+def iap_proxy_command(project: str, zone: str, name: str, port: int = SSH_PORT) -> str:
+    """The SSH ProxyCommand that reaches the VM's ``port`` through IAP (the caller needs
+    roles/iap.tunnelResourceAccessor)."""
+    argv = [
+        "gcloud", "compute", "start-iap-tunnel", name, str(port), "--listen-on-stdin",
+        f"--project={project}", f"--zone={zone}", "--verbosity=warning",
+    ]  # fmt: skip
+    return " ".join(shlex.quote(arg) for arg in argv)
+
+
 def ssh_address(instance: dict, network_path: str) -> str | None:
-    """The address Airflow dials: the internal IP (from inside the VPC) or the external IP."""
+    """The address Airflow dials: the internal IP (from inside the VPC, or the host name the IAP tunnel
+    stands for) or the external IP."""
     interface = (instance.get("networkInterfaces") or [{}])[0]
     if network_path == "external":
         return ((interface.get("accessConfigs") or [{}])[0]).get("natIP")

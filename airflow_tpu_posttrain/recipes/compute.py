@@ -158,6 +158,13 @@ class TpuVmSpec:
         validation.one_of("network_path", self.network_path, access.NETWORK_PATHS)
         validation.one_of("ssh_key_mode", self.ssh_key_mode, access.KEY_MODES)
         access.source_ranges("ssh_source_ranges", self.ssh_source_ranges)
+        if self.network_path == "iap" and self.ssh_source_ranges:
+            raise SpecError(
+                "ssh_source_ranges",
+                list(self.ssh_source_ranges),
+                "is not used with network_path iap (the VM's rule admits IAP's range only)",
+                f"leave it empty: the rule admits {access.IAP_SOURCE_RANGE}",
+            )
         for i, tag in enumerate(self.tags):
             validation.gce_name(f"tags[{i}]", tag)
         if not 10 <= self.boot_disk_size_gb <= 65536:
@@ -216,8 +223,8 @@ class TpuVmSpec:
 
     @property
     def opens_firewall(self) -> bool:
-        """Whether the VM gets its own SSH firewall rule (admitting the ranges the user gave)."""
-        return bool(self.ssh_source_ranges)
+        """Whether the VM gets its own SSH firewall rule (admitting the ranges the user gave, or IAP's)."""
+        return bool(self.ssh_source_ranges) or self.network_path == "iap"
 
     def subnetwork_path(self, zone: str) -> str | None:
         if not self.subnetwork or "/" in self.subnetwork:
@@ -294,7 +301,9 @@ def ssh_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
         "network": f"global/networks/{spec.network}",
         "direction": "INGRESS",
         "allowed": [{"IPProtocol": "tcp", "ports": [str(access.SSH_PORT)]}],
-        "sourceRanges": list(spec.ssh_source_ranges),
+        "sourceRanges": [access.IAP_SOURCE_RANGE]
+        if spec.network_path == "iap"
+        else list(spec.ssh_source_ranges),
         "targetTags": [instance],
     }
 

@@ -4,6 +4,7 @@ for an instance to be RUNNING."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -188,8 +189,27 @@ class ComputeOperationsTrigger(ComputeTrigger):
             )
 
 
-async def ssh_port_open(address: str, port: int, timeout: float = 5.0) -> bool:
-    """Whether an SSH server answers on ``address:port`` (its banner read, not only the TCP handshake)."""
+async def ssh_port_open(
+    address: str, port: int, timeout: float = 5.0, proxy_command: str | None = None
+) -> bool:
+    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command`` (an IAP
+    tunnel); its banner read, not only the TCP handshake."""
+    if proxy_command:
+        tunnel = await asyncio.create_subprocess_shell(
+            proxy_command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            banner = await asyncio.wait_for(tunnel.stdout.read(4), timeout)
+        except TimeoutError:
+            banner = b""
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                tunnel.kill()
+            await tunnel.wait()
+        return banner.startswith(b"SSH-")
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(address, port), timeout)
     except (OSError, TimeoutError):
@@ -206,7 +226,7 @@ async def ssh_port_open(address: str, port: int, timeout: float = 5.0) -> bool:
 class VmReadyTrigger(ComputeTrigger):
     """
     Wait until a RUNNING VM can be logged into: its guest environment published its host keys (``hostkeys/``
-    guest attributes) and, unless reached through IAP, its sshd answers on ``address:port``.
+    guest attributes) and its sshd answers on ``address:port`` (through ``proxy_command``, for IAP).
 
     Fires once with fixed keys: ``{"status": "ready", "host_keys": {type: base64}, "state"}`` or
     ``{"status": "error", "errors": [{"code", "message"}], "state"}`` (timed out, or the VM is gone).
@@ -214,8 +234,9 @@ class VmReadyTrigger(ComputeTrigger):
     :param project_id: the VM's project.
     :param zone: the VM's zone.
     :param name: the VM's name.
-    :param address: where to check the sshd; None: skip the check (IAP: the VM has no address to dial).
+    :param address: where to check the sshd.
     :param port: the sshd's port.
+    :param proxy_command: reach the sshd through this command's stdin/stdout (an IAP tunnel).
     :param timeout: seconds to wait in all.
     """
 
@@ -227,6 +248,7 @@ class VmReadyTrigger(ComputeTrigger):
         address: str | None,
         port: int = 22,
         timeout: float = 600.0,
+        proxy_command: str | None = None,
         **common: Any,
     ) -> None:
         super().__init__(project_id, **common)
@@ -234,6 +256,7 @@ class VmReadyTrigger(ComputeTrigger):
         self.name = name
         self.address = address
         self.port = port
+        self.proxy_command = proxy_command
         self.timeout = timeout
 
     def _kwargs(self) -> dict[str, Any]:
@@ -244,6 +267,7 @@ class VmReadyTrigger(ComputeTrigger):
             "address": self.address,
             "port": self.port,
             "timeout": self.timeout,
+            "proxy_command": self.proxy_command,
         }
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
@@ -256,7 +280,7 @@ class VmReadyTrigger(ComputeTrigger):
                 if not host_keys:
                     host_keys = await hook.get_host_keys(self.project_id, self.zone, self.name)
                 if host_keys and not port_open:
-                    port_open = self.address is None or await ssh_port_open(self.address, self.port)
+                    port_open = await ssh_port_open(self.address, self.port, proxy_command=self.proxy_command)
                 if host_keys and port_open:
                     yield self._event({"status": "ready", "host_keys": host_keys})
                     return

@@ -28,14 +28,21 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
 
     :param host_keys: ``{key type: base64}`` the VM published; the connection to the VM is pinned to them.
     :param login: the login on the VM, instead of the connection's (an OS Login POSIX name).
+    :param proxy_command: reach the VM through this command's stdin/stdout (an IAP tunnel).
     """
 
     def __init__(
-        self, *args: Any, host_keys: dict[str, str] | None = None, login: str | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        host_keys: dict[str, str] | None = None,
+        login: str | None = None,
+        proxy_command: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.host_keys = host_keys or {}
         self.login = login
+        self.proxy_command = proxy_command
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in not_before_settled(super().run(), time.monotonic()):
@@ -47,11 +54,16 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             **kwargs,
             "host_keys": self.host_keys,
             "login": self.login,
+            "proxy_command": self.proxy_command,
         }
 
     def _get_hook(self) -> VmHookAsync:
         return VmHookAsync(
-            ssh_conn_id=self.ssh_conn_id, host=self.remote_host, username=self.login, host_keys=self.host_keys
+            ssh_conn_id=self.ssh_conn_id,
+            host=self.remote_host,
+            username=self.login,
+            host_keys=self.host_keys,
+            proxy_command=self.proxy_command,
         )
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:

@@ -1,0 +1,122 @@
+"""The local stand-in for ``gcloud compute start-iap-tunnel NAME PORT --listen-on-stdin``: the SSH
+ProxyCommand of the ``iap`` network path, run as ``gcloud`` from the local stack's ``bin`` directory.
+
+What IAP's TCP forwarding does, and this follows (cloud.google.com/iap/docs/using-tcp-forwarding): it connects
+from 35.235.240.0/20 to the instance's internal IP, so it reaches the port only if an ingress firewall rule of
+the instance's network admits that range on that port for the instance (all instances, or one of its network
+tags); else the tunnel fails with ``4003: 'failed to connect to backend'``; an instance that does not exist or
+is not RUNNING fails the same way. The instance and the rules are read from the Compute API at
+``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's own endpoint override). Not emulated: the caller's
+roles/iap.tunnelResourceAccessor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import socket
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+IAP_RANGE = ipaddress.ip_network("35.235.240.0/20")
+ENDPOINT_VARIABLE = "CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE"
+
+
+class TunnelError(Exception):
+    pass
+
+
+def _get(url: str) -> dict | None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=10) as answer:
+            return json.load(answer)
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return None
+        raise
+
+
+def _admits_iap(rule: dict, instance: dict, port: int) -> bool:
+    network = (instance.get("networkInterfaces") or [{}])[0].get("network", "global/networks/default")
+    if rule.get("disabled") or rule.get("direction", "INGRESS") != "INGRESS":
+        return False
+    if rule.get("network", "").rsplit("/", 1)[-1] != network.rsplit("/", 1)[-1]:
+        return False
+    if not any(IAP_RANGE.subnet_of(ipaddress.ip_network(cidr)) for cidr in rule.get("sourceRanges", [])):
+        return False
+    targets = rule.get("targetTags") or []
+    if targets and not set(targets) & set((instance.get("tags") or {}).get("items", [])):
+        return False
+    for allowed in rule.get("allowed", []):
+        if allowed.get("IPProtocol") not in ("tcp", "all"):
+            continue
+        for ports in allowed.get("ports") or ["0-65535"]:
+            low, _, high = ports.partition("-")
+            if int(low) <= port <= int(high or low):
+                return True
+    return False
+
+
+def backend(endpoint: str, project: str, zone: str, name: str, port: int) -> tuple[str, int]:
+    """The address IAP would connect to, or TunnelError as gcloud reports it."""
+    instance = _get(f"{endpoint}projects/{project}/zones/{zone}/instances/{name}")
+    if instance is None:
+        raise TunnelError(
+            f"Could not fetch resource: - The resource 'projects/{project}/zones/{zone}/instances/{name}' "
+            "was not found"
+        )
+    rules = (_get(f"{endpoint}projects/{project}/global/firewalls") or {}).get("items", [])
+    if instance.get("status") != "RUNNING" or not any(_admits_iap(rule, instance, port) for rule in rules):
+        raise TunnelError("Error while connecting [4003: 'failed to connect to backend'].")
+    return instance["networkInterfaces"][0]["networkIP"], port
+
+
+def relay(address: tuple[str, int]) -> None:
+    """Copy stdin to the connection and the connection to stdout until either side ends."""
+    try:
+        connection = socket.create_connection(address, timeout=10)
+    except OSError as error:
+        raise TunnelError("Error while connecting [4003: 'failed to connect to backend'].") from error
+    connection.settimeout(None)
+
+    def upstream() -> None:
+        while data := os.read(sys.stdin.fileno(), 65536):
+            connection.sendall(data)
+        connection.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=upstream, daemon=True).start()
+    while data := connection.recv(65536):
+        os.write(sys.stdout.fileno(), data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gcloud")
+    parser.add_argument("group", choices=["compute"])
+    parser.add_argument("command", choices=["start-iap-tunnel"])
+    parser.add_argument("instance")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--listen-on-stdin", action="store_true", required=True)
+    parser.add_argument("--project", required=True)
+    parser.add_argument("--zone", required=True)
+    parser.add_argument("--verbosity", default="warning")
+    args = parser.parse_args(argv)
+    endpoint = os.environ.get(ENDPOINT_VARIABLE, "")
+    try:
+        if not endpoint:
+            raise TunnelError(
+                f"{ENDPOINT_VARIABLE} is not set: this stand-in reaches only a local Compute API"
+            )
+        relay(backend(endpoint.rstrip("/") + "/", args.project, args.zone, args.instance, args.port))
+    except TunnelError as error:
+        print(f"ERROR: (gcloud.compute.start-iap-tunnel) {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
