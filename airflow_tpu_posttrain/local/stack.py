@@ -124,8 +124,11 @@ class LocalStack:
             shutil.rmtree(self.vm_dir / stale, ignore_errors=True)
         for part in (self.storage_dir, self.published_dir, self.vm_dir / "hub"):
             part.mkdir(parents=True)
-        for shared in (self.storage_dir, self.published_dir):  # a bucket the VMs' service account may write
+        for shared in (self.storage_dir, self.published_dir):
+            # A bucket every VM's service account may write, whatever the login (metadata or OS Login) that
+            # wrote before: the default ACL makes everything created below it writable by every login.
             shared.chmod(0o777)
+            subprocess.run(["setfacl", "-d", "-m", "u::rwx,g::rwx,o::rwx", str(shared)], check=True)
         if not self.client_key.exists():
             self.client_key.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run(
