@@ -809,18 +809,26 @@ class HfExportOperator(MaxTextJobOperator):
     def failure_hint(self, context: Context) -> str:
         layout = self.run_spec(context).layout
         kept = layout.kept_export_dir
-        if kept:
-            with self._vm() as vm:
-                if vm.exists(f"{kept}.complete"):
-                    context["ti"].xcom_push(key="kept_export", value=kept)
-                    return (
-                        f". The checked export is kept at {kept}: a retry or a re-run publishes it without "
-                        "exporting again"
-                    )
+        if kept and self._kept(kept):
+            context["ti"].xcom_push(key="kept_export", value=kept)
+            return (
+                f". The checked export is kept at {kept}: a retry or a re-run publishes it without "
+                "exporting again"
+            )
         return (
             f". The exported model, if the export finished, was at {layout.export_dir} on the VM "
             f"(host {self.remote_host})"
         )
+
+    def _kept(self, kept: str) -> bool:
+        """Whether the kept export is complete; False when that cannot be read (the hint must not mask the
+        step's own error)."""
+        try:
+            with self._vm() as vm:
+                return vm.exists(f"{kept}.complete")
+        except Exception as err:  # noqa: BLE001 - any failure here only loses the hint
+            self.log.warning("Could not check the kept export at %s: %s", kept, err)
+            return False
 
     def _publish_script_path(self) -> str:
         return f"{self.workdir}/vm_scripts/publish_model.py"
