@@ -121,24 +121,43 @@ def stack(airflow_db, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------- fault matrix
-# Fault tests record one row each, after their assertions passed (a row means "verified"); the terminal summary
-# prints the rows as a Markdown table and, if $TPU_POSTTRAIN_FAULT_MATRIX is set, writes them to that file.
+# Every test that takes the ``fault_matrix`` fixture is a registered fault case: it records its row(s) after its
+# assertions passed (a row means "verified"). Rows travel in the test's report (``user_properties``), so they
+# reach the controller from pytest-xdist's workers. The terminal summary prints the table; with
+# $TPU_POSTTRAIN_FAULT_MATRIX set (scripts/test sets it for a full run) the table is written to that file, and a
+# registered case without its row (failed, skipped) fails the run and leaves the file as it was.
 
-FAULT_MATRIX_COMMAND = "TPU_POSTTRAIN_FAULT_MATRIX=docs/fault-matrix.md ./scripts/test"
-_FAULT_ROWS: list[tuple[str, bool | None, str, bool | None, str]] = []
+FAULT_MATRIX_COMMAND = "./scripts/test"
+_ROW_PROPERTY = "fault_matrix_row"
+_FAULT_ROWS: dict[str, list[tuple]] = {}  # nodeid -> the rows it recorded, in order
+_FAULT_CASES: set[str] = set()  # nodeids of the registered cases that ran or were skipped
 
 
 class FaultMatrix:
-    rows = _FAULT_ROWS
+    def __init__(self, node: pytest.Item) -> None:
+        self._node = node
 
-    @staticmethod
-    def record(case: str, vm_deleted: bool | None, run_state: str, model_intact: bool | None, message: str) -> None:
-        _FAULT_ROWS.append((case, vm_deleted, str(run_state), model_intact, message))
+    def record(self, case: str, vm_deleted: bool | None, run_state: str, model_intact: bool | None, message: str) -> None:
+        self._node.user_properties.append((_ROW_PROPERTY, (case, vm_deleted, str(run_state), model_intact, message)))
 
 
-@pytest.fixture(scope="session")
-def fault_matrix() -> FaultMatrix:
-    return FaultMatrix()
+@pytest.fixture
+def fault_matrix(request) -> FaultMatrix:
+    return FaultMatrix(request.node)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "fault_matrix" in getattr(item, "fixturenames", ()):
+            item.add_marker("fault_case")
+
+
+def pytest_runtest_logreport(report):
+    if "fault_case" not in report.keywords:
+        return
+    _FAULT_CASES.add(report.nodeid)
+    if report.when == "call" and report.passed:
+        _FAULT_ROWS[report.nodeid] = [tuple(value) for key, value in report.user_properties if key == _ROW_PROPERTY]
 
 
 def log_excerpt(text: str, needle: str, width: int = 80) -> str:
@@ -147,31 +166,55 @@ def log_excerpt(text: str, needle: str, width: int = 80) -> str:
     return line[line.index(needle) :][:width].strip()
 
 
+def fault_matrix_rows() -> list[tuple]:
+    """The verified rows, grouped by test file and test, in a stable order whatever the workers' order."""
+    return [row for nodeid in sorted(_FAULT_ROWS) for row in _FAULT_ROWS[nodeid]]
+
+
 def fault_matrix_markdown() -> str:
     def cell(value: object) -> str:
         text = {True: "yes", False: "**no**", None: "n/a"}[value] if value is None or isinstance(value, bool) else value
         return str(text).replace("|", "\\|").replace("\n", " ")
 
     lines = ["| case | VM deleted | run state | model intact | message |", "|---|---|---|---|---|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in _FAULT_ROWS]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in fault_matrix_rows()]
     return "\n".join(lines) + "\n"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _FAULT_ROWS:
-        return
-    table = fault_matrix_markdown()
-    terminalreporter.write_sep("=", f"fault matrix ({len(_FAULT_ROWS)} verified cases)")
-    terminalreporter.write(table)
+def _missing_fault_cases() -> list[str]:
+    return sorted(nodeid for nodeid in _FAULT_CASES if not _FAULT_ROWS.get(nodeid))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
     target = os.environ.get("TPU_POSTTRAIN_FAULT_MATRIX")
-    if target:
-        header = (
-            "# Fault matrix\n\n"
-            "Written by the fault tests (each row is recorded only after its test's assertions passed):\n"
-            f"`{FAULT_MATRIX_COMMAND}`\n\n"
-            "Columns: VM deleted (no instance left in the Compute emulator; n/a where no VM is in play), final "
-            "state of the DAG run (or of the failing task), model intact (the run's checkpoint / exported model "
-            "is still there; n/a where the case produces none), and what the logs say.\n\n"
-        )
-        Path(target).write_text(header + table)
+    if hasattr(session.config, "workerinput") or not target or not _FAULT_CASES:
+        return
+    if _missing_fault_cases():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return
+    header = (
+        "# Fault matrix\n\n"
+        "Written by the fault tests of a full test run (each row is recorded only after its test's assertions "
+        f"passed): `{FAULT_MATRIX_COMMAND}`. Do not edit by hand.\n\n"
+        "Columns: VM deleted (no instance left in the Compute emulator; n/a where no VM is in play), final "
+        "state of the DAG run (or of the failing task), model intact (the run's checkpoint / exported model "
+        "is still there; n/a where the case produces none), and what the logs say.\n\n"
+    )
+    Path(target).write_text(header + fault_matrix_markdown())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not _FAULT_CASES:
+        return
+    rows = fault_matrix_rows()
+    terminalreporter.write_sep("=", f"fault matrix ({len(rows)} verified rows)")
+    terminalreporter.write(fault_matrix_markdown())
+    missing = _missing_fault_cases()
+    target = os.environ.get("TPU_POSTTRAIN_FAULT_MATRIX")
+    if missing:
+        terminalreporter.write_line(f"fault cases without a verified row ({len(missing)}): " + ", ".join(missing))
+        if target:
+            terminalreporter.write_line(f"{target} NOT written: every registered fault case must pass")
+    elif target:
         terminalreporter.write_line(f"fault matrix written to {target}")

@@ -13,6 +13,7 @@ Stacks with different ``vm_dir`` can run side by side.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -20,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
@@ -42,6 +44,7 @@ def find_python312() -> str:
     for candidate in filter(None, candidates):
         probe = subprocess.run(
             [candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
+            check=False,
             capture_output=True,
             text=True,
         )
@@ -50,6 +53,9 @@ def find_python312() -> str:
     raise RuntimeError(
         "Python 3.12 not found: install it (e.g. pyenv install 3.12) or set TPU_POSTTRAIN_PYTHON312"
     )
+
+
+CLIENT_KEY = Path("ssh") / "id_ed25519"
 
 
 def package_cache(local_dir: Path) -> Path:
@@ -99,7 +105,7 @@ class LocalStack:
         self.vm_dir = Path(vm_dir or self.local_dir / "vm").absolute()
         self.hf_token = hf_token or secrets.token_hex(16)
         self.python312 = find_python312()
-        self.client_key = self.local_dir / "ssh" / "id_ed25519"
+        self.client_key = self.local_dir / CLIENT_KEY
         self.fleet = LocalFleet(
             self.vm_dir / "instances",
             shared_paths=(self.storage_dir, self.published_dir),
@@ -129,12 +135,7 @@ class LocalStack:
             # wrote before: the default ACL makes everything created below it writable by every login.
             shared.chmod(0o777)
             subprocess.run(["setfacl", "-d", "-m", "u::rwx,g::rwx,o::rwx", str(shared)], check=True)
-        if not self.client_key.exists():
-            self.client_key.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(
-                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "airflow", "-f", str(self.client_key)],
-                check=True,
-            )
+        ensure_client_key(self.client_key)
         write_gcloud_stand_in(self.bin_dir)
         self.compute.start()
         self.hub.start()
@@ -191,12 +192,27 @@ def _key(instance: dict) -> tuple[str, str, str]:
     return parts[parts.index("projects") + 1], parts[parts.index("zones") + 1], instance["name"]
 
 
+def ensure_client_key(key: Path) -> None:
+    """The local SSH connection's key (ed25519), made once (``stack prepare`` makes it before any test runs).
+    Made aside and linked into place: of stacks started at once, one wins and moves its public half."""
+    if key.exists():
+        return
+    key.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(dir=key.parent)) / "key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "airflow", "-f", str(made)], check=True)
+    with contextlib.suppress(FileExistsError):
+        os.link(made.with_suffix(".pub"), key.with_suffix(".pub"))
+        os.link(made, key)
+    shutil.rmtree(made.parent)
+
+
 def main() -> None:
     """``python -m airflow_tpu_posttrain.local.stack prepare [DIR]``: build the VM image (venv + tiny model)."""
     local_dir = Path(sys.argv[2] if len(sys.argv) > 2 else ".local")
     if sys.argv[1:2] != ["prepare"]:
         raise SystemExit("usage: python -m airflow_tpu_posttrain.local.stack prepare [DIR]")
     prepare_vm_image(local_dir.absolute(), find_python312())
+    ensure_client_key(local_dir.absolute() / CLIENT_KEY)
 
 
 if __name__ == "__main__":

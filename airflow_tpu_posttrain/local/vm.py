@@ -189,13 +189,20 @@ def _ensure_account(login: str) -> pwd.struct_passwd:
     Password ``*`` as the guest agent sets it: no password login, yet not locked (``!``), sshd refuses it.
     """
     with _ACCOUNTS_LOCK:
-        try:
+        with contextlib.suppress(KeyError):
             return pwd.getpwnam(login)
-        except KeyError:
-            # No check: another process may have created it meanwhile; getpwnam decides.
+        # No check: another process may have created it meanwhile, or hold /etc/passwd's lock (useradd then
+        # fails at once); getpwnam decides, a few times.
+        for _ in range(20):
             subprocess.run(
-                ["useradd", "-M", "-d", f"/home/{login}", "-s", "/bin/bash", "-p", "*", login], check=False
+                ["useradd", "-M", "-d", f"/home/{login}", "-s", "/bin/bash", "-p", "*", login],
+                check=False,
+                capture_output=True,
             )
+            try:
+                return pwd.getpwnam(login)
+            except KeyError:
+                time.sleep(0.25)
         return pwd.getpwnam(login)
 
 
