@@ -17,3 +17,9 @@ class VmHostKeyMismatchError(AirflowFailException):
 class CapacityTimeoutError(AirflowFailException):
     """No place under the TPU cap (or in a fully used reservation) came free within ``max_wait_for_capacity``;
     nothing was created."""
+
+
+class VmLostError(AirflowException):
+    """The step's VM is gone: Compute lists it TERMINATED, STOPPING, STOPPED or SUSPENDED (a preemption, a host
+    error), or not at all; not merely an SSH error. Training recovers from it (see ``operators/recovery.py``)
+    up to ``max_recoveries`` times; other steps fail with it and the teardown deletes what is left."""

@@ -119,6 +119,19 @@ def test_spot_and_flex_start_consume_no_reservation(model):
     assert body["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
 
 
+def test_flex_start_sends_its_wait_for_capacity_and_nothing_else_does():
+    def body(model, wait):
+        spec = compute.TpuVmSpec(
+            project_id="my-project", zones=("us-east5-b",), provisioning_model=model, max_run_duration_s=3600,
+            capacity_wait_s=wait,
+        )
+        return compute.instance_body(spec, "tpu-x", "us-east5-b", {})
+
+    assert body("FLEX_START", 1800)["params"] == {"requestValidForDuration": {"seconds": "1800"}}
+    assert "params" not in body("FLEX_START", 0)  # no wait: capacity now or a stock-out
+    assert "params" not in body("SPOT", 1800)
+
+
 def test_ssh_firewall_admits_the_given_ranges_to_the_instance_only():
     spec = compute.TpuVmSpec(**SEED, ssh_source_ranges=("203.0.113.0/24",))
     body = compute.instance_body(spec, "tpu-x", "us-east5-b", {})
@@ -167,6 +180,11 @@ def test_ownership_labels_are_valid_compute_labels():
         ({"provisioning_model": "FLEX_START", "reservation": None}, "max_run_duration"),
         ({"provisioning_model": "FLEX_START", "reservation": None, "max_run_duration_s": 300}, "max_run_duration"),
         ({"provisioning_model": "FLEX_START", "reservation": None, "max_run_duration_s": 8 * 86400}, "max_run_duration"),
+        (
+            {"provisioning_model": "FLEX_START", "reservation": None, "max_run_duration_s": 3600,
+             "capacity_wait_s": 3 * 3600},
+            "max_wait_for_capacity",
+        ),
         ({"ssh_key_mode": "password"}, "ssh_key_mode"),
         ({"service_account_scopes": ("cloud-platform",)}, "service_account_scopes[0]"),
         ({"service_account_scopes": ()}, "service_account_scopes"),

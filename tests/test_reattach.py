@@ -145,3 +145,33 @@ def test_next_try_reattaches_to_the_running_job(stack, capfd):
         assert result["converted_params"].endswith("/mt-format/0/items") and result["reused"] is False
         # The seeds' layout: the conversion is in the VM's own /dev/shm.
         assert machine.vm.guest_path(result["converted_params"]).is_dir()
+
+
+def test_watch_ends_at_once_when_compute_says_the_vm_is_gone(stack):
+    """A preempted VM is not an SSH hiccup: the trigger asks Compute when it cannot reconnect, and ends the watch
+    with VM_LOST instead of riding out its reconnect budget (minutes of backoff)."""
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.local.stack import LOCAL_PROJECT
+    from airflow_tpu_posttrain.operators.maxtext import DEFAULT_WORKDIR
+    from airflow_tpu_posttrain.triggers.remote_job import VM_LOST, MaxTextJobTrigger
+
+    paths = RemoteJobPaths(job_id="preempted", remote_os="posix", base_dir=f"{DEFAULT_WORKDIR}/jobs")
+    with vm_of_its_own(stack, "preempted-vm") as machine:
+        with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+            vm.run(build_posix_wrapper_command("sleep 300", paths))
+        stack.compute.preempt(VM_ZONE, "preempted-vm")
+        trigger = MaxTextJobTrigger(
+            ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
+            job_id=paths.job_id, job_dir=paths.job_dir, log_file=paths.log_file,
+            exit_code_file=paths.exit_code_file, remote_os="posix", poll_interval=1, max_reconnect_attempts=8,
+            vm={"project": LOCAL_PROJECT, "zone": VM_ZONE, "name": "preempted-vm", "gcp_conn_id": "local_compute"},
+        )
+        # Serialized and rebuilt, as the triggerer does.
+        path, kwargs = trigger.serialize()
+        assert kwargs["vm"]["name"] == "preempted-vm"
+        event = asyncio.run(asyncio.wait_for(until_done(MaxTextJobTrigger(**kwargs)), timeout=60))
+        assert event.payload["done"] and event.payload["exit_code"] is None, event.payload
+        assert VM_LOST in event.payload["message"], event.payload
+        assert "preempted-vm is STOPPING" in event.payload["message"] or "is TERMINATED" in event.payload["message"]

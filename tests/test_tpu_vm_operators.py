@@ -25,7 +25,7 @@ from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreat
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
     if "create" in {tasks!r}:
         create = TpuVmCreateOperator(
-            task_id="create_tpu_vm", zones={zones!r}, reservation="my-reservation", poll_interval=0.2,
+            task_id="create_tpu_vm", zones={zones!r}, reservation={reservation!r}, poll_interval=0.2,
             ssh_source_ranges={ranges!r}, {create_kwargs}
         )
     if "delete" in {tasks!r}:
@@ -37,11 +37,13 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 """
 
 
-def lifecycle(dag_id, zones=("us-east5-b",), ranges=(), tasks="create+delete", create_kwargs=""):
+def lifecycle(
+    dag_id, zones=("us-east5-b",), ranges=(), tasks="create+delete", create_kwargs="", reservation="my-reservation"
+):
     """A create / teardown DAG; ``ranges``: SSH source ranges (a firewall rule made and deleted with the VM)."""
     return LIFECYCLE_DAG.format(
         dag_id=dag_id, zones=list(zones), ranges=list(ranges), firewall=bool(ranges), tasks=tasks,
-        create_kwargs=create_kwargs,
+        create_kwargs=create_kwargs, reservation=reservation,
     )
 
 
@@ -205,9 +207,17 @@ def test_transient_errors_are_retried(emulator, run_dag, fault_matrix):
     dr = run_dag("lifecycle_transient", lifecycle("lifecycle_transient"))
     assert dr.state == "success", task_states(dr)
     assert no_instances_within(emulator)
-    bursts = "2 errors each, alternating 503 backendError / 429 rateLimitExceeded"
-    fault_matrix.record("compute: 429/503 bursts on insert, get, operation -> retried", True, dr.state, None, bursts)
-    fault_matrix.record("compute: delete fails transiently (503, 429) -> retried", True, dr.state, None, bursts)
+    served = emulator.transient_errors_served
+    assert served == {"insert": 2, "get": 2, "delete": 2, "operation": 2}, served  # each a 503 then a 429
+    errors = lambda kinds: ", ".join(f"{kind} {served[kind]}" for kind in kinds)  # noqa: E731
+    fault_matrix.record(
+        "compute: 429/503 bursts on insert, get, operation -> retried", True, dr.state, None,
+        f"errors served: {errors(('insert', 'get', 'operation'))} (503 backendError, then 429)",
+    )
+    fault_matrix.record(
+        "compute: delete fails transiently (503, 429) -> retried", True, dr.state, None,
+        f"errors served: {errors(('delete',))} (503 backendError, then 429)",
+    )
 
 
 def test_delete_of_missing_instance_succeeds_from_name_alone(emulator, run_dag):
@@ -340,3 +350,95 @@ def test_teardown_defers_at_once_and_deletes_from_the_triggerer():
     assert vm["name"].startswith("tpu-probe-dag-") and vm["zone"] == "us-east5-b"
     assert firewall == {"name": f"{vm['name'][:56]}-ssh", "zone": None, "request_id": firewall["request_id"]}
     assert vm["request_id"] != firewall["request_id"]
+
+
+FLEX_START = 'provisioning_model="FLEX_START", max_run_duration=3600, max_wait_for_capacity={wait}'
+
+
+class _StatusSampler:
+    """The statuses the emulator's instances went through, sampled every 0.1 s while a DAG runs."""
+
+    def __init__(self, emulator):
+        import threading
+
+        self.emulator, self.seen, self.stop = emulator, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.wait(0.1):
+            for instance in self.emulator.instances():
+                if not self.seen or self.seen[-1] != instance["status"]:
+                    self.seen.append(instance["status"])
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_flex_start_waits_pending_until_capacity_comes(emulator, run_dag, capfd, fault_matrix):
+    emulator.set_faults(flex_start_capacity_after=3)
+    body = lifecycle("lifecycle_flex", reservation=None, create_kwargs=FLEX_START.format(wait=60))
+    with _StatusSampler(emulator) as sampler:
+        dr = run_dag("lifecycle_flex", body)
+    assert dr.state == "success", task_states(dr)
+    [insert] = inserts(emulator)  # the PENDING VM was waited for, not replaced
+    assert insert["body"]["params"] == {"requestValidForDuration": {"seconds": "60"}}
+    assert insert["body"]["scheduling"]["provisioningModel"] == "FLEX_START"
+    assert sampler.seen[:1] == ["PENDING"] and "RUNNING" in sampler.seen, sampler.seen
+    assert xcom(dr, "create_tpu_vm")["status"] == "RUNNING"
+    assert no_instances_within(emulator)
+    fault_matrix.record(
+        "FLEX_START: VM PENDING in the capacity queue -> waited for, then RUNNING", True, dr.state, None,
+        f"requestValidForDuration 60 s; statuses seen: {' -> '.join(sampler.seen)}",
+    )
+
+
+def test_flex_start_wait_time_ends_without_capacity(emulator, run_dag, capfd, fault_matrix):
+    emulator.set_faults(flex_start_capacity_after=600)
+    body = lifecycle("lifecycle_flex_timeout", reservation=None, create_kwargs=FLEX_START.format(wait=2))
+    dr = run_dag("lifecycle_flex_timeout", body)
+    assert dr.state == "failed"
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    [insert] = inserts(emulator)
+    assert insert["body"]["params"] == {"requestValidForDuration": {"seconds": "2"}}
+    logs = "".join(capfd.readouterr())
+    assert "No v6e-8 capacity in any zone" in logs
+    assert no_instances_within(emulator)
+    fault_matrix.record(
+        "FLEX_START: wait time (requestValidForDuration) ends without capacity -> fails, nothing left", True,
+        dr.state, None, log_excerpt(logs, "No v6e-8 capacity in any zone"),
+    )
+
+
+def test_flex_start_wait_longer_than_two_hours_is_refused(emulator, run_dag, capfd):
+    body = lifecycle("lifecycle_flex_long", reservation=None, create_kwargs=FLEX_START.format(wait=3 * 3600))
+    dr = run_dag("lifecycle_flex_long", body)
+    assert dr.state == "failed"
+    assert inserts(emulator) == []
+    assert "max_wait_for_capacity" in "".join(capfd.readouterr())
+
+
+def test_max_run_duration_refused_for_a_model_is_dropped_once(emulator, run_dag, capfd, fault_matrix):
+    """No Google document says whether every provisioning model takes scheduling.maxRunDuration: when Compute
+    answers 400 naming it, the create tries once more without it, says so, and the VM keeps its expires-at
+    label for the reaper."""
+    emulator.set_faults(refuse_max_run_duration=["SPOT"])
+    body = lifecycle("lifecycle_no_mrd", reservation=None, tasks="create", create_kwargs='provisioning_model="SPOT"')
+    dr = run_dag("lifecycle_no_mrd", body)
+    assert dr.state == "success", task_states(dr)
+    first, second = inserts(emulator)
+    assert "maxRunDuration" in first["body"]["scheduling"] and "maxRunDuration" not in second["body"]["scheduling"]
+    record = xcom(dr, "create_tpu_vm")
+    assert record["max_run_duration_s"] is None and record["status"] == "RUNNING"
+    [instance] = emulator.instances()
+    assert int(instance["labels"]["expires-at"]) > time.time()  # what the reaper deletes it by
+    logs = "".join(capfd.readouterr())
+    assert "Compute refused scheduling.maxRunDuration for a SPOT VM" in logs
+    fault_matrix.record(
+        "compute: maxRunDuration refused (400) for a model -> created without it, reaper is the backstop", None,
+        dr.state, None, log_excerpt(logs, "Compute refused scheduling.maxRunDuration"),
+    )

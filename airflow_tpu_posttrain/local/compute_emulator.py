@@ -82,6 +82,12 @@ class Faults:
     """``getGuestAttributes`` serves host keys that are not the VM's (what a client must never accept)."""
     operation_seconds: float = 0.2
     max_run_duration_scale: float = 1.0
+    refuse_max_run_duration: list[str] = dataclasses.field(default_factory=list)
+    """Provisioning models whose inserts with ``scheduling.maxRunDuration`` are answered 400 (no Google document
+    says whether RESERVATION_BOUND accepts it; the wording is modelled on the API's other field errors)."""
+    flex_start_capacity_after: float | None = None
+    """Seconds until capacity comes for a FLEX_START VM with a wait time (``params.requestValidForDuration``):
+    it is PENDING meanwhile, and its insert fails if the wait time ends first. None: at once."""
 
 
 class _ApiError(Exception):
@@ -106,6 +112,16 @@ class _OperationError(NamedTuple):
     message: str
     http_status: int
     http_message: str
+
+
+def _stockout(project: str, zone: str) -> _OperationError:
+    return _OperationError(
+        code="ZONE_RESOURCE_POOL_EXHAUSTED",
+        message=f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
+        "available to fulfill the request. Try a different zone, or try again later.",
+        http_status=503,
+        http_message="SERVICE UNAVAILABLE",
+    )
 
 
 @dataclasses.dataclass
@@ -318,6 +334,12 @@ class ComputeEmulator:
             return copy.deepcopy(list(self._firewalls.values()))
 
     @property
+    def transient_errors_served(self) -> dict[str, int]:
+        """Per request kind, how many transient errors (503, 429 alternately) were answered since it was set."""
+        with self._lock:
+            return dict(self._transient_served)
+
+    @property
     def faults(self) -> dict[str, Any]:
         with self._lock:
             return copy.deepcopy(dataclasses.asdict(self._faults))
@@ -353,6 +375,23 @@ class ComputeEmulator:
                     if self.fleet is not None:
                         self.fleet.end(key)
 
+    def preempt(self, zone: str, name: str, project: str | None = None) -> None:
+        """Preempt a RUNNING instance as Compute does a Spot VM's (or a host error any VM's): STOPPING at once,
+        its machine ended (every process, sshd included), TERMINATED ``operation_seconds`` later."""
+        with self._lock:
+            self._advance()
+            keys = [key for key in self._instances if key[1:] == (zone, name) and project in (None, key[0])]
+            if not keys:
+                raise KeyError(f"no instance {name!r} in zone {zone!r}")
+            for key in keys:
+                if self._instances[key]["status"] != "RUNNING":
+                    raise ValueError(f"{name} is {self._instances[key]['status']}, not RUNNING")
+                self._instances[key]["status"] = "STOPPING"
+                self._run_deadlines.pop(key, None)
+                self._preemptions[key] = time.time() + self._faults.operation_seconds
+                if self.fleet is not None:
+                    self.fleet.end(key)
+
     def add_reservation(
         self, name: str, zone: str, vm_count: int, machine_type: str | None = None, project: str | None = None
     ) -> None:
@@ -384,6 +423,7 @@ class ComputeEmulator:
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
             self._run_deadlines: dict[tuple[str, str, str], tuple[float, str]] = {}
+            self._preemptions: dict[tuple[str, str, str], float] = {}  # STOPPING until then, then TERMINATED
             self.oslogin = OsLoginDirectory()
 
     # ---------------------------------------------------------------- dispatch
@@ -441,6 +481,15 @@ class ComputeEmulator:
         if (method, path) == ("POST", "/_emulator/reset"):
             self.reset()
             return 200, {}
+        match = re.fullmatch(r"/_emulator/instances/([^/]+)/([^/]+)/preempt", path)
+        if method == "POST" and match:
+            try:
+                self.preempt(*match.groups(), project=(body or {}).get("project"))
+            except KeyError as error:
+                raise _ApiError(404, "notFound", str(error)) from error
+            except ValueError as error:
+                raise _ApiError(400, "invalid", str(error)) from error
+            return 200, {}
         match = re.fullmatch(r"/_emulator/instances/([^/]+)/([^/]+)/status", path)
         if method == "POST" and match:
             body = body or {}
@@ -465,8 +514,10 @@ class ComputeEmulator:
         failure: _OperationError | None = None,
         on_running: Callable[[], None] = lambda: None,
         on_done: Callable[[bool], None] = lambda failed: None,
+        queued_s: float | None = None,
     ) -> dict[str, Any]:
-        """Start an operation on ``target`` (call with the lock held); ``on_*`` apply its effects."""
+        """Start an operation on ``target`` (call with the lock held); ``on_*`` apply its effects. ``queued_s``:
+        the operation waits that long (for capacity) before it runs."""
         now = time.time()
         name = f"operation-{int(now * 1000)}-{secrets.token_hex(6)}"
         path = _resource_path(project, zone, "operations", name)
@@ -487,7 +538,10 @@ class ComputeEmulator:
             resource["zone"] = f"{API_ROOT}/projects/{project}/zones/{zone}"
         seconds = self._faults.operation_seconds
         start_at = now + min(seconds / 2, MAX_PENDING_SECONDS)
-        operation = _Operation(resource, start_at, now + seconds, failure, on_running, on_done)
+        done_at = now + seconds
+        if queued_s is not None:
+            start_at, done_at = now + queued_s, now + queued_s + seconds
+        operation = _Operation(resource, start_at, done_at, failure, on_running, on_done)
         self._operations[(project, zone, name)] = operation
         if "requestId" in query:
             self._operations_by_request_id[(project, query["requestId"])] = operation
@@ -517,6 +571,11 @@ class ComputeEmulator:
                     resource["httpErrorStatusCode"] = failure.http_status
                     resource["httpErrorMessage"] = failure.http_message
                 operation.on_done(operation.failure is not None)
+        for key, deadline in list(self._preemptions.items()):
+            if now >= deadline:
+                del self._preemptions[key]
+                if key in self._instances:
+                    self._instances[key]["status"] = "TERMINATED"
         for key, (deadline, termination_action) in list(self._run_deadlines.items()):
             if now >= deadline:
                 if termination_action == "STOP":
@@ -552,6 +611,16 @@ class ComputeEmulator:
             if replayed:
                 return 200, replayed
             _check_schema("Instance", body)
+            scheduling = body.get("scheduling") or {}
+            model = scheduling.get("provisioningModel")
+            if "maxRunDuration" in scheduling and model in self._faults.refuse_max_run_duration:
+                raise _ApiError(
+                    400,
+                    "invalid",
+                    "Invalid value for field 'resource.scheduling.maxRunDuration': "
+                    f"'{scheduling['maxRunDuration'].get('seconds')}s'. maxRunDuration is not supported for the "
+                    f"{model} provisioning model.",
+                )
             name = body.get("name")
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
@@ -564,13 +633,15 @@ class ComputeEmulator:
             self._instances[key] = instance
 
             def on_running() -> None:
-                if instance["status"] == "PROVISIONING":
+                if failure is None and instance["status"] in ("PENDING", "PROVISIONING"):
                     instance["status"] = "STAGING"
 
             def on_done(failed: bool) -> None:
                 if self._instances.get(key) is not instance:
                     return  # deleted meanwhile
                 if failed:
+                    # A failed insert leaves no instance: after a stock-out Compute answers 404 for it
+                    # (googleapis/nodejs-compute#377) and lists none (kelseyhightower/kubernetes-the-hard-way#448).
                     self._remove_instance(key)
                 elif instance["status"] in ("PROVISIONING", "STAGING"):
                     instance["status"] = "RUNNING"
@@ -581,8 +652,28 @@ class ComputeEmulator:
                         )
 
             failure = self._insert_failure(project, zone, body)
+            queued_s = None
+            wait_s = ((body.get("params") or {}).get("requestValidForDuration") or {}).get("seconds")
+            if failure is None and wait_s and body["scheduling"].get("provisioningModel") == "FLEX_START":
+                # Queued in Dynamic Workload Scheduler: PENDING until capacity comes, or the insert fails
+                # when the wait time ends first ("If resources aren't available, then the VM creation request
+                # fails": cloud.google.com/compute/docs/instances/about-flex-start-vms). No public capture of
+                # that error's code: modelled as the zone's stock-out.
+                instance["status"] = "PENDING"
+                capacity_after = self._faults.flex_start_capacity_after or 0.0
+                queued_s = min(capacity_after, float(wait_s))
+                if capacity_after > float(wait_s):
+                    failure = _stockout(project, zone)
             return 200, self._start_operation(
-                project, zone, "insert", instance, query, failure, on_running=on_running, on_done=on_done
+                project,
+                zone,
+                "insert",
+                instance,
+                query,
+                failure,
+                on_running=on_running,
+                on_done=on_done,
+                queued_s=queued_s,
             )
 
     def _new_instance(self, project: str, zone: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -637,13 +728,7 @@ class ComputeEmulator:
             if failure:
                 return failure
         if zone in faults.stockout_zones:
-            return _OperationError(
-                code="ZONE_RESOURCE_POOL_EXHAUSTED",
-                message=f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
-                "available to fulfill the request. Try a different zone, or try again later.",
-                http_status=503,
-                http_message="SERVICE UNAVAILABLE",
-            )
+            return _stockout(project, zone)
         return None
 
     def _reservation_failure(
@@ -709,6 +794,7 @@ class ComputeEmulator:
     def _remove_instance(self, key: tuple[str, str, str]) -> None:
         del self._instances[key]
         self._run_deadlines.pop(key, None)
+        self._preemptions.pop(key, None)
         if self.fleet is not None:
             self.fleet.end(key)
 

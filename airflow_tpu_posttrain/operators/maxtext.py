@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset, model_profile, tiny_llama_profile
@@ -73,9 +74,11 @@ class PublishedModelLink(BaseOperatorLink):
         return XCom.get_value(key=self.xcom_key, ti_key=ti_key) or ""
 
 
-class MaxTextJobOperator(BaseOperator):
+class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
     """
-    Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM.
+    Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM. When the VM is
+    gone (Compute says so, not merely an SSH error) the step fails with :class:`VmLostError`; training recovers
+    (``operators/recovery.py``).
 
     :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
     :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
@@ -414,6 +417,7 @@ class MaxTextJobOperator(BaseOperator):
                 log_offset=log_offset,
                 command_timeout=self.command_timeout,
                 max_reconnect_attempts=self.max_reconnect_attempts,
+                vm=self.vm_watch(context),
             ),
             method_name="execute_complete",
             timeout=self.execution_timeout,
@@ -437,6 +441,9 @@ class MaxTextJobOperator(BaseOperator):
                 f"a retry resumes from the newest checkpoint (log: {paths.log_file})"
             )
         if exit_code is None:
+            lost = self.vm_lost(context)
+            if lost:
+                return self.on_vm_lost(context, lost)
             raise AirflowException(
                 f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}"
             )
@@ -611,7 +618,15 @@ class MaxTextConvertOperator(MaxTextJobOperator):
 
 
 class _TrainOperator(MaxTextJobOperator):
-    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "overrides", "converted_params")
+    """What SFT and GRPO share: the converted checkpoint, overrides, the durable final checkpoint, and recovery
+    from the loss of the VM (with checkpoint storage: the VM is created again and training resumes)."""
+
+    template_fields: Sequence[str] = (
+        *MaxTextJobOperator.template_fields,
+        "overrides",
+        "converted_params",
+        "max_recoveries",
+    )
 
     def __init__(
         self,
@@ -619,6 +634,7 @@ class _TrainOperator(MaxTextJobOperator):
         overrides: Sequence[str] | None = None,
         convert_task_id: str = "convert_to_maxtext",
         converted_params: str | None = None,
+        max_recoveries: int | str = 3,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -626,6 +642,25 @@ class _TrainOperator(MaxTextJobOperator):
         self.converted_params = (
             converted_params or f"{{{{ ti.xcom_pull(task_ids='{convert_task_id}')['converted_params'] }}}}"
         )
+        self.max_recoveries = max_recoveries
+
+    def execute(self, context: Context) -> Any:
+        self.validate(self.run_spec(context), context)  # bad input fails before Compute is asked anything
+        lost = self.vm_lost(context)
+        if lost:
+            return self.recover(context, lost)
+        self.adopt_current_vm(context)
+        return super().execute(context)
+
+    def start_on_vm(self, context: Context) -> Any:
+        return super().execute(context)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        self.adopt_recovered_vm(context)
+        return super().execute_complete(context, event)
+
+    def on_vm_lost(self, context: Context, lost: Any) -> Any:
+        return self.recover(context, lost)
 
     def results(self, context: Context, vm: VmHook, job: Job) -> dict:
         """The final checkpoint must be durable (in storage, or on the VM in the seeds' layout) before the task
@@ -655,8 +690,10 @@ class SftTrainOperator(_TrainOperator):
     :param steps: training steps (tutorial: 1000).
     :param dataset: Hub dataset id or ``json`` (tutorial: HuggingFaceH4/ultrachat_200k).
     :param train_split: (tutorial: train_sft). :param train_data_columns: (tutorial: ``['messages']``).
-    :param checkpoint_period: steps between checkpoints: how much a retry can lose.
+    :param checkpoint_period: steps between checkpoints: how much a retry or a recovery can lose.
     :param overrides: extra MaxText ``key=value`` pairs, validated.
+    :param max_recoveries: how many times a try may create the VM again after losing it (preempted, host
+        error) and resume training from storage; 0: the loss fails the task.
     """
 
     template_fields: Sequence[str] = (
@@ -721,6 +758,7 @@ class GrpoTrainOperator(_TrainOperator):
 
     :param num_batches: (tutorial: 50). :param num_test_batches: (tutorial: 10).
     :param overrides: extra MaxText ``key=value`` pairs, validated.
+    :param max_recoveries: how many times a try may create the VM again after losing it and resume from storage.
     """
 
     template_fields: Sequence[str] = (*_TrainOperator.template_fields, "num_batches", "num_test_batches")

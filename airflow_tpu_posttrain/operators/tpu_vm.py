@@ -13,8 +13,8 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_tpu_posttrain.exceptions import CapacityTimeoutError, VmNotReadyError
 from airflow_tpu_posttrain.recipes import access, capacity, compute, validation
@@ -64,6 +64,7 @@ class _Progress(NamedTuple):
     stockouts: tuple[str, ...] = ()
     attempt: int = 0  # a new insert requestId after each replacement or yielded place
     deadline: float | None = None  # Unix time the wait for capacity ends
+    without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model
 
 
 def _invalid(task_id: str, err: SpecError) -> AirflowFailException:
@@ -107,6 +108,8 @@ def _seconds(value: timedelta | int | float | str | None) -> int | None:
 class _ComputeOperator(BaseOperator):
     """What create and delete share: the connection, the endpoint and how they build the hook."""
 
+    request_id_salt = ""  # set when the task's work runs again within one try (a VM recovery)
+
     def __init__(
         self,
         *,
@@ -129,6 +132,9 @@ class _ComputeOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.inline_wait = inline_wait
         self.name_prefix = name_prefix
+
+    def _request_id(self, context: Context, *parts: object) -> str:
+        return _request_id(context, *([self.request_id_salt] if self.request_id_salt else []), *parts)
 
     @cached_property
     def hook(self) -> TpuVmHook:
@@ -215,7 +221,8 @@ class TpuVmCreateOperator(_ComputeOperator):
         machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
         deployments; the create waits in the triggerer, holding no VM, until one ends. None: no cap.
     :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` or in a fully used
-        reservation (a timedelta or seconds); then the task fails, having created nothing.
+        reservation (a timedelta or seconds); then the task fails, having created nothing. With FLEX_START it is
+        also how long Compute keeps the VM PENDING in its queue (``params.requestValidForDuration``, at most 2 h).
     :param tags: network tags.
     :param max_run_duration: cloud-side backstop (``scheduling.maxRunDuration``, termination action DELETE).
         Default: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
@@ -249,6 +256,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         "api_endpoint",
     )
     ui_color = "#d5e8f7"
+    record_xcom_key = "return_value"  # a recovery (run inside the training task) records under its own key
 
     def __init__(
         self,
@@ -333,6 +341,9 @@ class TpuVmCreateOperator(_ComputeOperator):
                 image_project=self.image_project,
                 image_family=self.image_family,
                 max_run_duration_s=self._max_run_duration_s(context),
+                capacity_wait_s=(
+                    _seconds(self.max_wait_for_capacity) if self.provisioning_model == "FLEX_START" else None
+                ),
                 service_account=self.service_account,
                 service_account_scopes=tuple(self.service_account_scopes),
                 labels=dict(self.labels or {}),
@@ -365,7 +376,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             "firewall": compute.firewall_name(name) if spec.opens_firewall else None,
             **more,
         }
-        context["ti"].xcom_push(key="return_value", value=record)
+        context["ti"].xcom_push(key=self.record_xcom_key, value=record)
         return record
 
     def _check_network(self, spec: compute.TpuVmSpec) -> None:
@@ -410,7 +421,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 "Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status
             )
             operation = self.hook.delete_instance(
-                spec.project_id, zone, name, _request_id(context, name, zone, "replace")
+                spec.project_id, zone, name, self._request_id(context, name, zone, "replace")
             )
             if operation:
                 return self._complete_or_defer(
@@ -499,7 +510,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             firewall_op = self.hook.insert_firewall(
                 spec.project_id,
                 compute.ssh_firewall_body(spec, name),
-                _request_id(context, name, "firewall"),
+                self._request_id(context, name, "firewall"),
             )
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
@@ -509,10 +520,27 @@ class TpuVmCreateOperator(_ComputeOperator):
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
         ssh_keys, _ = self._authorize_key(spec, expires_at)
         body = compute.instance_body(spec, name, zone, labels, metadata, ssh_keys)
+        if progress.without_max_run_duration:
+            body["scheduling"].pop("maxRunDuration", None)
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
-        request_id = _request_id(context, name, zone, "insert", progress.attempt)
-        operation = self.hook.insert_instance(spec.project_id, zone, body, request_id)
+        request_id = self._request_id(context, name, zone, "insert", progress.attempt)
+        from google.api_core.exceptions import BadRequest
+
+        try:
+            operation = self.hook.insert_instance(spec.project_id, zone, body, request_id)
+        except BadRequest as err:
+            if "maxRunDuration" not in str(err) or progress.without_max_run_duration:
+                raise
+            self.log.warning(
+                "Compute refused scheduling.maxRunDuration for a %s VM: creating %s once more without it; its "
+                "backstop is then the reaper, which deletes it after its expires-at label. (%s)",
+                spec.provisioning_model,
+                name,
+                err.message,
+            )
+            progress = progress._replace(attempt=progress.attempt + 1, without_max_run_duration=True)
+            return self._insert(context, spec, name, progress)
         if operation:
             operations.append({"name": operation, "zone": zone})
         else:
@@ -637,7 +665,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             leftover = self.hook.get_instance(spec.project_id, zone, name)
             if leftover:
                 operation = self.hook.delete_instance(
-                    spec.project_id, zone, name, _request_id(context, name, zone, "stockout")
+                    spec.project_id, zone, name, self._request_id(context, name, zone, "stockout")
                 )
                 if operation:
                     return self._complete_or_defer(
@@ -676,7 +704,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             self.max_tpu_vms,
         )
         operation = self.hook.delete_instance(
-            spec.project_id, zone, name, _request_id(context, name, zone, "yield", progress.attempt)
+            spec.project_id, zone, name, self._request_id(context, name, zone, "yield", progress.attempt)
         )
         progress = progress._replace(attempt=progress.attempt + 1)
         operations = [{"name": operation, "zone": zone}] if operation else []
@@ -702,6 +730,8 @@ class TpuVmCreateOperator(_ComputeOperator):
             ),
             "network_path": spec.network_path,
             "self_link": instance.get("selfLink"),
+            # The cloud-side backstop the VM has (None: Compute refused it; the reaper is the backstop).
+            "max_run_duration_s": None if progress.without_max_run_duration else spec.max_run_duration_s,
         }
         self.log.info("VM %s is RUNNING in %s; waiting for its host keys and its SSH port", name, zone)
         self._record(context, spec, name, zone, **vm)
@@ -740,14 +770,18 @@ class TpuVmCreateOperator(_ComputeOperator):
         firewall rule too)."""
         if spec.opens_firewall:
             self.hook.delete_firewall(
-                spec.project_id, compute.firewall_name(name), _request_id(context, name, "firewall-on-error")
+                spec.project_id,
+                compute.firewall_name(name),
+                self._request_id(context, name, "firewall-on-error"),
             )
         if self.hook.get_instance(spec.project_id, zone, name) is None:
             return
         self.log.warning(
             "Deleting %s in %s: the create failed and the instance must not outlive it", name, zone
         )
-        self.hook.delete_instance(spec.project_id, zone, name, _request_id(context, name, zone, "on-error"))
+        self.hook.delete_instance(
+            spec.project_id, zone, name, self._request_id(context, name, zone, "on-error")
+        )
 
 
 class TpuDeleteOperator(_ComputeOperator):
@@ -755,8 +789,9 @@ class TpuDeleteOperator(_ComputeOperator):
     Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer. Built to be the
     teardown: the worker only works out what to delete and defers at once.
 
-    It finds the VM from the create task's XCom (also the partial record a failed create leaves) and, when
-    there is none, from the deterministic name in each of ``zones``. A VM that is already gone counts as
+    It finds the VM from the create task's XCom (also the partial record a failed create leaves), in each of the
+    create's zones (a recovery may have made it again in another), and, when there is no XCom, by its
+    deterministic name in each of ``zones``. A VM that is already gone counts as
     success. Returns (XCom) ``{"deleted": bool, "name", "zone", "firewall_deleted": bool}``.
 
     :param create_task_id: the task id of the :class:`TpuVmCreateOperator` whose VM to delete.
@@ -789,7 +824,8 @@ class TpuDeleteOperator(_ComputeOperator):
             record = context["ti"].xcom_pull(task_ids=self.create_task_id)
         if record and record.get("name"):
             self.project_id = self.project_id or record.get("project")
-            zones = [record["zone"]] if record.get("zone") else list(record.get("zones") or [])
+            # The recorded zone first, then the others: a recovery may have created the VM again elsewhere.
+            zones = list(dict.fromkeys(filter(None, [record.get("zone"), *(record.get("zones") or [])])))
             return record["name"], zones or _as_list(self.zones), record.get("firewall")
         name = self.instance_name or compute.instance_name(
             context["dag"].dag_id, context["run_id"], self.name_prefix
@@ -800,12 +836,12 @@ class TpuDeleteOperator(_ComputeOperator):
     def execute(self, context: Context) -> Any:
         name, zones, firewall = self._target(context)
         deletes = [
-            {"name": name, "zone": zone, "request_id": _request_id(context, name, zone, "delete")}
+            {"name": name, "zone": zone, "request_id": self._request_id(context, name, zone, "delete")}
             for zone in zones
         ]
         if firewall:
             deletes.append(
-                {"name": firewall, "zone": None, "request_id": _request_id(context, firewall, "delete")}
+                {"name": firewall, "zone": None, "request_id": self._request_id(context, firewall, "delete")}
             )
         self.log.info(
             "Deleting %s (looking in %s)%s", name, zones, f" and firewall rule {firewall}" if firewall else ""

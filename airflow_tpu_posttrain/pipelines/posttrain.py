@@ -114,6 +114,21 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
             f"{cfg.max_tpu_vms or 'no'} TPU VM(s) of its reservation or zones, or in a fully used reservation; "
             f"e.g. 30. 0 to {cfg.max_wait_for_capacity_minutes}; then the run fails having created nothing.",
         ),
+        "max_recoveries": Param(
+            3,
+            type="integer",
+            minimum=0,
+            maximum=10,
+            title="Max recoveries",
+            description="How many times training may create its TPU VM again after losing it (a SPOT or "
+            "FLEX_START preemption, a host error) and resume from its newest checkpoint in storage, e.g. 3. 0 to "
+            "10; 0: a lost VM fails the task."
+            + (
+                ""
+                if cfg.layout == "split"
+                else " The seeds' layout keeps its checkpoints on the VM: it cannot."
+            ),
+        ),
         "maxtext_version": Param(
             cfg.maxtext_version,
             type=["null", "string"],
@@ -352,6 +367,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 train_data_columns="{{ params.train_data_columns }}",
                 overrides="{{ params.overrides }}",
                 checkpoint_period=2 if cfg.local else 200,
+                max_recoveries="{{ params.max_recoveries }}",
                 execution_timeout=t.train,
                 poll_interval=poll(30),
                 **on_tpu,
@@ -362,6 +378,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 num_batches="{{ params.num_batches }}",
                 num_test_batches="{{ params.num_test_batches }}",
                 overrides="{{ params.overrides }}",
+                max_recoveries="{{ params.max_recoveries }}",
                 execution_timeout=t.train,
                 poll_interval=poll(30),
                 **on_tpu,

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from airflow_tpu_posttrain.recipes.compute import LIVE_STATES
 
 GROUP_LABEL = "tpu-capacity-group"
-# A VM that holds (or is about to hold) capacity: PENDING is a FLEX_START VM queued for capacity.
-HOLDING_STATES = LIVE_STATES | {"PENDING"}
+# A VM that holds (or is about to hold) capacity: the live states, PENDING (queued for capacity) included.
+HOLDING_STATES = LIVE_STATES
 
 
 def group_label(

@@ -30,9 +30,14 @@ _SERVICE_ACCOUNT = re.compile(r"^(default|[a-z0-9._-]+@[a-z0-9.-]+\.gserviceacco
 MIN_RUN_DURATION_S = 30
 MAX_RUN_DURATION_S = 120 * 24 * 3600
 FLEX_START_RUN_DURATION_S = (10 * 60, 7 * 24 * 3600)  # a flex-start VM runs 10 min to 7 days
+# A flex-start request waits in Dynamic Workload Scheduler's queue for up to two hours (gcloud's
+# --request-valid-for-duration; Google Cloud blog "Introducing Flex-start VMs", 2025-09-25).
+FLEX_START_MAX_WAIT_S = 2 * 3600
 
 # Instance states from which the VM can still become (or is) usable, and those that must be replaced.
-LIVE_STATES = frozenset({"PROVISIONING", "STAGING", "RUNNING", "REPAIRING"})
+# PENDING: a FLEX_START VM with a wait time (or a TPU VM) waiting for capacity; it will run, so it is reused.
+# https://cloud.google.com/compute/docs/instances/instance-lifecycle
+LIVE_STATES = frozenset({"PENDING", "PROVISIONING", "STAGING", "RUNNING", "REPAIRING"})
 DEAD_STATES = frozenset({"STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED"})
 
 
@@ -103,6 +108,9 @@ class TpuVmSpec:
     image_project: str = DEFAULT_IMAGE_PROJECT
     image_family: str = DEFAULT_IMAGE_FAMILY
     max_run_duration_s: int | None = None
+    capacity_wait_s: int | None = (
+        None  # FLEX_START: how long Compute keeps the VM PENDING waiting for capacity
+    )
     service_account: str = "default"
     service_account_scopes: tuple[str, ...] = (CLOUD_PLATFORM_SCOPE,)
     labels: dict[str, str] = field(default_factory=dict)
@@ -191,6 +199,13 @@ class TpuVmSpec:
                 "must be 10 minutes to 7 days for FLEX_START VMs (gce-tpu.md)",
                 "set it within that range, e.g. the run's timeout",
             )
+        if self.provisioning_model == "FLEX_START" and (self.capacity_wait_s or 0) > FLEX_START_MAX_WAIT_S:
+            raise SpecError(
+                "max_wait_for_capacity",
+                self.capacity_wait_s,
+                "is longer than a FLEX_START request may wait for capacity (2 hours)",
+                "use at most 120 minutes",
+            )
         if not _SERVICE_ACCOUNT.fullmatch(self.service_account or ""):
             raise SpecError(
                 "service_account",
@@ -273,6 +288,9 @@ def instance_body(
         "scheduling": scheduling,
         "labels": {**spec.labels, **labels},
     }
+    if spec.provisioning_model == "FLEX_START" and spec.capacity_wait_s:
+        # The VM waits PENDING for capacity until then; the insert fails if none comes.
+        body["params"] = {"requestValidForDuration": {"seconds": str(spec.capacity_wait_s)}}
     if spec.provisioning_model == "RESERVATION_BOUND":
         body["reservationAffinity"] = {
             "consumeReservationType": "SPECIFIC_RESERVATION",

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from asyncssh import SSHClientConnection
 
 JOB_DIED = -1  # the event's exit_code when the job's process group was killed before it wrote one
+VM_LOST = "VM lost"  # starts the error event's message when Compute says the VM is gone
+
+
+class _VmGone(Exception):
+    """Raised out of the reconnect loop when Compute says the VM is gone."""
 
 
 class MaxTextJobTrigger(SSHRemoteJobTrigger):
@@ -29,6 +34,10 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
     :param host_keys: ``{key type: base64}`` the VM published; the connection to the VM is pinned to them.
     :param login: the login on the VM, instead of the connection's (an OS Login POSIX name).
     :param proxy_command: reach the VM through this command's stdin/stdout (an IAP tunnel).
+    :param vm: the VM as Compute knows it (``project``, ``zone``, ``name``, ``gcp_conn_id``, ``api_endpoint``,
+        ``impersonation_chain``): when a reconnect fails, Compute is asked whether the VM is gone (preempted,
+        TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
+        remaining reconnect attempts.
     """
 
     def __init__(
@@ -37,12 +46,14 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         host_keys: dict[str, str] | None = None,
         login: str | None = None,
         proxy_command: str | None = None,
+        vm: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.host_keys = host_keys or {}
         self.login = login
         self.proxy_command = proxy_command
+        self.vm = vm
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in not_before_settled(super().run(), time.monotonic()):
@@ -55,6 +66,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             "host_keys": self.host_keys,
             "login": self.login,
             "proxy_command": self.proxy_command,
+            "vm": self.vm,
         }
 
     def _get_hook(self) -> VmHookAsync:
@@ -65,6 +77,40 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             host_keys=self.host_keys,
             proxy_command=self.proxy_command,
         )
+
+    async def _connect(self) -> SSHClientConnection:
+        try:
+            return await super()._connect()
+        except Exception:
+            lost = await self._vm_lost()
+            if lost:
+                # Not a connection error: the base trigger's run() ends with an error event carrying this.
+                raise _VmGone(f"{VM_LOST}: {lost}") from None
+            raise
+
+    async def _vm_lost(self) -> str | None:
+        """What Compute says of the VM when it is gone (absent, or in a stopped state); None while it lives or
+        when Compute cannot be asked (the SSH reconnects go on)."""
+        if not self.vm:
+            return None
+        from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
+        from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
+
+        hook = TpuVmAsyncHook(
+            gcp_conn_id=self.vm.get("gcp_conn_id") or "google_cloud_default",
+            api_endpoint=self.vm.get("api_endpoint"),
+            impersonation_chain=self.vm.get("impersonation_chain"),
+        )
+        try:
+            instance = await hook.get_instance(self.vm["project"], self.vm["zone"], self.vm["name"])
+        except Exception as err:  # noqa: BLE001 - an unanswered question keeps the reconnects going
+            self.log.warning("Could not ask Compute about %s: %s", self.vm["name"], err)
+            return None
+        if instance is None:
+            return f"{self.vm['name']} no longer exists in {self.vm['zone']}"
+        if instance.get("status") in DEAD_STATES:
+            return f"{self.vm['name']} is {instance['status']} in {self.vm['zone']}"
+        return None
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:
         exit_code = shlex.quote(self.exit_code_file)
