@@ -1,4 +1,4 @@
-"""Failures of each step of the tiny SFT DAG, and a per-model backfill, end to end in real Airflow (dag.test)
+"""Failures of each step of the tiny SFT DAG end to end in real Airflow (dag.test)
 against the local stack: Compute emulator whose every instance is a machine of its own, real MaxText on CPU,
 the local Hub server.
 
@@ -10,14 +10,14 @@ Every fault is injected through the environment the pipeline runs in, never by p
 - train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
 - export: a regular file where the exports' parent directory goes (``<root>/hf-trained`` on the CPU VM, put
   there as soon as that VM is up);
-- publish: the Hub unreachable (the ``local_hub`` connection's host pointed at a closed port).
+- publish: the Hub unreachable (in ``test_pipeline_reruns.py``, with the per-model backfill: a file of its own so
+  that the test workers share the slow runs).
 
 The DAG has the split layout: a CPU VM converts and exports, the TPU VM trains. Each failed run must end FAILED
 with the watcher failed, both VMs deleted (by their teardowns, or, when a create itself fails, by the create),
 nothing left in the emulator and nothing of the VMs on this machine; the failed task's log must say what
 failed.
 What is on a VM's disk is looked at just before the VM is destroyed (``stack.fleet.before_end``).
-Then the SFT DAG is backfilled for two logical dates and the first date is run again under its own run_id.
 
 One stack for the module (its VMs' disks and checkpoint storage in a fresh temp dir); SFT runs with 2 steps.
 Slow (minutes).
@@ -26,14 +26,12 @@ Slow (minutes).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
 import re
-import socket
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -334,116 +332,4 @@ def test_export_fails_when_its_output_directory_cannot_be_written(stack, vm_ends
         "pipeline: export, output directory not writable (trained checkpoint kept)",
         stack.compute.instances() == [], dr.state, Path(trained["checkpoint"]).is_dir(),
         log_excerpt(logs, "Export failed on the VM with exit code"),
-    )
-
-
-def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkeypatch, fault_matrix):
-    # HubServer.stop() closes its socket for good (no restart): point the run's Hub connection at a closed port.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
-    hub_conn = os.environ["AIRFLOW_CONN_LOCAL_HUB"]
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_LOCAL_HUB", json.dumps({**json.loads(hub_conn), "host": f"http://127.0.0.1:{closed_port}"})
-    )
-    hub_requests_before = len(stack.hub.requests)
-    logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__publish-fails"
-    dr = run_pipeline(logical_date=logical_date, run_id=run_id)
-    logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
-    trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
-    assert "Export failed on the VM with exit code" in logs
-    assert "publish_model: error:" in logs
-    assert len(stack.hub.requests) == hub_requests_before  # nothing reached the Hub
-    # Both VMs and their disks are gone (assert_failed_cleanly), yet the checked export is whole in checkpoint
-    # storage: the error and XCom say where.
-    kept = checkpoint_storage(stack) / "exports" / trained["run_name"]
-    assert f"The checked export is kept at {kept}" in logs
-    [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
-    assert export_ti.xcom_pull(task_ids="export_and_publish", key="kept_export") == str(kept)
-    files = sorted(p.name for p in kept.iterdir())
-    assert kept.with_name(kept.name + ".complete").is_file()
-    assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
-
-    # The Hub is back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
-    vm_ends.forget()
-    monkeypatch.setenv("AIRFLOW_CONN_LOCAL_HUB", hub_conn)
-    rerun = run_pipeline(logical_date=logical_date, run_id=run_id)
-    relogs = "".join(capfd.readouterr())
-    assert rerun.state == "success", states(rerun)
-    assert f"Restoring the export kept at {kept}" in relogs
-    published = xcom(rerun, "export_and_publish")
-    assert published["kept_uri"] == str(kept) and published["hub"]["revision"] == f"run-{trained['run_name']}"
-    assert_vms_gone(vm_ends, rerun)
-    fault_matrix.record(
-        "pipeline: publish, Hub unreachable (checked export kept in storage; a re-run publishes it, no re-export)",
-        stack.compute.instances() == [], dr.state, "config.json" in files,
-        log_excerpt(logs, "The checked export is kept at"),
-    )
-
-
-# --------------------------------------------------------------------------------------------- backfill
-
-
-def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_matrix):
-    dates = [datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 12, tzinfo=UTC)]
-    run_ids = [f"manual__{d.isoformat()}" for d in dates]  # dag.test makes manual runs
-    runs = []
-    for d, r in zip(dates, run_ids):
-        runs.append(run_pipeline(logical_date=d, run_id=r))
-        assert runs[-1].state == "success", states(runs[-1])
-        assert_vms_gone(vm_ends, runs[-1])
-        vm_ends.forget()
-    capfd.readouterr()
-    for dr, run_id in zip(runs, run_ids):
-        assert dr.state == "success", states(dr)
-        assert dr.run_id == run_id
-        assert states(dr)[WATCHER] == "skipped"
-        assert xcom(dr, "delete_tpu_vm")["deleted"] is True
-    assert stack.compute.instances() == []
-
-    # Two trainings: one run name, checkpoint and Hub revision per logical date.
-    trained = [xcom(dr, "train") for dr in runs]
-    assert [t["reused"] for t in trained] == [False, False]
-    assert all(t["metrics"]["steps_completed"] == STEPS for t in trained)
-    names = [t["run_name"] for t in trained]
-    assert names[0] != names[1]
-    assert "2026-01-05-00-00-00" in names[0] and "2026-01-12-00-00-00" in names[1]
-    checkpoints = [t["checkpoint"] for t in trained]
-    assert checkpoints[0] != checkpoints[1]
-    assert all(c.endswith(f"/checkpoints/{STEPS}/model_params") and Path(c).is_dir() for c in checkpoints)
-    hubs = [xcom(dr, "export_and_publish")["hub"] for dr in runs]
-    assert [h["revision"] for h in hubs] == [f"run-{n}" for n in names]
-    assert hubs[0]["commit_sha"] != hubs[1]["commit_sha"]
-
-    # One conversion per model: the second date reuses it from the cache (the module converted once, whatever
-    # ran first), found by the same key: same MaxText version, same source files, same conversion arguments.
-    converted = [xcom(dr, "convert_to_maxtext") for dr in runs]
-    assert converted[1]["reused"] is True
-    assert converted[0]["converted_params"] == converted[1]["converted_params"]
-    assert converted[0]["conversion_key"] == converted[1]["conversion_key"]
-    assert converted[0]["converted_params"].startswith(str(checkpoint_storage(stack) / "conversions"))
-    assert successful_conversions(vm_ends) == 1
-
-    # The first date again, under its own run_id: the same DAG run, re-run.
-    name = xcom(runs[0], "create_tpu_vm")["name"]
-    assert len(instance_inserts(stack, name)) == 1
-    rerun = run_pipeline(logical_date=dates[0], run_id=run_ids[0])
-    assert rerun.run_id == run_ids[0]
-    assert rerun.state == "success", states(rerun)
-    assert xcom(rerun, "create_tpu_vm")["name"] == name
-    again = xcom(rerun, "train")
-    assert again["reused"] is True
-    assert (again["run_name"], again["checkpoint"]) == (names[0], checkpoints[0])
-    assert xcom(rerun, "convert_to_maxtext")["reused"] is True
-    assert xcom(rerun, "export_and_publish")["hub"]["revision"] == hubs[0]["revision"]
-    assert stack.compute.instances() == []
-    assert_vms_gone(vm_ends, rerun)
-    # The first run's teardown deleted its VM, so the re-run needs one: exactly one more insert, no duplicate.
-    assert len(instance_inserts(stack, name)) == 2, [r["query"] for r in instance_inserts(stack, name)]
-    fault_matrix.record(
-        "pipeline: backfill 2 dates, re-run the first under its run_id (reuses conversion + training)",
-        stack.compute.instances() == [], rerun.state, Path(checkpoints[0]).is_dir(),
-        f"train reused={again['reused']}, same checkpoint and Hub revision {hubs[0]['revision']}"[:80],
     )
