@@ -132,6 +132,27 @@ def test_flex_start_sends_its_wait_for_capacity_and_nothing_else_does():
     assert "params" not in body("SPOT", 1800)
 
 
+@pytest.mark.parametrize(
+    ("reservation", "zones", "expected"),
+    [
+        ("r", ("us-east5-b",), {"us-east5-b": "r"}),
+        ("projects/host-project/reservations/r", ("us-east5-b",), {"us-east5-b": "projects/host-project/reservations/r"}),
+        (
+            "projects/host-project/reservations/r/reservationBlocks/b",
+            ("us-east5-b",),
+            {"us-east5-b": "projects/host-project/reservations/r/reservationBlocks/b"},
+        ),
+        ("us-east5-a=ra,us-east5-b=rb", ("us-east5-a", "us-east5-b"), {"us-east5-a": "ra", "us-east5-b": "rb"}),
+    ],
+)
+def test_reservation_forms(reservation, zones, expected):
+    assert compute.reservations_by_zone(reservation, zones) == expected
+    spec = compute.TpuVmSpec(project_id="my-project", zones=zones, reservation=reservation)
+    for zone in zones:
+        affinity = compute.instance_body(spec, "tpu-x", zone, {})["reservationAffinity"]
+        assert affinity["values"] == [expected[zone]]
+
+
 def test_ssh_firewall_admits_the_given_ranges_to_the_instance_only():
     spec = compute.TpuVmSpec(**SEED, ssh_source_ranges=("203.0.113.0/24",))
     body = compute.instance_body(spec, "tpu-x", "us-east5-b", {})
@@ -185,6 +206,11 @@ def test_ownership_labels_are_valid_compute_labels():
              "capacity_wait_s": 3 * 3600},
             "max_wait_for_capacity",
         ),
+        ({"zones": ("us-east5-a", "us-east5-b")}, "reservation"),  # one zonal reservation, two zones
+        ({"zones": ("us-east5-a", "us-east5-b"), "reservation": "us-east5-a=r"}, "reservation"),
+        ({"reservation": "projects/p/reservations/r"}, "reservation"),  # not a project id
+        ({"reservation": "r;id"}, "reservation"),
+        ({"provisioning_model": "SPOT"}, "reservation"),
         ({"ssh_key_mode": "password"}, "ssh_key_mode"),
         ({"service_account_scopes": ("cloud-platform",)}, "service_account_scopes[0]"),
         ({"service_account_scopes": ()}, "service_account_scopes"),

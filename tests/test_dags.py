@@ -457,6 +457,9 @@ BAD_VALUES = [
     ("train_split", "train\nrm -rf /"),
     ("train_data_columns", "['messages']; id"),
     ("reservation", "Res;id"),
+    ("reservation", "us-east5-a=r,us-east5-b=r;id"),
+    ("reservation", "projects/p/reservations/r"),
+    ("max_recoveries", 11),
     ("model", "llama3.1-8b-Instruct"),
 ]
 
@@ -492,6 +495,9 @@ def test_rl_params_reject_bad_values(dags, key, value):
         ("storage_uri", "gs://my-bucket/models"),
         ("maxtext_version", "0.2.3"),
         ("provisioning_model", "FLEX_START"),
+        ("reservation", "projects/host-project/reservations/v6e/reservationBlocks/block-1"),
+        ("reservation", "us-east5-a=v6e-a,us-east5-b=projects/host-project/reservations/v6e-b"),
+        ("max_recoveries", 0),
     ],
 )
 def test_params_accept_good_values(dags, key, value):

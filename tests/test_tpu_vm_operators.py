@@ -40,7 +40,10 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 def lifecycle(
     dag_id, zones=("us-east5-b",), ranges=(), tasks="create+delete", create_kwargs="", reservation="my-reservation"
 ):
-    """A create / teardown DAG; ``ranges``: SSH source ranges (a firewall rule made and deleted with the VM)."""
+    """A create / teardown DAG; ``ranges``: SSH source ranges (a firewall rule made and deleted with the VM).
+    A reservation is zonal: with several zones, the fixture's reservation of that name in each."""
+    if reservation and len(zones) > 1 and "=" not in reservation:
+        reservation = ",".join(f"{zone}={reservation}" for zone in zones)
     return LIFECYCLE_DAG.format(
         dag_id=dag_id, zones=list(zones), ranges=list(ranges), firewall=bool(ranges), tasks=tasks,
         create_kwargs=create_kwargs, reservation=reservation,
@@ -442,3 +445,27 @@ def test_max_run_duration_refused_for_a_model_is_dropped_once(emulator, run_dag,
         "compute: maxRunDuration refused (400) for a model -> created without it, reaper is the backstop", None,
         dr.state, None, log_excerpt(logs, "Compute refused scheduling.maxRunDuration"),
     )
+
+
+def test_reservation_forms_reach_the_insert_as_documented(emulator, run_dag):
+    """A shared reservation's path and a block of it, one per zone: each zone's insert names its own."""
+    emulator.set_faults(stockout_zones=["us-east5-a"])
+    reservation = f"us-east5-a=my-reservation,us-east5-b=projects/{PROJECT}/reservations/r/reservationBlocks/b1"
+    dr = run_dag("lifecycle_blocks", lifecycle("lifecycle_blocks", zones=("us-east5-a", "us-east5-b"),
+                                               reservation=reservation))
+    assert dr.state == "success", task_states(dr)
+    affinities = [r["body"]["reservationAffinity"]["values"] for r in inserts(emulator)]
+    assert affinities == [["my-reservation"], [f"projects/{PROJECT}/reservations/r/reservationBlocks/b1"]]
+    assert no_instances_within(emulator)
+
+
+def test_standard_vm_consumes_a_specific_reservation(emulator, run_dag):
+    body = lifecycle("lifecycle_standard_resv", create_kwargs='provisioning_model="STANDARD"', reservation="r")
+    dr = run_dag("lifecycle_standard_resv", body)
+    assert dr.state == "success", task_states(dr)
+    [insert] = inserts(emulator)
+    assert insert["body"]["scheduling"]["provisioningModel"] == "STANDARD"
+    assert insert["body"]["reservationAffinity"] == {
+        "consumeReservationType": "SPECIFIC_RESERVATION", "key": "compute.googleapis.com/reservation-name",
+        "values": ["r"],
+    }

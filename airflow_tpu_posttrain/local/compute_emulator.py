@@ -114,6 +114,13 @@ class _OperationError(NamedTuple):
     http_message: str
 
 
+def _reservation_ref(value: str, project: str) -> tuple[str, str]:
+    """(owner project, reservation name) of a reservationAffinity value: a name (in ``project``), a shared
+    reservation's ``projects/P/reservations/R``, or one of its blocks, ``.../reservationBlocks/B``."""
+    ref = re.fullmatch(r"(?:projects/([^/]+)/reservations/)?([^/]+)(?:/reservationBlocks/[^/]+)?", value)
+    return (ref.group(1) or project, ref.group(2)) if ref else (project, value)
+
+
 def _stockout(project: str, zone: str) -> _OperationError:
     return _OperationError(
         code="ZONE_RESOURCE_POOL_EXHAUSTED",
@@ -740,14 +747,14 @@ class ComputeEmulator:
         reservations." for one of another machine type (Colab's troubleshooting page), and CONDITION_NOT_MET
         "Specified reservation 'R' does not have available resources for the request." for a fully used one
         (kubernetes/autoscaler, cluster-autoscaler/cloudprovider/gce/autoscaling_gce_client.go)."""
-        names = [value.rsplit("/", 1)[-1] for value in values]  # a name or a resource path
+        names = [_reservation_ref(value, project) for value in values]
         found = {
-            name: self._reservations.get((project, zone, name)) or self._reservations.get((None, zone, name))
-            for name in names
+            name: self._reservations.get((owner, zone, name)) or self._reservations.get((None, zone, name))
+            for owner, name in names
             if name not in self._faults.missing_reservations
         }
         invalid = "Invalid value for field 'resource.reservationAffinity': '{\"consumeReservationType\": \"SPECIFIC_ALLOCATION\"}'."
-        missing = [name for name in names if not found.get(name)]
+        missing = [name for _, name in names if not found.get(name)]
         if missing:
             return _OperationError(
                 "INVALID_FIELD_VALUE",
@@ -770,7 +777,10 @@ class ComputeEmulator:
                 if (instance_project, instance_zone) == (project, zone)
                 and instance["status"] not in ("TERMINATED", "STOPPED", "SUSPENDED")
                 and name
-                in [v.rsplit("/", 1)[-1] for v in instance.get("reservationAffinity", {}).get("values", [])]
+                in [
+                    _reservation_ref(v, project)[1]
+                    for v in instance.get("reservationAffinity", {}).get("values", [])
+                ]
             )
             if in_use > reservation["count"]:  # the instance being inserted is already counted
                 return _OperationError(

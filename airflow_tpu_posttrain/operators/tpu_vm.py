@@ -201,7 +201,9 @@ class TpuVmCreateOperator(_ComputeOperator):
         ``cpu`` for a CPU VM.
     :param provisioning_model: RESERVATION_BOUND (the tutorials'; needs ``reservation``), STANDARD, SPOT or
         FLEX_START.
-    :param reservation: name of the specific reservation to consume.
+    :param reservation: the specific reservation to consume (RESERVATION_BOUND, or optionally STANDARD): a name,
+        ``projects/P/reservations/R``, ``projects/P/reservations/R/reservationBlocks/B``, or with several zones
+        one per zone, ``ZONE=RESERVATION,...`` (a reservation is zonal).
     :param network: VPC network name.
     :param subnetwork: subnetwork name (in each zone's region) or path; required on a custom-mode network.
     :param network_path: how Airflow reaches the VM: ``internal`` (its internal IP: Airflow inside the VPC, no

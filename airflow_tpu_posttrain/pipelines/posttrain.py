@@ -99,10 +99,12 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
         "reservation": Param(
             cfg.reservation,
             type=["null", "string"],
-            pattern=_anchored(validation.GCE_NAME_RE),
+            pattern=_anchored(f"({validation.RESERVATIONS_RE})"),
             title="Reservation",
-            description="Name of the specific reservation (RESERVATION_BOUND only), e.g. my-v6e-reservation: "
-            "lowercase letters, digits and '-'. Empty: none.",
+            description="The specific reservation to consume (RESERVATION_BOUND: a calendar-mode or AI "
+            "Hypercomputer one; STANDARD: any), e.g. my-v6e-reservation, projects/P/reservations/R or "
+            "projects/P/reservations/R/reservationBlocks/B. A reservation is zonal: with several zones, one per "
+            "zone, e.g. us-east5-a=res-a,us-east5-b=res-b. Empty: none.",
         ),
         "max_wait_for_capacity": Param(
             cfg.max_wait_for_capacity_minutes,

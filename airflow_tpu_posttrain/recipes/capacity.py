@@ -24,11 +24,7 @@ def group_label(
     """The label value of a capacity group: the reservation's name, or else the zones and the machine series
     (``ct6e``), in one project, for one role of VM (a run's CPU VM never counts against TPU VMs)."""
     series = machine_type.split("-", 1)[0]
-    key = (
-        f"reservation:{reservation.rsplit('/', 1)[-1]}"
-        if reservation
-        else f"zones:{','.join(sorted(zones))}:{series}:{role}"
-    )
+    key = f"reservation:{reservation}" if reservation else f"zones:{','.join(sorted(zones))}:{series}:{role}"
     return hashlib.sha256(f"{project}\0{key}".encode()).hexdigest()[:16]
 
 

@@ -135,22 +135,23 @@ class TpuVmSpec:
                 "is unknown",
                 f"use one of {list(PROVISIONING_MODELS)}",
             )
-        if self.provisioning_model == "RESERVATION_BOUND":
-            if not self.reservation:
-                raise SpecError(
-                    "reservation",
-                    self.reservation,
-                    "is required when provisioning_model is RESERVATION_BOUND",
-                    "name your capacity reservation, or choose STANDARD, SPOT or FLEX_START",
-                )
-            validation.gce_name("reservation", self.reservation)
-        elif self.reservation:
+        if self.provisioning_model == "RESERVATION_BOUND" and not self.reservation:
             raise SpecError(
                 "reservation",
                 self.reservation,
-                f"is only used with RESERVATION_BOUND, not {self.provisioning_model}",
-                "drop it or set provisioning_model to RESERVATION_BOUND",
+                "is required when provisioning_model is RESERVATION_BOUND",
+                "name your capacity reservation, or choose STANDARD, SPOT or FLEX_START",
             )
+        if self.reservation and self.provisioning_model not in ("RESERVATION_BOUND", "STANDARD"):
+            raise SpecError(
+                "reservation",
+                self.reservation,
+                f"is not consumed by {self.provisioning_model} VMs",
+                "drop it, or use RESERVATION_BOUND (calendar-mode / AI Hypercomputer reservations) or STANDARD "
+                "(any specific reservation)",
+            )
+        if self.reservation:
+            reservations_by_zone(self.reservation, self.zones)
         validation.gce_name("network", self.network)
         if self.subnetwork is not None and not re.fullmatch(
             r"(projects/[a-z][a-z0-9-]{4,61}[a-z0-9]/regions/[a-z]+-[a-z]+[0-9]+/subnetworks/)?"
@@ -291,11 +292,11 @@ def instance_body(
     if spec.provisioning_model == "FLEX_START" and spec.capacity_wait_s:
         # The VM waits PENDING for capacity until then; the insert fails if none comes.
         body["params"] = {"requestValidForDuration": {"seconds": str(spec.capacity_wait_s)}}
-    if spec.provisioning_model == "RESERVATION_BOUND":
+    if spec.reservation:
         body["reservationAffinity"] = {
             "consumeReservationType": "SPECIFIC_RESERVATION",
             "key": "compute.googleapis.com/reservation-name",
-            "values": [spec.reservation],
+            "values": [reservations_by_zone(spec.reservation, spec.zones)[zone]],
         }
     elif spec.provisioning_model in ("SPOT", "FLEX_START"):
         body["reservationAffinity"] = {"consumeReservationType": "NO_RESERVATION"}
@@ -309,6 +310,39 @@ def instance_body(
     items = {**spec.metadata, **(metadata or {}), **access_items}
     body["metadata"] = {"items": [{"key": k, "value": v} for k, v in items.items()]}
     return body
+
+
+def reservations_by_zone(reservation: str, zones: tuple[str, ...]) -> dict[str, str]:
+    """``{zone: reservation}`` from ``reservation``: one reservation (a name, ``projects/P/reservations/R`` or
+    ``projects/P/reservations/R/reservationBlocks/B``) for a single zone, or ``ZONE=RESERVATION,...`` naming one
+    for each zone. A reservation is zonal: one cannot serve several zones."""
+    if not re.fullmatch(validation.RESERVATIONS_RE, reservation):
+        raise SpecError(
+            "reservation",
+            reservation,
+            "is not a reservation",
+            "give its name (e.g. my-v6e-reservation), projects/P/reservations/R[/reservationBlocks/B], or one "
+            "per zone: us-east5-a=res-a,us-east5-b=res-b",
+        )
+    if "=" not in reservation:
+        if len(zones) > 1:
+            raise SpecError(
+                "reservation",
+                reservation,
+                f"is in one zone, but {len(zones)} zones are listed ({', '.join(zones)})",
+                "give one reservation per zone (us-east5-a=res-a,us-east5-b=res-b) or list one zone",
+            )
+        return {zone: reservation for zone in zones}
+    pairs = [pair.split("=", 1) for pair in reservation.split(",")]
+    by_zone = dict(pairs)
+    if len(by_zone) != len(pairs) or set(by_zone) != set(zones):
+        raise SpecError(
+            "reservation",
+            reservation,
+            f"must name one reservation for each zone listed ({', '.join(zones)}), and no other zone",
+            "give ZONE=RESERVATION for each zone, separated by commas",
+        )
+    return by_zone
 
 
 def ssh_firewall_body(spec: TpuVmSpec, instance: str) -> dict:

@@ -127,6 +127,16 @@ def zone(field: str, value: str) -> str:
     return value
 
 
+# A reservation as reservationAffinity names one: its name (in the VM's zone and project), a shared one's path,
+# or a block of an AI Hypercomputer reservation (cloud.google.com/compute/docs/instances/reservations-consume).
+PROJECT_ID_RE = r"[a-z][a-z0-9-]{4,61}[a-z0-9]"
+RESERVATION_RE = (
+    f"{GCE_NAME_RE}|projects/{PROJECT_ID_RE}/reservations/{GCE_NAME_RE}(/reservationBlocks/{GCE_NAME_RE})?"
+)
+# One reservation per zone: "ZONE=RESERVATION,ZONE=RESERVATION" (a reservation is zonal).
+RESERVATIONS_RE = f"({RESERVATION_RE})|{ZONE_RE}=({RESERVATION_RE})(,{ZONE_RE}=({RESERVATION_RE}))*"
+
+
 def gce_name(field: str, value: str) -> str:
     if not isinstance(value, str) or not _GCE_NAME.fullmatch(value):
         raise SpecError(
