@@ -4,6 +4,41 @@ from __future__ import annotations
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+
+class InvalidInputError(AirflowFailException):
+    """Bad input (a Param, an operator argument): the task fails at once, without retries (a retry would fail
+    the same way), naming the field and the fix; nothing was created."""
+
+    @classmethod
+    def of(cls, task_id: str, err: SpecError) -> InvalidInputError:
+        return cls(f"{task_id}: invalid input: {err}")
+
+
+class CapacityUnavailableError(AirflowException):
+    """Every zone was out of capacity; nothing was left behind. Retryable: capacity comes and goes."""
+
+
+class VmCreateError(AirflowException):
+    """Creating the VM failed for a reason Compute gave (its operation's error); the VM was deleted."""
+
+
+class VmDeleteError(AirflowException):
+    """Deleting the VM failed; the reaper (and the VM's maxRunDuration) remain behind it."""
+
+
+class RemoteJobError(AirflowException):
+    """A MaxText step's job on the VM failed, died or was lost; a retry re-attaches or resumes."""
+
+
+class CheckpointMissingError(AirflowException):
+    """Training ended but its final checkpoint is not where it must be durable; a retry resumes."""
+
+
+class StepFailedError(AirflowFailException):
+    """Raised by the pipelines' watcher when a post-training step failed (teardowns do not fail a run)."""
+
 
 class VmNotReadyError(AirflowException):
     """The VM turned RUNNING but could not be logged into in time (no host keys published, SSH port closed).

@@ -95,6 +95,14 @@ def test_registry_refuses_a_split_layout_without_checkpoint_storage():
     assert seeds.dag_id == "posttrain_sft__gemma3-4b__seeds"
 
 
+def test_registry_refuses_a_model_without_a_profile():
+    """Refused when the DAG file is parsed: else both VMs of a split run would be made before a step fails."""
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+    with pytest.raises(ValueError, match="model='gemma-4b': is not a known model"):
+        PipelineConfig(model="gemma-4b", recipe="sft", layout="seeds")
+
+
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_tags_and_doc(dags, dag_id):
     dag = dags[dag_id]

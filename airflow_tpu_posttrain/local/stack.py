@@ -199,7 +199,9 @@ def ensure_client_key(key: Path) -> None:
         return
     key.parent.mkdir(parents=True, exist_ok=True)
     made = Path(tempfile.mkdtemp(dir=key.parent)) / "key"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "airflow", "-f", str(made)], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "airflow", "-f", str(made)], check=True
+    )
     with contextlib.suppress(FileExistsError):
         os.link(made.with_suffix(".pub"), key.with_suffix(".pub"))
         os.link(made, key)

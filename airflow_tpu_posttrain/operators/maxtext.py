@@ -30,11 +30,12 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, storage, validation
-from airflow_tpu_posttrain.recipes.accelerators import accelerator
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset, model_profile, tiny_llama_profile
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step, cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -164,7 +165,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         self.ssh_proxy_command = ssh_proxy_command
         self.host_keys = host_keys
         self.model = model
-        self.accelerator_type = accelerator_type or "v6e-8"
+        self.accelerator_type = accelerator_type
         self.runtime = runtime
         self.maxtext_venv = maxtext_venv
         self.base_python = base_python
@@ -215,14 +216,14 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
             profile = self._profile()
             return maxtext.RunSpec(
                 model=profile,
-                accelerator=accelerator(self.accelerator_type),
+                accelerator=accelerator(self.accelerator_type or DEFAULT_ACCELERATOR),
                 runtime=self._runtime(),
                 layout=layout.RunLayout(
                     profile.key, name, self.root_dir or "", self.checkpoint_storage or "", conversion_key
                 ),
             )
         except SpecError as err:
-            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+            raise InvalidInputError.of(self.task_id, err) from err
 
     def _remote_job_id(self, context: Context) -> str:
         dag_run = context["dag_run"]
@@ -302,7 +303,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         try:
             return self.build_job(spec, context)
         except SpecError as err:
-            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+            raise InvalidInputError.of(self.task_id, err) from err
 
     def execute(self, context: Context) -> Any:
         spec = self.run_spec(context)
@@ -436,7 +437,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
         exit_code = event.get("exit_code")
         if exit_code == JOB_DIED:
-            raise AirflowException(
+            raise RemoteJobError(
                 f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
                 f"a retry resumes from the newest checkpoint (log: {paths.log_file})"
             )
@@ -444,11 +445,11 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
             lost = self.vm_lost(context)
             if lost:
                 return self.on_vm_lost(context, lost)
-            raise AirflowException(
+            raise RemoteJobError(
                 f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}"
             )
         if exit_code != 0:
-            raise AirflowException(
+            raise RemoteJobError(
                 f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
                 f"{self.failure_hint(context)}"
             )
@@ -578,7 +579,7 @@ class MaxTextConvertOperator(MaxTextJobOperator):
             version = validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version
             key = layout.conversion_key(version, revision, options)
         except SpecError as err:
-            raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+            raise InvalidInputError.of(self.task_id, err) from err
         context["ti"].xcom_push(key="conversion", value={"conversion_key": key, "source_revision": revision})
         self.log.info("Conversion key %s (source revision %s)", key, revision)
         return self.resolved(context, spec)
@@ -667,7 +668,7 @@ class _TrainOperator(MaxTextJobOperator):
         succeeds: the TPU VM is deleted right after."""
         checkpoint = job.outputs["checkpoint"]
         if not vm.exists(checkpoint):
-            raise AirflowException(
+            raise CheckpointMissingError(
                 f"{self.step_title} finished but its final checkpoint {checkpoint} is missing; "
                 "a retry resumes from the newest checkpoint"
             )

@@ -14,10 +14,18 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_tpu_posttrain.exceptions import CapacityTimeoutError, VmNotReadyError
+from airflow_tpu_posttrain.exceptions import (
+    CapacityTimeoutError,
+    CapacityUnavailableError,
+    InvalidInputError,
+    VmCreateError,
+    VmDeleteError,
+    VmNotReadyError,
+)
 from airflow_tpu_posttrain.recipes import access, capacity, compute, validation
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -65,11 +73,6 @@ class _Progress(NamedTuple):
     attempt: int = 0  # a new insert requestId after each replacement or yielded place
     deadline: float | None = None  # Unix time the wait for capacity ends
     without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model
-
-
-def _invalid(task_id: str, err: SpecError) -> AirflowFailException:
-    """Bad input: the task fails at once (a retry would fail the same way), naming the field and the fix."""
-    return AirflowFailException(f"{task_id}: invalid input: {err}")
 
 
 def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
@@ -264,7 +267,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         self,
         *,
         zones: Sequence[str] | str,
-        accelerator_type: str = "v6e-8",
+        accelerator_type: str = DEFAULT_ACCELERATOR,
         provisioning_model: str = "RESERVATION_BOUND",
         reservation: str | None = None,
         network: str = "default",
@@ -355,14 +358,14 @@ class TpuVmCreateOperator(_ComputeOperator):
                 access.oslogin_user("oslogin_user", self.oslogin_user)
             return spec
         except SpecError as err:
-            raise _invalid(self.task_id, err) from err
+            raise InvalidInputError.of(self.task_id, err) from err
 
     def _name(self, context: Context) -> str:
         if self.instance_name:
             try:
                 return validation.gce_name("instance_name", self.instance_name)
             except SpecError as err:
-                raise AirflowFailException(f"{self.task_id}: invalid input: {err}") from err
+                raise InvalidInputError.of(self.task_id, err) from err
         return compute.instance_name(context["dag"].dag_id, context["run_id"], self.name_prefix)
 
     def _record(
@@ -386,7 +389,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         custom-mode one (its subnets are not made for you) without ``subnetwork``."""
         network = self.hook.get_network(spec.project_id, spec.network)
         if network is None:
-            raise _invalid(
+            raise InvalidInputError.of(
                 self.task_id,
                 SpecError(
                     "network", spec.network, f"does not exist in {spec.project_id}", "name a VPC network"
@@ -394,7 +397,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
         custom_mode = network.get("autoCreateSubnetworks") is False and not network.get("IPv4Range")
         if custom_mode and not spec.subnetwork:
-            raise _invalid(
+            raise InvalidInputError.of(
                 self.task_id,
                 SpecError(
                     "subnetwork",
@@ -502,7 +505,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         the client's own retries never create twice; a later attempt (after a replacement, or after yielding
         capacity) gets a new one, or Compute would answer with the old, finished insert."""
         if progress.zone_index >= len(spec.zones):
-            raise AirflowException(
+            raise CapacityUnavailableError(
                 f"No {spec.accelerator_type} capacity in any zone ({'; '.join(progress.stockouts)}). No "
                 "instance was left behind. Add zones, use a reservation or FLEX_START, or let the task retry later."
             )
@@ -570,7 +573,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 return access.ssh_keys_metadata(client.login, client.public_key, expires_at), client.login
             public_key = access.public_key("ssh public key", client.public_key)
         except SpecError as err:
-            raise _invalid(self.task_id, err) from err
+            raise InvalidInputError.of(self.task_id, err) from err
         return None, self._import_oslogin_key(spec, public_key, expires_at)
 
     def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
@@ -585,7 +588,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 access.oslogin_user("oslogin_user", user), public_key, expires_at, spec.project_id
             )
         except SpecError as err:
-            raise _invalid(self.task_id, err) from err
+            raise InvalidInputError.of(self.task_id, err) from err
         except (PermissionDenied, Unauthenticated) as err:
             raise AirflowFailException(
                 f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
@@ -693,7 +696,7 @@ class TpuVmCreateOperator(_ComputeOperator):
                 f"'{spec.reservation}' exists in {zone}, is of {spec.machine_type} and is shared with this "
                 "project, or choose another provisioning_model."
             )
-        raise AirflowException(f"{phase} of {name} in {zone} failed: {detail}")
+        raise VmCreateError(f"{phase} of {name} in {zone} failed: {detail}")
 
     def _yield_capacity(
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress
@@ -853,7 +856,7 @@ class TpuDeleteOperator(_ComputeOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         state = event["state"]
         if event["status"] != "success":
-            raise AirflowException(
+            raise VmDeleteError(
                 f"Deleting {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
             )
         deleted = event.get("deleted", [])

@@ -12,9 +12,9 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowException
 from airflow.sdk import DAG, BaseOperator, Param, TriggerRule
 
+from airflow_tpu_posttrain.exceptions import StepFailedError
 from airflow_tpu_posttrain.operators.maxtext import (
     GrpoTrainOperator,
     HfExportOperator,
@@ -25,10 +25,9 @@ from airflow_tpu_posttrain.operators.maxtext import (
 from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 from airflow_tpu_posttrain.recipes import compute, validation
+from airflow_tpu_posttrain.recipes.accelerators import TPU_ACCELERATORS
 
 RECIPES = ("sft", "rl")
-TPU_ACCELERATORS = ["v6e-1", "v6e-4", "v6e-8"]
-PROVISIONING_MODELS = ["RESERVATION_BOUND", "STANDARD", "SPOT", "FLEX_START"]
 # Param patterns are checked with re.search (and by the UI in JavaScript), where "$" also matches before a final
 # newline: END matches only at the very end, in both. The bodies are the operators' own validation's.
 END = r"(?![\s\S])"
@@ -50,7 +49,7 @@ class FailRunOperator(BaseOperator):
     ui_color = "#f7d5d5"
 
     def execute(self, context: Any) -> None:
-        raise AirflowException(
+        raise StepFailedError(
             "A post-training step failed (see the failed task's log); the VM is deleted by the teardown."
         )
 
@@ -58,7 +57,7 @@ class FailRunOperator(BaseOperator):
 def _params(cfg: PipelineConfig) -> dict[str, Param]:
     """The trigger form: every field can be left as it opens and triggered. Optional values are nullable (empty:
     the model's default); each says what it expects, with an example, under the field and in a refusal."""
-    accelerators = ["cpu"] if cfg.local else TPU_ACCELERATORS
+    accelerators = ["cpu"] if cfg.local else list(TPU_ACCELERATORS)
     accelerator_help = (
         "The local CPU 'VM' (the only choice here)."
         if cfg.local
@@ -91,7 +90,7 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
         "provisioning_model": Param(
             cfg.provisioning_model,
             type="string",
-            enum=PROVISIONING_MODELS,
+            enum=list(compute.PROVISIONING_MODELS),
             title="Provisioning model",
             description="RESERVATION_BOUND needs a Reservation; STANDARD is on-demand; SPOT can be preempted; "
             "FLEX_START waits up to 2 h for capacity.",

@@ -11,6 +11,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
+from airflow_tpu_posttrain.recipes.models import model_profile
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
 START_DATE = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -61,7 +65,7 @@ class PipelineConfig:
     schedule: str | None = None
     project_id: str | None = None
     zones: tuple[str, ...] = ("us-east5-b",)
-    accelerator_type: str = "v6e-8"
+    accelerator_type: str = DEFAULT_ACCELERATOR
     provisioning_model: str = "RESERVATION_BOUND"
     reservation: str | None = None
     network: str = "default"
@@ -94,6 +98,10 @@ class PipelineConfig:
     tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        try:
+            model_profile(self.model)  # refused when the DAG file is parsed, not after its VMs are made
+        except SpecError as err:
+            raise ValueError(f"{self.model}: {err}") from err
         if self.layout not in LAYOUTS:
             raise ValueError(f"{self.model}: layout={self.layout!r}: use one of {LAYOUTS}")
         if self.layout == "split" and not self.checkpoint_storage:

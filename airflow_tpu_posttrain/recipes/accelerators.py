@@ -53,6 +53,10 @@ ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType(
 )
 
 
+DEFAULT_ACCELERATOR = "v6e-8"  # the tutorials' TPU slice
+TPU_ACCELERATORS = tuple(name for name, acc in ACCELERATORS.items() if acc.is_tpu)
+
+
 def accelerator(accelerator_type: str) -> Accelerator:
     try:
         return ACCELERATORS[accelerator_type]

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from airflow_tpu_posttrain.recipes import access, validation
-from airflow_tpu_posttrain.recipes.accelerators import accelerator
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 MANAGED_BY = "airflow-tpu-posttrain"
@@ -95,7 +95,7 @@ class TpuVmSpec:
 
     project_id: str
     zones: tuple[str, ...]
-    accelerator_type: str = "v6e-8"
+    accelerator_type: str = DEFAULT_ACCELERATOR
     provisioning_model: str = "RESERVATION_BOUND"
     reservation: str | None = None
     network: str = "default"
