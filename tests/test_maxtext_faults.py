@@ -530,7 +530,8 @@ def test_job_that_died_with_its_wrapper_ends_the_watch(stack, fault_matrix):
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
-    from airflow_tpu_posttrain.triggers.remote_job import JOB_DIED, MaxTextJobTrigger
+    from airflow_tpu_posttrain.recipes.remote_job import JOB_DIED
+    from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
 
     paths = RemoteJobPaths(job_id="dead-wrapper", remote_os="posix", base_dir=JOBS)
     with vm_of_its_own(stack, "dead-wrapper-vm") as machine:

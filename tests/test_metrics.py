@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics, parse_lines
+from airflow_tpu_posttrain.recipes.metrics import LOG_FILTER, TrainingMetrics, parse_lines
 
 AIRFLOW = "[2025-11-29T15:29:33.081+0000] {ssh.py:120} INFO - [remote] "
 
@@ -219,3 +219,12 @@ def test_non_finite_rl_reward_is_json_safe():
 
     assert xcom["post_rl"]["mean_reward"] == "nan"
     json.dumps(xcom, allow_nan=False)
+
+
+@pytest.mark.parametrize("log", [SFT_RESUMED_LOG, SFT_FRESH_LOG, RL_LOG, CONVERSION_LOG, EXPORT_LOG])
+def test_the_log_filter_keeps_every_line_the_parser_reads(log):
+    """Only the lines matching LOG_FILTER are read back from a VM: parsing them alone gives the same metrics."""
+    import re
+
+    kept = [line for line in log if re.search(LOG_FILTER, line)]
+    assert parse_lines(kept).as_xcom() == parse_lines(log).as_xcom()

@@ -34,7 +34,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
-from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, storage, validation
+from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, remote_job, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset, model_profile, tiny_llama_profile
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step, cpu_runtime, tpu_runtime
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 DEFAULT_WORKDIR = "/tmp/airflow-tpu-posttrain"
 _VM_XCOM = "{{{{ ti.xcom_pull(task_ids='{task}')['{key}'] }}}}"
-# Which log lines carry metrics; only these are read back from the VM after the job.
-_METRIC_LINES = r"Train step|completed step|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|Peak Memory|successfully saved"
 
 
 class Job:
@@ -297,7 +295,9 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     @staticmethod
     def _metric_lines_command(log_file: str) -> str:
-        return f"grep -aE {shlex.quote(_METRIC_LINES)} {shlex.quote(log_file)} || true"
+        from airflow_tpu_posttrain.recipes.metrics import LOG_FILTER
+
+        return f"grep -aE {shlex.quote(LOG_FILTER)} {shlex.quote(log_file)} || true"
 
     def _job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         try:
@@ -357,10 +357,12 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         deadline = time.monotonic() + self.inline_wait
         while time.monotonic() < deadline:
             time.sleep(0.5)
-            exit_code = vm.run(f"cat {shlex.quote(paths.exit_code_file)} 2>/dev/null || true").strip()
-            if exit_code.lstrip("-").isdigit():
+            exit_code = remote_job.parse_completion(
+                vm.run(remote_job.completion_command(paths.pid_file, paths.exit_code_file))
+            )
+            if exit_code is not None:
                 log = vm.get_text(paths.log_file) or ""
-                return {"job_id": paths.job_id, "done": True, "exit_code": int(exit_code), "log_chunk": log}
+                return {"job_id": paths.job_id, "done": True, "exit_code": exit_code, "log_chunk": log}
         return None
 
     def validate(self, spec: maxtext.RunSpec, context: Context) -> None:
@@ -380,17 +382,10 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     @staticmethod
     def _job_state(vm: VmHook, paths: RemoteJobPaths) -> tuple[str, int]:
-        d = shlex.quote(paths.job_dir)
-        out = vm.run(
-            f'd={d}; size=$(stat -c %s "$d/stdout.log" 2>/dev/null || echo 0); '
-            f'if [ -f "$d/exit_code" ]; then echo "exit:$(cat "$d/exit_code") $size"; '
-            f'elif [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then echo "running $size"; '
-            f'elif [ -d "$d" ]; then echo "died $size"; else echo "absent 0"; fi'
-        ).split()
-        state, size = out[0], int(out[1])
-        if state.startswith("exit:"):
-            state = "succeeded" if state == "exit:0" else f"failed with exit code {state[5:]}"
-        return state, size
+        command = remote_job.state_command(
+            paths.job_dir, paths.pid_file, paths.exit_code_file, paths.log_file
+        )
+        return remote_job.parse_state(vm.run(command))
 
     def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
         """Defer to the remote-job trigger; before the first deferral, record the job for ``on_kill``."""
@@ -433,10 +428,8 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
         if not event.get("done"):
             return self._watch(context, paths, log_offset=event.get("log_offset", 0))
-        from airflow_tpu_posttrain.triggers.remote_job import JOB_DIED
-
         exit_code = event.get("exit_code")
-        if exit_code == JOB_DIED:
+        if exit_code == remote_job.JOB_DIED:
             raise RemoteJobError(
                 f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
                 f"a retry resumes from the newest checkpoint (log: {paths.log_file})"

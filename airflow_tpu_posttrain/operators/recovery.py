@@ -95,7 +95,9 @@ class VmRecoveryMixin:
         return Lost(record["name"], zone, instance)
 
     def vm_watch(self, context: Context) -> dict | None:
-        """What the job trigger needs to ask Compute whether the VM is gone."""
+        """What the job trigger needs to ask Compute whether the VM is gone (None: no create task to ask about)."""
+        if not self.vm_task_id:
+            return None
         record = self._recovered(context) or self._vm_record(context)
         if not record or not record.get("zone"):
             return None

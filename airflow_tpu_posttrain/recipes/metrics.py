@@ -39,6 +39,13 @@ _CONVERSION_SAVED = re.compile(r"Conversion complete\. Checkpoint saved to (\S.*
 _PEAK_MEMORY = re.compile(rf"Peak Memory: ({_NUMBER}) GB")
 _EXPORT_SAVED = re.compile(r"successfully saved in HuggingFace format at (\S.*)")
 
+# What the lines above contain (an extended regular expression, for ``grep -E``): after a job, only the lines
+# matching it are read back from the VM's log, and kept in storage with the job's output.
+LOG_FILTER = (
+    "Train step|completed step|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|"
+    "Peak Memory|successfully saved"
+)
+
 # (key, label, unit, decimals) of the RL evaluation numbers the summary shows.
 _RL_SUMMARY_FIELDS = (("accuracy", "accuracy", "%", 1), ("mean_reward", "mean reward", "", 4))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import posixpath
-import shlex
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -12,12 +11,12 @@ from airflow.providers.ssh.triggers.ssh_remote_job import SSHRemoteJobTrigger
 from airflow.triggers.base import TriggerEvent
 
 from airflow_tpu_posttrain.hooks.vm import VmHookAsync
+from airflow_tpu_posttrain.recipes import remote_job
 from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 if TYPE_CHECKING:
     from asyncssh import SSHClientConnection
 
-JOB_DIED = -1  # the event's exit_code when the job's process group was killed before it wrote one
 VM_LOST = "VM lost"  # starts the error event's message when Compute says the VM is gone
 
 
@@ -113,16 +112,6 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         return None
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:
-        exit_code = shlex.quote(self.exit_code_file)
-        pid = shlex.quote(posixpath.join(self.job_dir, "pid"))
-        # The second look at the exit code covers a job that wrote it between the two tests.
-        command = (
-            f"if test -s {exit_code}; then cat {exit_code}; "
-            f'elif test -s {pid} && ! kill -0 "$(cat {pid})" 2>/dev/null; then '
-            f"sleep 1; if test -s {exit_code}; then cat {exit_code}; else echo died; fi; fi"
-        )
+        command = remote_job.completion_command(posixpath.join(self.job_dir, "pid"), self.exit_code_file)
         _, stdout, _ = await self._run_command(conn, command)
-        answer = stdout.strip()
-        if answer == "died":
-            return JOB_DIED
-        return int(answer) if answer.isdigit() else None
+        return remote_job.parse_completion(stdout)
