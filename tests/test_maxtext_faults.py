@@ -41,7 +41,7 @@ RUN_ID = "manual__faults-sft"
 LOGICAL_DATE = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
 STEPS = 10  # a few more than the kill point, so the kill lands while training still runs
 KILL_AFTER_STEP = 4
-CHECKPOINT_PERIOD = 2  # what the local DAG uses (posttrain.py: checkpoint_period=2 if cfg.local)
+CHECKPOINT_PERIOD = 2  # what the local DAGs use (registry.py: the local entries' checkpoint_period)
 _COMPLETED = re.compile(rb"completed step: (\d+),")
 JOBS = f"{WORKDIR}/jobs"  # on each VM
 

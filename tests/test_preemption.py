@@ -18,7 +18,7 @@ from test_pipeline_local import WORKDIR, run_pipeline, states
 DAG_ID = "posttrain_sft__tiny-llama"
 STEPS = 10
 PREEMPT_AT_STEP = 5
-CHECKPOINT_PERIOD = 2  # the local DAG's (posttrain.py)
+CHECKPOINT_PERIOD = 2  # the local DAGs' (registry.py: the local entries' checkpoint_period)
 _COMPLETED = re.compile(rb"completed step: (\d+),")
 _RESTORED = re.compile(rb"Restored params from step: (\d+)")
 

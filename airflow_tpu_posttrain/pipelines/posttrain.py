@@ -268,7 +268,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     train_title = "SFT" if cfg.recipe == "sft" else "GRPO"
     default_args = {
         "retries": cfg.retries,
-        "retry_delay": timedelta(minutes=1) if not cfg.local else timedelta(seconds=5),
+        "retry_delay": timedelta(seconds=cfg.retry_delay_s),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=20),
     }
@@ -291,7 +291,10 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         ),
     )
     storage = cfg.checkpoint_storage if split else None
-    poll = (lambda seconds: 2) if cfg.local else (lambda seconds: seconds)
+
+    def poll(seconds: int) -> int:
+        return cfg.poll_interval_s or seconds
+
     on_vm = {
         "ssh_conn_id": cfg.ssh_conn_id,
         "hf_conn_id": cfg.hf_conn_id,
@@ -367,7 +370,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 train_split="{{ params.train_split }}",
                 train_data_columns="{{ params.train_data_columns }}",
                 overrides="{{ params.overrides }}",
-                checkpoint_period=2 if cfg.local else 200,
+                checkpoint_period=cfg.checkpoint_period,
                 max_recoveries="{{ params.max_recoveries }}",
                 execution_timeout=t.train,
                 poll_interval=poll(30),

@@ -93,6 +93,9 @@ class PipelineConfig:
     ssh_conn_id: str = "tpu_vm_ssh"
     hf_conn_id: str = "hf_default"
     retries: int = 2
+    retry_delay_s: int = 60  # the first retry's delay (then exponential backoff, at most 20 minutes)
+    poll_interval_s: int | None = None  # between the triggers' polls; None: each step's own (10 to 30 s)
+    checkpoint_period: int = 200  # SFT steps between checkpoints: what a retry or a recovery may repeat
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
     tags: tuple[str, ...] = ()
@@ -156,6 +159,10 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
                 timeouts=LOCAL_TIMEOUTS,
                 checkpoint_storage=f"{vm_dir}/storage",  # the directory both local "VMs" see
                 cpu_accelerator_type="cpu",
+                # The local run's pace: steps of a second, so tighter polls, retries and checkpoints.
+                retry_delay_s=5,
+                poll_interval_s=2,
+                checkpoint_period=2,
             )
         for key in ("zones", "overrides", "tags", "ssh_source_ranges"):
             if key in merged:
