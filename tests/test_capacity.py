@@ -100,6 +100,10 @@ def test_pure_ordering_keeps_the_first_created():
     assert capacity.group_label("p", "r", ["z1"], "ct6e-standard-8t") == capacity.group_label(
         "p", "projects/p/reservations/r", ["z2"], "ct6e-standard-4t"
     )
+    # One per zone, a block of a shared one: the group is the set of reservations, however they are named.
+    per_zone = "us-east5-a=r2,us-east5-b=projects/host-project/reservations/r1/reservationBlocks/b1"
+    assert capacity.reservation_names(per_zone) == ["r1", "r2"]
+    assert capacity.group_label("p", per_zone, ["z1"], "x") == capacity.group_label("p", "r1,r2", ["z2"], "x")
     assert capacity.group_label("p", None, ["z1"], "ct6e-standard-8t") != capacity.group_label(
         "p", None, ["z1"], "n2-highmem-16"
     )

@@ -9,6 +9,7 @@ both insert; the later by creation time (then name) sees itself over the cap, de
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 
 from airflow_tpu_posttrain.recipes.compute import LIVE_STATES
@@ -24,8 +25,19 @@ def group_label(
     """The label value of a capacity group: the reservation's name, or else the zones and the machine series
     (``ct6e``), in one project, for one role of VM (a run's CPU VM never counts against TPU VMs)."""
     series = machine_type.split("-", 1)[0]
-    key = f"reservation:{reservation}" if reservation else f"zones:{','.join(sorted(zones))}:{series}:{role}"
+    key = (
+        f"reservation:{','.join(reservation_names(reservation))}"
+        if reservation
+        else f"zones:{','.join(sorted(zones))}:{series}:{role}"
+    )
     return hashlib.sha256(f"{project}\0{key}".encode()).hexdigest()[:16]
+
+
+def reservation_names(reservation: str) -> list[str]:
+    """The names of the reservations ``reservation`` gives, in whatever form (a name, a shared reservation's
+    path, one of its blocks, one per zone): a group is the same reservations however they are named."""
+    refs = (pair.rsplit("=", 1)[-1] for pair in reservation.split(","))
+    return sorted({re.sub(r"^projects/[^/]+/reservations/|/reservationBlocks/.*$", "", ref) for ref in refs})
 
 
 def holders(instances: Iterable[dict]) -> list[dict]:
