@@ -368,14 +368,18 @@ class ComputeEmulator:
                 else:
                     setattr(self._faults, name, copy.deepcopy(value))
 
+    def _instance_keys(self, zone: str, name: str, project: str | None) -> list[tuple[str, str, str]]:
+        """The keys of the instance ``name`` in ``zone`` (of ``project``, or any); call with the lock held."""
+        self._advance()
+        keys = [key for key in self._instances if key[1:] == (zone, name) and project in (None, key[0])]
+        if not keys:
+            raise KeyError(f"no instance {name!r} in zone {zone!r}")
+        return keys
+
     def set_instance_status(self, zone: str, name: str, status: str, project: str | None = None) -> None:
         """Force an instance's status, e.g. TERMINATED after a host error or preemption (its machine stops)."""
         with self._lock:
-            self._advance()
-            keys = [key for key in self._instances if key[1:] == (zone, name) and project in (None, key[0])]
-            if not keys:
-                raise KeyError(f"no instance {name!r} in zone {zone!r}")
-            for key in keys:
+            for key in self._instance_keys(zone, name, project):
                 self._instances[key]["status"] = status
                 if status != "RUNNING":
                     self._run_deadlines.pop(key, None)
@@ -386,11 +390,7 @@ class ComputeEmulator:
         """Preempt a RUNNING instance as Compute does a Spot VM's (or a host error any VM's): STOPPING at once,
         its machine ended (every process, sshd included), TERMINATED ``operation_seconds`` later."""
         with self._lock:
-            self._advance()
-            keys = [key for key in self._instances if key[1:] == (zone, name) and project in (None, key[0])]
-            if not keys:
-                raise KeyError(f"no instance {name!r} in zone {zone!r}")
-            for key in keys:
+            for key in self._instance_keys(zone, name, project):
                 if self._instances[key]["status"] != "RUNNING":
                     raise ValueError(f"{name} is {self._instances[key]['status']}, not RUNNING")
                 self._instances[key]["status"] = "STOPPING"
