@@ -146,10 +146,27 @@ def fault_matrix(request) -> FaultMatrix:
     return FaultMatrix(request.node)
 
 
+# The files that take longest (each runs whole pipelines), longest first: xdist hands whole files to the workers in
+# collection order (scripts/test: --no-loadscope-reorder), so the two workers finish close together.
+_LONGEST_FIRST = (
+    "test_maxtext_faults.py",
+    "test_pipeline_reruns.py",
+    "test_pipeline_failures.py",
+    "test_pipeline_local.py",
+    "test_preemption.py",
+    "test_demo.py",
+    "test_capacity.py",
+    "test_reattach.py",
+    "test_trigger_form.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "fault_matrix" in getattr(item, "fixturenames", ()):
             item.add_marker("fault_case")
+    rank = {name: index for index, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_runtest_logreport(report):

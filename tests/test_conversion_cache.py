@@ -1,8 +1,8 @@
 """The conversion cache's key for a Hub model: the source revision is the Hub's current commit of the model,
 asked through ``huggingface_hub`` with the token of the ``hf_conn_id`` connection (here the local Hub server).
 
-The local model's key (a digest of its files read on the VM) and the cache's reuse across runs are exercised end
-to end by test_pipeline_failures (backfill) and test_pipeline_local.
+The local model is keyed the same way (its gated repo on the local Hub); the cache's reuse across runs is
+exercised end to end by test_pipeline_reruns (backfill) and test_pipeline_local.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_hub_models_are_keyed_by_the_hubs_current_commit(hub):
     profile = model_profile("gemma3-4b")
     convert = MaxTextConvertOperator(task_id="convert_to_maxtext", model="gemma3-4b", hf_conn_id="hub_for_cache")
     first = _commit(hub, profile.hf_source, b'{"v": 1}')
-    assert convert._source_revision(None, profile) == first
+    assert convert._source_revision(profile) == first
     second = _commit(hub, profile.hf_source, b'{"v": 2}')
     assert second != first
-    assert convert._source_revision(None, profile) == second  # a new upstream revision means a new conversion
+    assert convert._source_revision(profile) == second  # a new upstream revision means a new conversion

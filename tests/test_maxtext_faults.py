@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 
 from conftest import HF_TOKEN, log_excerpt
+
+from airflow_tpu_posttrain.local.hub_server import REDACTED
 from test_pipeline_local import SEEDS_ROOT, WORKDIR, before_vm_end, token_probe
 from test_reattach import vm_of_its_own
 
@@ -281,6 +283,7 @@ def _faulted_run(stack, capfd) -> dict:
     faults = _TrainFaults(stack, train_name)
     sampler = _ProcessSampler(HF_TOKEN.encode())
     inserts_before = _instance_inserts(stack)
+    hub_requests_before = len(stack.hub.requests)
     scratch = Path(tempfile.mkdtemp(prefix="maxtext-faults-"))
     capfd.readouterr()
     faults.start()
@@ -322,6 +325,7 @@ def _faulted_run(stack, capfd) -> dict:
         "train_dir": train_dir,
         "earlier_train_dirs": sorted(p for p in train_dir.parent.glob(f"{train_name}.*") if p.is_dir()),
         "instance_inserts": _instance_inserts(stack) - inserts_before,
+        "hub_requests": stack.hub.requests[hub_requests_before:],
         "seconds": time.monotonic() - started,
     }
 
@@ -463,6 +467,38 @@ def test_hf_token_leaks_nowhere(faulted_run, stack, fault_matrix):
         "MaxText: HF token absent from logs, XCom, rendered fields, argv, VM files",
         run["returns"]["delete_tpu_vm"]["deleted"] is True, run["state"], bool(hub["commit_sha"]),
         f"0 hits; {sampler.samples} process-list samples; published {hub['repo_id']}"[:80],
+    )
+
+
+def test_gated_base_model_is_read_with_the_token(faulted_run, stack, fault_matrix):
+    """The tiny model is a gated repo on the local Hub, as Gemma and Llama are on the real one: the conversion
+    (weights), training and export (tokenizer) download it on the VMs with the token, which a download without
+    it lacks."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import GatedRepoError
+
+    from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO
+
+    run = faulted_run
+    assert run["state"] == "success", _diagnose(run)
+    downloads = [
+        r for r in run["hub_requests"] if r.method == "GET" and r.path.startswith(f"/{TINY_LLAMA_REPO}/resolve/")
+    ]
+    fetched = [r.path.rsplit("/", 1)[-1] for r in downloads]
+    assert "model.safetensors" in fetched, fetched  # the conversion read the weights from the Hub
+    # Training (TPU VM) and export (CPU VM) each took the tokenizer into their VM's own cache.
+    assert fetched.count("tokenizer.json") >= 2, fetched
+    assert all(r.headers.get("authorization") == REDACTED for r in downloads), [r.path for r in downloads]
+
+    with pytest.raises(GatedRepoError) as refused:  # the same download without the token
+        hf_hub_download(TINY_LLAMA_REPO, "config.json", endpoint=stack.hub.url, token=False,
+                        cache_dir=tempfile.mkdtemp(prefix="no-token-"))
+    assert refused.value.response.status_code == 401
+    fault_matrix.record(
+        "Hub: gated base model read with the token by convert, train and export; without it 401 GatedRepo",
+        run["returns"]["delete_tpu_vm"]["deleted"] is True, run["state"], True,
+        f"{len(downloads)} downloads, all with the token ({fetched.count('tokenizer.json')} tokenizer, "
+        f"{fetched.count('model.safetensors')} weights)",
     )
 
 

@@ -249,7 +249,7 @@ def test_seed_scripts_activate_the_venv_and_exec():
 
 def test_cpu_runtime_commands():
     spec = _cpu_spec()
-    model_dir = "/dev/shm/tiny-llama/source/tiny-llama"
+    model_dir = "local/tiny-llama"  # the tiny model's gated repo on the local Hub, read with the token
     dims = [f"{k}={v}" for k, v in spec.model.maxtext_overrides.items()]
     cpu = ["hardware=cpu", "skip_jax_distributed_system=true", "attention=dot_product"]
 

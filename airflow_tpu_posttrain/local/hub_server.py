@@ -9,8 +9,11 @@ Repos live on disk under the root directory::
     ROOT/<owner>/<name>/commits/<sha>.json   parent, title, message, date, files (path -> entry)
     ROOT/<owner>/<name>/objects/<sha256>     file contents, content-addressed (regular and LFS alike)
 
-Writes need ``Authorization: Bearer <token>``, and so do reads of private repos. LFS uploads go to a
-signed URL without a token, like the pre-signed storage URLs of the real Hub. Every request is kept
+Writes need ``Authorization: Bearer <token>``, and so do reads of private repos. A gated repo (``gated``
+``auto``/``manual``, set through the repo settings as on the real Hub) shows its info and file list to anyone but
+serves its files only with an accepted token: without one, 401 ``X-Error-Code: GatedRepo``, which huggingface_hub
+raises as ``GatedRepoError``. Every accepted token has been granted access. LFS uploads go to a signed URL without
+a token, like the pre-signed storage URLs of the real Hub. Every request is kept
 in ``HubServer.requests`` with the token value redacted, so a test can check where a token went.
 """
 
@@ -70,6 +73,7 @@ _ROUTES = [
     ("GET", rf"/api/models/{_REPO}/revision/{_REV}", "model_info"),
     ("GET", rf"/api/models/{_REPO}/refs", "list_refs"),
     ("POST", rf"/api/models/{_REPO}/branch/{_REV}", "create_branch"),
+    ("PUT", rf"/api/models/{_REPO}/settings", "update_settings"),
     ("GET", rf"/api/models/{_REPO}/tree/{_REV}(?:/(?P<path>.+))?", "list_tree"),
     ("GET", rf"/api/models/{_REPO}/commits/{_REV}", "list_commits"),
     ("POST", rf"/api/models/{_REPO}/preupload/{_REV}", "preupload"),
@@ -205,6 +209,24 @@ class RepoStore:
 
     def load_commit(self, repo_id: str, sha: str) -> dict:
         return json.loads((self.repo_dir(repo_id) / "commits" / f"{sha}.json").read_text())
+
+    def seed_repo(self, repo_id: str, folder: Path, *, gated: str | bool = False) -> str:
+        """A public repo holding ``folder``'s files on ``main``, as its owner would have uploaded it; the commit
+        sha. Server-side: the client's upload protocol is exercised by the runs that publish."""
+        self.create_repo(repo_id, private=False)
+        with self.lock:
+            repo = self.load_repo(repo_id)
+            head = repo["branches"]["main"]
+            files = dict(self.load_commit(repo_id, head)["files"])
+            for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+                name = path.relative_to(folder).as_posix()
+                content = path.read_bytes()
+                files[name] = self.store_content(repo_id, content, _is_lfs_path(name, len(content)))
+            sha = self.write_commit(repo_id, head, f"Upload {folder.name}", "", files)
+            repo["branches"]["main"] = sha
+            repo["gated"] = gated
+            self.save_repo(repo_id, repo)
+        return sha
 
     def resolve_revision(self, repo_id: str, repo: dict, revision: str) -> str:
         """Branch name or commit sha -> commit sha."""
@@ -368,6 +390,21 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(404, f"Repository Not Found for {repo_id}", "RepoNotFound")
         return repo
 
+    def _check_gate(self, repo_id: str, repo: dict) -> None:
+        """The real Hub's answers to a download from a gated repo (huggingface_hub's ``hf_raise_for_status``)."""
+        if not repo.get("gated"):
+            return
+        token = self._token()
+        if token is None:
+            raise HubError(
+                401,
+                f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to "
+                "access it. Please log in.",
+                "GatedRepo",
+            )
+        if not self.server.hub.accepts(token):
+            raise HubError(401, "Invalid credentials in Authorization header")
+
     def _head_commit(self, repo_id: str, rev: str) -> dict:
         repo = self._repo(repo_id)
         return self.store.load_commit(repo_id, self.store.resolve_revision(repo_id, repo, rev))
@@ -400,6 +437,21 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HubError(409, f"Reference refs/heads/{rev} already exists")
             sha = self.store.resolve_revision(repo, repo_data, starting_point)
             repo_data["branches"][rev] = sha
+            self.store.save_repo(repo, repo_data)
+        self._send_json({})
+
+    def _update_settings(self, repo: str) -> None:
+        self._repo(repo, write=True)
+        settings = self._read_json()
+        gated = settings.get("gated")
+        if gated not in (None, "auto", "manual", False):
+            raise HubError(400, f"Invalid gated value {gated!r}: use 'auto', 'manual' or false")
+        with self.store.lock:
+            repo_data = self.store.load_repo(repo)
+            if gated is not None:
+                repo_data["gated"] = gated
+            if "visibility" in settings:
+                repo_data["private"] = settings["visibility"] == "private"
             self.store.save_repo(repo, repo_data)
         self._send_json({})
 
@@ -437,7 +489,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "lastModified": commit["date"],
                 "createdAt": repo_data["createdAt"],
                 "private": repo_data["private"],
-                "gated": False,
+                "gated": repo_data.get("gated", False),
                 "disabled": False,
                 "downloads": 0,
                 "likes": 0,
@@ -622,6 +674,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- downloads ------------------------------------------------------------------------------
 
     def _resolve(self, repo: str, rev: str, path: str) -> None:
+        self._check_gate(repo, self._repo(repo))
         commit = self._head_commit(repo, rev)
         entry = commit["files"].get(path)
         if entry is None:

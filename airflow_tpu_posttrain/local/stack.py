@@ -1,6 +1,7 @@
 """The local stand-ins, together: the Compute emulator (Google Cloud) whose every instance is a machine of its
 own (``fleet.py``: an address, an sshd with fresh host keys, a disk), the Hub server (huggingface.co), and the
-tiny model (the HF checkpoint).
+tiny model (the HF checkpoint), put on the Hub server at each start as a gated repo, so that the steps read
+it with the token as they read Gemma or Llama on the real Hub.
 
 ``LocalStack(local_dir).start()`` returns the environment (Airflow connections, ``TPU_POSTTRAIN_LOCAL_DIR``)
 under which the DAGs of models.yaml marked ``local: true`` run end to end. The SSH connection is made as README
@@ -29,7 +30,7 @@ from airflow_tpu_posttrain.local.fleet import LocalFleet
 from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.recipes.install import install_script
-from airflow_tpu_posttrain.recipes.models import model_profile
+from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
@@ -139,7 +140,9 @@ class LocalStack:
         write_gcloud_stand_in(self.bin_dir)
         self.compute.start()
         self.hub.start()
+        self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
         return self.environment()
+
 
     @property
     def bin_dir(self) -> Path:

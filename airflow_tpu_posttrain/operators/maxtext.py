@@ -38,6 +38,7 @@ from airflow_tpu_posttrain.recipes import compute, install, layout, maxtext, rem
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset, model_profile, tiny_llama_profile
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step, cpu_runtime, tpu_runtime
+from airflow_tpu_posttrain.recipes.shell import export_line
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -54,12 +55,19 @@ class Job:
     """What one step runs: the script, the marker that says its output is complete, and what it produced."""
 
     def __init__(
-        self, script: str, done_marker: str | None, outputs: dict[str, Any], token: str | None = None
+        self,
+        script: str,
+        done_marker: str | None,
+        outputs: dict[str, Any],
+        *,
+        reads_hub: bool = False,
+        token_file: bool = False,
     ):
         self.script = script
         self.done_marker = done_marker
         self.outputs = outputs
-        self.token = token  # "env": exported as HF_TOKEN; "file": HF_TOKEN_FILE names it; None: not needed
+        self.reads_hub = reads_hub  # MaxText / transformers download the model: HF_TOKEN and HF_ENDPOINT set
+        self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
 
 
 class PublishedModelLink(BaseOperatorLink):
@@ -271,18 +279,21 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     def _job_script(self, job: Job, paths: RemoteJobPaths) -> tuple[str, str | None]:
         """The script the detached job runs, and where the token file goes (if the step needs one)."""
-        token_file = f"{self.workdir}/secrets/{paths.job_id}.token" if job.token else None
+        needs_token = job.reads_hub or job.token_file
+        token_file = f"{self.workdir}/secrets/{paths.job_id}.token" if needs_token else None
         lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
-        if job.token == "env":
-            lines += [
-                f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"',
-                f"rm -f {shlex.quote(token_file)}",
-            ]
-        elif job.token == "file":
+        if job.reads_hub:
+            # MaxText's config and huggingface_hub read HF_TOKEN from the environment, never from argv.
+            lines.append(f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"')
+            if endpoint := self._hub_endpoint():
+                lines.append(export_line("HF_ENDPOINT", endpoint))
+        if job.token_file:
             lines += [
                 f"export HF_TOKEN_FILE={shlex.quote(token_file)}",
                 f"trap 'rm -f {shlex.quote(token_file)}' EXIT",
             ]
+        elif token_file:
+            lines.append(f"rm -f {shlex.quote(token_file)}")
         step_script = f"{paths.job_dir}.step.sh"
         lines.append(f"bash {shlex.quote(step_script)}")
         if job.done_marker:
@@ -534,7 +545,7 @@ class MaxTextConvertOperator(MaxTextJobOperator):
 
     With ``checkpoint_storage`` the conversion is cached there under a key of (MaxText version, source revision,
     conversion arguments): the source revision is the Hub's current commit of the model (asked with the
-    ``hf_conn_id`` token), or a digest of a local model's files read on the VM. Scheduled retraining and
+    ``hf_conn_id`` token). Scheduled retraining and
     backfills then convert once per new revision or MaxText release.
 
     :param maxtext_version: the MaxText release installed on the VM (default: the model profile's).
@@ -564,7 +575,7 @@ class MaxTextConvertOperator(MaxTextJobOperator):
     def resolve(self, context: Context, vm: VmHook, spec: maxtext.RunSpec) -> maxtext.RunSpec:
         if not spec.layout.storage:
             return spec
-        revision = self._source_revision(vm, spec.model)
+        revision = self._source_revision(spec.model)
         argv = maxtext.to_maxtext(self._unkeyed(spec), use_pathways=self.use_pathways).argv
         arguments = argv[len(spec.runtime.entry_point(Step.TO_MAXTEXT)) :]
         options = [arg for arg in arguments if not arg.startswith("base_output_directory=")]
@@ -585,14 +596,8 @@ class MaxTextConvertOperator(MaxTextJobOperator):
             spec, layout=dataclasses.replace(spec.layout, conversion_key=stashed["conversion_key"])
         )
 
-    def _source_revision(self, vm: VmHook, model: ModelProfile) -> str:
-        """Which weights the conversion reads: the Hub's commit now, or a digest of a local model's files."""
-        if model.is_local:
-            digest = vm.run(
-                f"cd {shlex.quote(model.hf_source)} && find . -type f -print0 | LC_ALL=C sort -z "
-                "| xargs -0 sha256sum | sha256sum"
-            )
-            return f"files-{digest.split()[0][:40]}"
+    def _source_revision(self, model: ModelProfile) -> str:
+        """Which weights the conversion reads: the Hub's commit of the model now."""
         from huggingface_hub import HfApi
 
         token = self._token() if self.hf_conn_id else None
@@ -607,7 +612,7 @@ class MaxTextConvertOperator(MaxTextJobOperator):
             command.script(),
             f"{spec.layout.converted_dir}/.complete",
             outputs,
-            token="env" if not spec.model.is_local else None,
+            reads_hub=True,
         )
 
 
@@ -741,7 +746,7 @@ class SftTrainOperator(_TrainOperator):
             command.script(),
             f"{run_dir}/.complete-{steps}",
             {"checkpoint": spec.layout.sft_params(steps), "run_name": spec.layout.run_name, "steps": steps},
-            token="env" if not spec.model.is_local else None,
+            reads_hub=True,
         )
 
 
@@ -788,7 +793,7 @@ class GrpoTrainOperator(_TrainOperator):
                 "run_name": spec.layout.run_name,
                 "num_batches": batches,
             },
-            token="env" if not spec.model.is_local else None,
+            reads_hub=True,
         )
 
 
@@ -928,7 +933,8 @@ class HfExportOperator(MaxTextJobOperator):
             script + "\n",
             None,
             {"export_dir": spec.layout.export_dir, "result_file": result_file},
-            token="file" if hub_repo_id else None,
+            reads_hub=True,  # to_huggingface takes the tokenizer from the base model's repo
+            token_file=bool(hub_repo_id),
         )
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:

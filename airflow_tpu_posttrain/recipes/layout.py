@@ -97,7 +97,7 @@ class RunLayout:
 
 def conversion_key(maxtext_version: str, source_revision: str, options: Sequence[str]) -> str:
     """``mt<version>-<digest>``: names a converted checkpoint by everything that determines it — the MaxText
-    release, the source weights' revision (a Hub commit, or a digest of a local model's files) and the
+    release, the source weights' revision (its Hub commit) and the
     conversion's arguments (model name, layer scan, storage format, ...; the output path excluded)."""
     version = validation.package_version("maxtext_version", maxtext_version)
     blob = json.dumps([version, source_revision, list(options)], separators=(",", ":"))

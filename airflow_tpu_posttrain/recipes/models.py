@@ -53,7 +53,7 @@ class ModelProfile:
     key: str
     maxtext_model_name: str
     hf_export_name: str  # the model_name to_huggingface is given (it picks the Hub config and tokenizer)
-    hf_source: str  # the Hub id the conversion reads, or the absolute directory of a local model
+    hf_source: str  # the Hub id the conversion, the trainers' tokenizer and the export read
     maxtext_version: str  # the MaxText release the recipe was written for
     sft_dataset: SftDataset = ULTRACHAT_200K
     rl_dataset: RlDataset = GSM8K
@@ -62,23 +62,18 @@ class ModelProfile:
     rl_num_test_batches: int = 10
     # MaxText keys that reshape `maxtext_model_name`, for models MaxText has no config of its own for.
     maxtext_overrides: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The local CPU model: served by the local Hub, its datasets local files (``model_source_dir``).
+    is_local: bool = False
 
     def __post_init__(self) -> None:
         validation.safe_name("model", self.key)
         validation.safe_name("maxtext_model_name", self.maxtext_model_name)
         validation.safe_name("hf_export_name", self.hf_export_name)
-        if self.is_local:
-            validation.safe_absolute_path("hf_source", self.hf_source)
-        else:
-            validation.hf_repo_id("hf_source", self.hf_source)
+        validation.hf_repo_id("hf_source", self.hf_source)
         validation.package_version("maxtext_version", self.maxtext_version)
         validation.positive_int("steps", self.sft_steps)
         validation.positive_int("num_batches", self.rl_num_batches)
         validation.positive_int("num_test_batches", self.rl_num_test_batches)
-
-    @property
-    def is_local(self) -> bool:
-        return self.hf_source.startswith("/")
 
 
 # A 2-layer Llama with Llama 3.1 8B's architecture, shrunk (maxtext-on-cpu.md).
@@ -95,10 +90,13 @@ TINY_LLAMA_DIMS: Mapping[str, str] = MappingProxyType(
     }
 )
 DEFAULT_TINY_LLAMA_ROOT = "/dev/shm/tiny-llama/source"
+# The tiny model's repo on the local Hub: gated, as Gemma and Llama are, so every step reads it with the token.
+TINY_LLAMA_REPO = "local/tiny-llama"
 
 
 def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
-    """The local CPU model, built under ``root`` by the local setup.
+    """The local CPU model: its weights and tokenizer on the local Hub (``TINY_LLAMA_REPO``, uploaded from
+    ``<root>/tiny-llama`` by the local stack), its datasets under ``root``.
 
     Expected files, as ``local/tiny_model.py --out <root>`` writes them: ``<root>/tiny-llama`` (a
     save_pretrained-style directory with its tokenizer), ``<root>/data/sft.jsonl`` (``{"messages": [...]}``
@@ -109,7 +107,7 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
         key="tiny-llama",
         maxtext_model_name="llama3.1-8b",
         hf_export_name="llama3.1-8b",
-        hf_source=f"{root}/tiny-llama",
+        hf_source=TINY_LLAMA_REPO,
         maxtext_version="0.2.5",
         # The local JSONL has a single split, so evaluation is off.
         sft_dataset=SftDataset(
@@ -122,6 +120,7 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
         rl_num_batches=2,
         rl_num_test_batches=2,
         maxtext_overrides=TINY_LLAMA_DIMS,
+        is_local=True,
     )
 
 

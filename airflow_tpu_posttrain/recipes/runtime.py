@@ -2,8 +2,9 @@
 
 The ``tpu`` runtime changes nothing: commands are the tutorials'. The ``cpu`` runtime runs the same four steps
 on a tiny local model (maxtext-on-cpu.md): JAX on the CPU, MaxText's CPU settings, the model read from its
-local directory instead of the Hub, short sequences, and three steps started through launcher scripts (kept
-in ``local/``) that take exactly the wrapped module's argv and patch what cannot run on a CPU.
+repo on the local Hub (MaxText's table of Hub ids names the real models only), short sequences, and three steps
+started through launcher scripts (kept in ``local/``) that take exactly the wrapped module's argv and patch what
+cannot run on a CPU.
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ class Runtime:
         return dict(CPU_JAX_ENV) if self.is_cpu else {}
 
     def check_model(self, model: ModelProfile) -> None:
-        """The cpu runtime runs local models only (no Hub access, a tiny model)."""
+        """The cpu runtime runs the local tiny model only (a real model does not fit a CPU's time or memory)."""
         if self.is_cpu and not model.is_local:
             raise SpecError(
-                "model", model.key, "is a Hub model; the cpu runtime runs local models", "use 'tiny-llama'"
+                "model", model.key, "is not the local model; the cpu runtime runs it only", "use 'tiny-llama'"
             )
 
     def check_accelerator(self, accelerator: Accelerator) -> None:
@@ -100,19 +101,19 @@ class Runtime:
         """Arguments set on top of the tutorial's, replacing the tutorial's value where both set a key."""
         if not self.is_cpu:
             return {}
-        local_model = model.hf_source
+        repo = model.hf_source
         per_step = {
             # False (the tutorials') loads through torch, which the CPU environment does not have.
-            Step.TO_MAXTEXT: {"--hf_model_path": local_model, "--lazy_load_tensors": "True"},
-            Step.TRAIN_SFT: {"tokenizer_path": local_model, "max_target_length": "128"},
+            Step.TO_MAXTEXT: {"--hf_model_path": repo, "--lazy_load_tensors": "True"},
+            Step.TRAIN_SFT: {"tokenizer_path": repo, "max_target_length": "128"},
             Step.TRAIN_RL: {
-                "tokenizer_path": local_model,
+                "tokenizer_path": repo,
                 "max_prefill_predict_length": "128",
                 "max_target_length": "160",
                 "use_pathways": "false",
             },
             # The tiny model's dims differ from the named model's Hub config.
-            Step.TO_HUGGINGFACE: {"--override_model_architecture": "true", "--hf_model_path": local_model},
+            Step.TO_HUGGINGFACE: {"--override_model_architecture": "true", "--hf_model_path": repo},
         }
         return {**_CPU_ARGS, **per_step[step]}
 

@@ -1,0 +1,58 @@
+"""The local Hub's gated repos answer as the real Hub's do, through the real ``huggingface_hub`` client: the repo's
+info and file list are public, its files need an accepted token, and only a token holder may gate a repo."""
+
+from __future__ import annotations
+
+import pytest
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
+
+from airflow_tpu_posttrain.local.hub_server import HubServer
+
+TOKEN = "hub-test-token"  # a test credential of the local Hub server only
+REPO = "org/gated-model"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with HubServer(tmp_path / "hub", tokens=[TOKEN]) as server:
+        api = HfApi(endpoint=server.url, token=TOKEN)
+        api.create_repo(REPO)
+        api.upload_file(path_or_fileobj=b'{"model_type": "llama"}', path_in_repo="config.json", repo_id=REPO)
+        api.update_repo_settings(REPO, gated="manual")
+        yield server
+
+
+def _download(hub: HubServer, tmp_path, token: str | bool) -> str:
+    path = hf_hub_download(REPO, "config.json", endpoint=hub.url, token=token, cache_dir=tmp_path / "cache")
+    return open(path).read()
+
+
+def test_gated_files_need_an_accepted_token(hub, tmp_path):
+    with pytest.raises(GatedRepoError) as no_token:
+        _download(hub, tmp_path, token=False)
+    assert no_token.value.response.status_code == 401
+    assert "restricted" in no_token.value.server_message
+
+    with pytest.raises(HfHubHTTPError) as wrong_token:
+        _download(hub, tmp_path, token="not-a-token")
+    assert wrong_token.value.response.status_code == 401
+    assert not isinstance(wrong_token.value, GatedRepoError)
+
+    assert _download(hub, tmp_path, token=TOKEN) == '{"model_type": "llama"}'
+
+
+def test_gated_repo_info_and_file_list_are_public(hub):
+    anonymous = HfApi(endpoint=hub.url, token=False)
+    assert anonymous.model_info(REPO).gated == "manual"
+    assert "config.json" in anonymous.list_repo_files(REPO)
+
+
+def test_only_a_token_holder_gates_a_repo(hub):
+    with pytest.raises(HfHubHTTPError) as refused:
+        HfApi(endpoint=hub.url, token=False).update_repo_settings(REPO, gated=False)
+    assert refused.value.response.status_code == 401
+    with pytest.raises(ValueError):  # the client refuses an unknown value before asking
+        HfApi(endpoint=hub.url, token=TOKEN).update_repo_settings(REPO, gated="everyone")
+    HfApi(endpoint=hub.url, token=TOKEN).update_repo_settings(REPO, gated=False)
+    assert HfApi(endpoint=hub.url, token=False).model_info(REPO).gated is False
