@@ -10,7 +10,7 @@ Every fault is injected through the environment the pipeline runs in, never by p
 - train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
 - export: a regular file where the exports' parent directory goes (``<root>/hf-trained`` on the CPU VM, put
   there as soon as that VM is up);
-- publish: the Hub unreachable (in ``test_pipeline_reruns.py``, with the per-model backfill: a file of its own so
+- publish: refused by the Hub (in ``test_pipeline_reruns.py``, with the per-model backfill: a file of its own so
   that the test workers share the slow runs).
 
 The DAG has the split layout: a CPU VM converts and exports, the TPU VM trains. Each failed run must end FAILED

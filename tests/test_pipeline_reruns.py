@@ -1,4 +1,4 @@
-"""The tiny SFT DAG run again: a publish that fails with the Hub unreachable (the checked export kept in storage,
+"""The tiny SFT DAG run again: a publish the Hub refuses to a read-only token (the checked export kept in storage,
 a re-run publishes it without exporting again), and a per-model backfill of two logical dates whose first date
 is then run again under its own run_id. End to end in real Airflow (dag.test) against the local stack, with the
 helpers and VM probes of ``test_pipeline_failures.py``. Slow (minutes).
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,15 +27,14 @@ from test_pipeline_failures import (  # noqa: F401 - vm_ends and _each_vm_probed
     xcom,
 )
 
+SFT_HUB_REPO = "local/tiny-llama-sft"  # dags/models.yaml
 
-def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkeypatch, fault_matrix):
-    # HubServer.stop() closes its socket for good (no restart): point the run's Hub connection at a closed port.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
+
+def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkeypatch, fault_matrix):
+    # A read-only token reads the gated base model (convert, train, export) but the Hub refuses the upload (403).
     hub_conn = os.environ["AIRFLOW_CONN_LOCAL_HUB"]
     monkeypatch.setenv(
-        "AIRFLOW_CONN_LOCAL_HUB", json.dumps({**json.loads(hub_conn), "host": f"http://127.0.0.1:{closed_port}"})
+        "AIRFLOW_CONN_LOCAL_HUB", json.dumps({**json.loads(hub_conn), "password": stack.hf_read_only_token})
     )
     hub_requests_before = len(stack.hub.requests)
     logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__publish-fails"
@@ -47,7 +45,12 @@ def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkey
     assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
     assert "Export failed on the VM with exit code" in logs
     assert "publish_model: error:" in logs
-    assert len(stack.hub.requests) == hub_requests_before  # nothing reached the Hub
+    writes = [r for r in stack.hub.requests[hub_requests_before:] if r.method in ("POST", "PUT")]
+    assert writes, "the publish never asked the Hub"  # it asked, and was refused (403)
+    from huggingface_hub import HfApi
+
+    hub, revision = HfApi(endpoint=stack.hub.url, token=stack.hf_token), f"run-{trained['run_name']}"
+    assert not (hub.repo_exists(SFT_HUB_REPO) and hub.revision_exists(SFT_HUB_REPO, revision)), "published"
     # Both VMs and their disks are gone (assert_failed_cleanly), yet the checked export is whole in checkpoint
     # storage: the error and XCom say where.
     kept = checkpoint_storage(stack) / "exports" / trained["run_name"]
@@ -58,7 +61,7 @@ def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkey
     assert kept.with_name(kept.name + ".complete").is_file()
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
 
-    # The Hub is back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
+    # With the write token back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
     vm_ends.forget()
     monkeypatch.setenv("AIRFLOW_CONN_LOCAL_HUB", hub_conn)
     rerun = run_pipeline(logical_date=logical_date, run_id=run_id)
@@ -69,7 +72,8 @@ def test_publish_fails_when_the_hub_is_unreachable(stack, vm_ends, capfd, monkey
     assert published["kept_uri"] == str(kept) and published["hub"]["revision"] == f"run-{trained['run_name']}"
     assert_vms_gone(vm_ends, rerun)
     fault_matrix.record(
-        "pipeline: publish, Hub unreachable (checked export kept in storage; a re-run publishes it, no re-export)",
+        "pipeline: publish refused, read-only Hub token (checked export kept in storage; a re-run publishes it, "
+        "no re-export)",
         stack.compute.instances() == [], dr.state, "config.json" in files,
         log_excerpt(logs, "The checked export is kept at"),
     )

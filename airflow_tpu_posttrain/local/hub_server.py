@@ -373,16 +373,19 @@ class _Handler(BaseHTTPRequestHandler):
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
-    def _require_token(self) -> None:
+    def _require_token(self, *, write: bool = False) -> None:
         token = self._token()
         if token is None:
             raise HubError(401, "Authorization header with a Bearer token is required")
         if not self.server.hub.accepts(token):
             raise HubError(401, "Invalid credentials in Authorization header")
+        if write and not self.server.hub.can_write(token):
+            # The real Hub answers a write with a read-only token 403 (huggingface/huggingface_hub#1653).
+            raise HubError(403, "Forbidden: you must use a write token to upload to a repository.")
 
     def _repo(self, repo_id: str, *, write: bool = False) -> dict:
         if write:
-            self._require_token()
+            self._require_token(write=True)
         repo = self.store.load_repo(repo_id)
         token = self._token()
         can_read = repo is not None and (not repo["private"] or (token and self.server.hub.accepts(token)))
@@ -415,7 +418,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- repos, refs, info ----------------------------------------------------------------------
 
     def _create_repo(self) -> None:
-        self._require_token()
+        self._require_token(write=True)
         payload = self._read_json()
         if payload.get("type", "model") != "model":
             raise HubError(400, "Only model repos are supported by this server")
@@ -699,14 +702,23 @@ class HubServer:
     """A local Hub on 127.0.0.1, serving repos stored under ``root_dir``.
 
     ``tokens``: if given, only these Bearer tokens are accepted; otherwise any non-empty one is.
+    ``read_only_tokens``: also accepted, for reading only (a write answers 403, as the real Hub does).
     """
 
-    def __init__(self, root_dir: str | os.PathLike, port: int = 0, *, tokens: Iterable[str] | None = None):
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        port: int = 0,
+        *,
+        tokens: Iterable[str] | None = None,
+        read_only_tokens: Iterable[str] = (),
+    ):
         self.root_dir = Path(root_dir)
         self.root_dir.mkdir(parents=True, exist_ok=True)
         self.store = RepoStore(self.root_dir)
         self.requests: list[RecordedRequest] = []
         self._tokens = frozenset(tokens) if tokens is not None else None
+        self._read_only_tokens = frozenset(read_only_tokens)
         self._signing_key = secrets.token_bytes(32)
         self._httpd = _HubHTTPServer(("127.0.0.1", port), _Handler)
         self._httpd.hub = self
@@ -721,7 +733,10 @@ class HubServer:
         return f"http://127.0.0.1:{self.port}"
 
     def accepts(self, token: str) -> bool:
-        return self._tokens is None or token in self._tokens
+        return self._tokens is None or token in self._tokens or token in self._read_only_tokens
+
+    def can_write(self, token: str) -> bool:
+        return token not in self._read_only_tokens
 
     def sign(self, repo_id: str, oid: str, size: int) -> str:
         """Signature of a one-object LFS upload URL (stands in for a pre-signed storage URL)."""

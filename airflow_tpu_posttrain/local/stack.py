@@ -105,6 +105,7 @@ class LocalStack:
         self.local_dir = Path(local_dir).absolute()
         self.vm_dir = Path(vm_dir or self.local_dir / "vm").absolute()
         self.hf_token = hf_token or secrets.token_hex(16)
+        self.hf_read_only_token = secrets.token_hex(16)  # a user's mistake to reproduce: it cannot publish
         self.python312 = find_python312()
         self.client_key = self.local_dir / CLIENT_KEY
         self.fleet = LocalFleet(
@@ -113,7 +114,9 @@ class LocalStack:
             package_cache=package_cache(self.local_dir),
         )
         self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
-        self.hub = HubServer(self.vm_dir / "hub", tokens=[self.hf_token])
+        self.hub = HubServer(
+            self.vm_dir / "hub", tokens=[self.hf_token], read_only_tokens=[self.hf_read_only_token]
+        )
 
     @property
     def storage_dir(self) -> Path:
@@ -142,7 +145,6 @@ class LocalStack:
         self.hub.start()
         self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
         return self.environment()
-
 
     @property
     def bin_dir(self) -> Path:
