@@ -30,11 +30,13 @@ def get_provider_info() -> dict:
                 "integration-name": "TPU post-training",
                 "python-modules": [
                     "airflow_tpu_posttrain.operators.tpu_vm",
+                    "airflow_tpu_posttrain.operators.maxtext_job",
                     "airflow_tpu_posttrain.operators.maxtext",
+                    "airflow_tpu_posttrain.operators.export",
                 ],
             }
         ],
-        "extra-links": ["airflow_tpu_posttrain.operators.maxtext.PublishedModelLink"],
+        "extra-links": ["airflow_tpu_posttrain.operators.export.PublishedModelLink"],
         "triggers": [
             {
                 "integration-name": "TPU post-training",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from airflow_tpu_posttrain.operators.maxtext import DEFAULT_WORKDIR
+from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
 from airflow_tpu_posttrain.recipes.compute import run_hash
 
 SAMPLE_S = 0.5

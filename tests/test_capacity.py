@@ -182,7 +182,7 @@ def test_missing_reservation_still_fails_at_once(emulator, run_dag, capfd, fault
 PROBE_DAGS = """
 from datetime import datetime
 from airflow.sdk import DAG
-from airflow_tpu_posttrain.operators.maxtext import Job, MaxTextJobOperator
+from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
 
 

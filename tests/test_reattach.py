@@ -104,11 +104,8 @@ async def until_done(trigger):
 def test_next_try_reattaches_to_the_running_job(stack, capfd):
     from airflow.sdk.exceptions import TaskDeferred
 
-    from airflow_tpu_posttrain.operators.maxtext import (
-        DEFAULT_WORKDIR,
-        MaxTextConvertOperator,
-        MaxTextInstallOperator,
-    )
+    from airflow_tpu_posttrain.operators.maxtext import MaxTextConvertOperator, MaxTextInstallOperator
+    from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
 
     with vm_of_its_own(stack, "reattach-vm") as machine:
         # The VM's venv and launchers: a fresh VM installs them (its job may outlast the task's inline wait:
@@ -155,7 +152,7 @@ def test_watch_ends_at_once_when_compute_says_the_vm_is_gone(stack):
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.local.stack import LOCAL_PROJECT
-    from airflow_tpu_posttrain.operators.maxtext import DEFAULT_WORKDIR
+    from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
     from airflow_tpu_posttrain.triggers.remote_job import VM_LOST, MaxTextJobTrigger
 
     paths = RemoteJobPaths(job_id="preempted", remote_os="posix", base_dir=f"{DEFAULT_WORKDIR}/jobs")

@@ -65,3 +65,48 @@ def test_job_gone_without_an_exit_code_died(job_dir):
         (job_dir / "pid").write_text(str(finished.pid))
     assert _state(job_dir) == ("died", 0)
     assert _completion(job_dir) == remote_job.JOB_DIED
+
+
+STEP_PRINTS_ITS_ENVIRONMENT = """
+echo "token=${HF_TOKEN:-} endpoint=${HF_ENDPOINT:-} token_file=${HF_TOKEN_FILE:-}"
+test -n "${HF_TOKEN_FILE:-}" && echo "file holds $(cat "$HF_TOKEN_FILE")" || echo "no file"
+echo "completed step: 4, seconds: 0.412, loss: 6.223"
+echo "a line the summary does not read"
+"""
+
+
+def _run_wrapper(tmp_path, **options) -> tuple[str, dict]:
+    """Runs the wrapper as the detached job would, with its output as the job's log."""
+    step, log, token_file = tmp_path / "step.sh", tmp_path / "stdout.log", tmp_path / "secrets" / "job.token"
+    step.write_text(STEP_PRINTS_ITS_ENVIRONMENT)
+    token_file.parent.mkdir()
+    token_file.write_text("hf_secret")
+    token_file.chmod(0o600)
+    script = remote_job.wrapper_script(str(step), str(log), token_file=str(token_file), **options)
+    with log.open("w") as out:
+        subprocess.run(["bash", "-c", script], check=True, stdout=out)
+    return script, {"log": log.read_text(), "token_file_left": token_file.exists()}
+
+
+def test_wrapper_reads_the_token_into_the_environment_and_deletes_its_file(tmp_path):
+    script, ran = _run_wrapper(tmp_path, token_in_env=True, hub_endpoint="http://hub.local:8080/a b")
+    assert "token=hf_secret endpoint=http://hub.local:8080/a b token_file=" in ran["log"]
+    assert "no file" in ran["log"]
+    assert not ran["token_file_left"]
+    assert "hf_secret" not in script  # the script names the file; the token is read when the job runs
+
+
+def test_wrapper_keeps_the_token_file_for_the_publisher_until_the_job_ends(tmp_path):
+    _, ran = _run_wrapper(tmp_path, token_in_env=True, keep_token_file=True)
+    assert "file holds hf_secret" in ran["log"]
+    assert not ran["token_file_left"]  # deleted on exit
+
+
+def test_wrapper_keeps_the_metric_lines_beside_the_done_marker(tmp_path):
+    marker = tmp_path / "storage" / ".complete-5"
+    marker.parent.mkdir()
+    _run_wrapper(tmp_path, done_marker=str(marker))
+    assert marker.exists()
+    kept = (tmp_path / "storage").glob(".complete-5*")
+    [metrics] = [p.read_text() for p in kept if p != marker]
+    assert metrics == "completed step: 4, seconds: 0.412, loss: 6.223\n"  # the trainer's lines, nothing else

@@ -15,9 +15,9 @@ from typing import Any
 from airflow.sdk import DAG, BaseOperator, Param, TriggerRule
 
 from airflow_tpu_posttrain.exceptions import StepFailedError
+from airflow_tpu_posttrain.operators.export import HfExportOperator
 from airflow_tpu_posttrain.operators.maxtext import (
     GrpoTrainOperator,
-    HfExportOperator,
     MaxTextConvertOperator,
     MaxTextInstallOperator,
     SftTrainOperator,

@@ -1,6 +1,6 @@
-"""The remote-job protocol's shell, in one place: what the operators and the job trigger ask a VM about a detached
-job. The job's files are providers-ssh's (``RemoteJobPaths``: the job directory with ``pid``, ``exit_code``
-written atomically at the end, and ``stdout.log``); these commands only read them.
+"""The remote-job protocol's shell, in one place: the script a detached job runs, and what the operators and the
+job trigger ask a VM about it. The job's files are providers-ssh's (``RemoteJobPaths``: the job directory with
+``pid``, ``exit_code`` written atomically at the end, and ``stdout.log``); the questions only read them.
 
 Pure: strings in, strings out.
 """
@@ -8,6 +8,10 @@ Pure: strings in, strings out.
 from __future__ import annotations
 
 import shlex
+
+from airflow_tpu_posttrain.recipes import storage
+from airflow_tpu_posttrain.recipes.metrics import LOG_FILTER
+from airflow_tpu_posttrain.recipes.shell import export_line
 
 JOB_DIED = -1  # the exit code reported for a job whose process group is gone without writing one
 
@@ -50,3 +54,44 @@ def parse_completion(output: str) -> int | None:
     if answer == "died":
         return JOB_DIED
     return int(answer) if answer.lstrip("-").isdigit() else None
+
+
+def metric_lines_command(log_file: str) -> str:
+    """The log's metric lines (``metrics.LOG_FILTER``); nothing, successfully, when there are none."""
+    return f"grep -aE {shlex.quote(LOG_FILTER)} {shlex.quote(log_file)} || true"
+
+
+def wrapper_script(
+    step_script: str,
+    log_file: str,
+    *,
+    token_file: str | None = None,
+    token_in_env: bool = False,
+    keep_token_file: bool = False,
+    hub_endpoint: str | None = None,
+    done_marker: str | None = None,
+) -> str:
+    """The script the detached job runs: the token from its 0600 file into ``HF_TOKEN`` (MaxText's config and
+    huggingface_hub read it from the environment, never from argv) and/or named by ``HF_TOKEN_FILE`` until the
+    job ends, the file deleted as soon as it is not needed; the step; then, with a ``done_marker``, the log's
+    metric lines kept in storage beside it (a later run on another VM reads them there) and the marker."""
+    lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
+    if token_file and token_in_env:
+        lines.append(f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"')
+    if token_in_env and hub_endpoint:
+        lines.append(export_line("HF_ENDPOINT", hub_endpoint))
+    if token_file and keep_token_file:
+        lines += [
+            f"export HF_TOKEN_FILE={shlex.quote(token_file)}",
+            f"trap 'rm -f {shlex.quote(token_file)}' EXIT",
+        ]
+    elif token_file:
+        lines.append(f"rm -f {shlex.quote(token_file)}")
+    lines.append(f"bash {shlex.quote(step_script)}")
+    if done_marker:
+        keep_metrics = storage.write_command(storage.metrics_uri(done_marker))
+        lines += [
+            f"{{ {metric_lines_command(log_file)}; }} | {keep_metrics}",
+            storage.mark_command(done_marker),
+        ]
+    return "\n".join(lines) + "\n"

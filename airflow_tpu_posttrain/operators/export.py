@@ -1,0 +1,199 @@
+"""The last step: export the trained checkpoint to Hugging Face format and publish it before the VM goes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, BaseOperatorLink
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
+from airflow_tpu_posttrain.recipes import maxtext, storage, validation
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+
+
+class PublishedModelLink(BaseOperatorLink):
+    """The task's button to the published model (its Hub branch, else its storage copy)."""
+
+    name = "Published model"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: Any) -> str:
+        from airflow.providers.common.compat.sdk import XCom
+
+        return XCom.get_value(key=self.xcom_key, ti_key=ti_key) or ""
+
+
+class HfExportOperator(MaxTextJobOperator):
+    """
+    Export the trained checkpoint to Hugging Face format (``to_huggingface``), check it, and publish it durably
+    BEFORE the VM can go: to a Hub repo (private by default, one branch per DAG run, commit message naming dag
+    and run) and/or a copy to a storage URI (``gs://``, ``file://`` or a local directory on the VM).
+
+    With checkpoint storage (the split layout) the checked export is first kept there
+    (``<checkpoint_storage>/exports/<run name>``): a failed publish loses nothing (the URI is in the error and
+    in XCom ``kept_export``), and a retry or a re-run on a new VM publishes that copy without exporting again.
+
+    XCom: ``export_dir``, ``kept_uri``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``,
+    ``validated``.
+
+    :param train_task_id: the training task whose XCom ``checkpoint`` to export.
+    :param hub_repo_id: ``owner/name`` on the Hub (or None). :param hub_private: create the repo private.
+    :param storage_uri: where to copy the model, into ``<storage_uri>/<run name>`` (or None). At least one
+        publish target is required.
+    """
+
+    template_fields: Sequence[str] = (
+        *MaxTextJobOperator.template_fields,
+        "trained_checkpoint",
+        "hub_repo_id",
+        "storage_uri",
+    )
+    operator_extra_links = (PublishedModelLink(),)
+    step_title = "Export"
+
+    def __init__(
+        self,
+        *,
+        train_task_id: str = "train",
+        trained_checkpoint: str | None = None,
+        hub_repo_id: str | None = None,
+        hub_private: bool = True,
+        storage_uri: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.trained_checkpoint = (
+            trained_checkpoint or f"{{{{ ti.xcom_pull(task_ids='{train_task_id}')['checkpoint'] }}}}"
+        )
+        self.hub_repo_id = hub_repo_id
+        self.hub_private = hub_private
+        self.storage_uri = storage_uri
+
+    def failure_hint(self, context: Context) -> str:
+        layout = self.run_spec(context).layout
+        kept = layout.kept_export_dir
+        if kept and self._kept(kept):
+            context["ti"].xcom_push(key="kept_export", value=kept)
+            return (
+                f". The checked export is kept at {kept}: a retry or a re-run publishes it without "
+                "exporting again"
+            )
+        return (
+            f". The exported model, if the export finished, was at {layout.export_dir} on the VM "
+            f"(host {self.remote_host})"
+        )
+
+    def _kept(self, kept: str) -> bool:
+        """Whether the kept export is complete; False when that cannot be read (the hint must not mask the
+        step's own error)."""
+        try:
+            with self._vm() as vm:
+                return vm.exists(f"{kept}.complete")
+        except Exception as err:  # noqa: BLE001 - any failure here only loses the hint
+            self.log.warning("Could not check the kept export at %s: %s", kept, err)
+            return False
+
+    def _publish_script_path(self) -> str:
+        return f"{self.workdir}/vm_scripts/publish_model.py"
+
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        hub_repo_id = validation.blank_to_none(self.hub_repo_id)
+        storage_uri = validation.blank_to_none(self.storage_uri)
+        if not hub_repo_id and not storage_uri:
+            raise SpecError("publish target", None, "is missing", "set hub_repo_id and/or storage_uri")
+        export = maxtext.to_huggingface(spec, self.trained_checkpoint)
+        dag_run = context["dag_run"]
+        result_file = f"{spec.layout.export_dir}.publish.json"
+        publish = [
+            f"{spec.runtime.venv}/bin/python",
+            self._publish_script_path(),
+            "--model-dir",
+            spec.layout.export_dir,
+            "--result-file",
+            result_file,
+        ]
+        if hub_repo_id:
+            publish += [
+                "--hub-repo",
+                validation.hf_repo_id("hub_repo_id", hub_repo_id),
+                "--hub-revision",
+                f"run-{spec.layout.run_name}",
+                "--hub-private",
+                "true" if self.hub_private else "false",
+                "--commit-message",
+                f"Post-trained by Airflow: dag {dag_run.dag_id}, run {dag_run.run_id}",
+            ]
+            endpoint = self._hub_endpoint()
+            if endpoint:
+                publish += ["--hub-endpoint", endpoint]
+        if storage_uri:
+            # One folder per run, as the Hub gets one branch per run.
+            uri = validation.storage_uri("storage_uri", storage_uri)
+            publish += ["--storage-uri", f"{uri}/{spec.layout.run_name}"]
+        export_marker = f"{spec.layout.export_dir}/.complete"
+        kept = spec.layout.kept_export_dir
+        export_step = [f"  bash -c {shlex.quote(export.script())}"]
+        if kept:
+            publish += ["--keep-uri", kept]
+            restore = storage.copy_tree_command(kept, spec.layout.export_dir)
+            export_step = [
+                f"  if {storage.exists_command(kept + '.complete')}; then",
+                f"    echo {shlex.quote(f'Restoring the export kept at {kept} (checked by an earlier try)')}",
+                f"    {restore}",
+                "  else",
+                f"  {export_step[0]}",
+                "  fi",
+            ]
+        script = "\n".join(
+            [
+                "set -euo pipefail",
+                f"if [ ! -e {shlex.quote(export_marker)} ]; then",
+                *export_step,
+                f"  touch {shlex.quote(export_marker)}",
+                "fi",
+                "export HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_PROGRESS_BARS=1",
+                shlex.join(publish),
+            ]
+        )
+        return Job(
+            script + "\n",
+            None,
+            {"export_dir": spec.layout.export_dir, "result_file": result_file},
+            reads_hub=True,  # to_huggingface takes the tokenizer from the base model's repo
+            token_file=bool(hub_repo_id),
+        )
+
+    def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
+        script = resources.files("airflow_tpu_posttrain.vm_scripts") / "publish_model.py"
+        vm.put_bytes(self._publish_script_path(), script.read_bytes(), 0o644)
+
+    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
+        text = vm.get_text(job.outputs["result_file"])
+        if text is None:
+            raise AirflowFailException(
+                f"Publishing left no result file; the exported model is on the VM at {job.outputs['export_dir']}"
+            )
+        published = json.loads(text)
+        hub = published.get("hub")
+        if hub:
+            self.log.info(
+                "Published to the Hub: %s (revision %s, commit %s)",
+                hub["url"],
+                hub["revision"],
+                hub["commit_sha"],
+            )
+        if published.get("storage_uri"):
+            self.log.info("Copied to %s", published["storage_uri"])
+        link = hub["url"] if hub else published.get("storage_uri")
+        if link:
+            context["ti"].xcom_push(key=PublishedModelLink().xcom_key, value=link)
+        return published

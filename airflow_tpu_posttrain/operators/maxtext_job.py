@@ -1,0 +1,465 @@
+"""The MaxText steps on the TPU VM, each a detached remote job watched from the triggerer.
+
+The remote-job protocol is providers-ssh's (``utils/remote_job.py`` and ``SSHRemoteJobTrigger``): the job runs
+under ``setsid`` with a log file and an atomic exit-code file, the trigger streams the log by byte offset and
+reconnects after SSH drops, and a kill signals the job's process group. The operators do not subclass
+``SSHRemoteJobOperator``: importing it loads paramiko and asyncssh, which would make every DAG file slow to
+parse; they import the protocol's pieces when they run. What they add:
+
+- a deterministic job id per (task, DAG run), so a retry finds its earlier job: still running → re-attach;
+  finished → reuse; failed → start again (MaxText resumes from the newest checkpoint of the same run name);
+- a completion marker per step output, so a re-run whose output is complete does not redo it; with checkpoint
+  storage (the split layout) the markers and checkpoints are in storage, conversions are cached by a key of
+  what determines them, and a training checkpoint must be in storage before the training task succeeds;
+- the job script is uploaded over SFTP (the command line holds only its path), and the Hugging Face token
+  reaches the VM as a 0600 file read by the job and deleted at once, never in a command line or a template;
+- metrics parsed from the trainers' log lines into XCom and a one-line summary.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
+from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
+from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
+from airflow_tpu_posttrain.recipes.models import ModelProfile, model_profile, tiny_llama_profile
+from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
+    from airflow.sdk import Context
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+
+DEFAULT_WORKDIR = "/tmp/airflow-tpu-posttrain"
+_VM_XCOM = "{{{{ ti.xcom_pull(task_ids='{task}')['{key}'] }}}}"
+
+
+class Job:
+    """What one step runs: the script, the marker that says its output is complete, and what it produced."""
+
+    def __init__(
+        self,
+        script: str,
+        done_marker: str | None,
+        outputs: dict[str, Any],
+        *,
+        reads_hub: bool = False,
+        token_file: bool = False,
+    ):
+        self.script = script
+        self.done_marker = done_marker
+        self.outputs = outputs
+        self.reads_hub = reads_hub  # MaxText / transformers download the model: HF_TOKEN and HF_ENDPOINT set
+        self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
+
+
+class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
+    """
+    Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM. When the VM is
+    gone (Compute says so, not merely an SSH error) the step fails with :class:`VmLostError`; training recovers
+    (``operators/recovery.py``).
+
+    :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
+    :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
+    :param vm_task_id: the create task whose XCom gives the VM's address, host keys and accelerator type.
+    :param remote_host: the VM's address, when it does not come from ``vm_task_id``.
+    :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm_task_id``: the
+        connection's login, or the OS Login POSIX name); empty: the connection's login.
+    :param ssh_proxy_command: reach the VM through this command (default: the IAP tunnel the create task names,
+        from ``vm_task_id``; empty: dial ``remote_host`` directly).
+    :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
+        ``vm_task_id``); every connection, in the worker and in the triggerer, is pinned to them.
+    :param accelerator_type: default: the VM's, from ``vm_task_id``.
+    :param runtime: ``tpu`` (the tutorials) or ``cpu`` (the local CPU "VM", see recipes/runtime.py).
+    :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
+    :param base_python: the interpreter uv builds the venv from (``3.12`` on TPU, a path on cpu).
+    :param model_source_dir: cpu runtime: where the local model and its data live on the VM.
+    :param root_dir: where the run's files go on the VM (default ``/dev/shm/<model>``, as in the tutorials).
+    :param checkpoint_storage: ``gs://bucket/prefix`` (or, locally, a directory every VM sees) for the converted
+        and trained checkpoints (the split layout); empty: everything under ``root_dir`` (the tutorials').
+    :param workdir: the jobs' scripts, logs and launchers on the VM.
+    :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
+        endpoint); needed to read gated models and to publish.
+    :param poll_interval: seconds between the trigger's polls of the job.
+    :param inline_wait: seconds the task watches a job it started before deferring: a job that ends by then
+        finishes without a second trip through a worker. Default: the step's ``quick_job_wait`` (the install,
+        usually a reused environment: 5 s; the long steps: 0, they would only hold the worker longer).
+    :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
+    """
+
+    template_fields: Sequence[str] = (
+        "ssh_conn_id",
+        "remote_host",
+        "ssh_login",
+        "ssh_proxy_command",
+        "host_keys",
+        "model",
+        "accelerator_type",
+        "root_dir",
+        "checkpoint_storage",
+        "workdir",
+    )
+    ui_color = "#e4f0e8"
+    step_title = "MaxText"
+    quick_job_wait = 0.0
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        ssh_conn_id: str = "tpu_vm_ssh",
+        vm_task_id: str | None = "create_tpu_vm",
+        remote_host: str | None = None,
+        ssh_login: str | None = None,
+        ssh_proxy_command: str | None = None,
+        host_keys: dict[str, str] | str | None = None,
+        accelerator_type: str | None = None,
+        runtime: str = "tpu",
+        maxtext_venv: str | None = None,
+        base_python: str | None = None,
+        model_source_dir: str | None = None,
+        root_dir: str | None = None,
+        checkpoint_storage: str | None = None,
+        workdir: str = DEFAULT_WORKDIR,
+        hf_conn_id: str | None = None,
+        poll_interval: int = 10,
+        inline_wait: float | None = None,
+        log_chunk_size: int = 65536,
+        command_timeout: float = 30.0,
+        max_reconnect_attempts: int = 8,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.vm_task_id = vm_task_id
+        if vm_task_id:
+            remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key="ssh_address")
+            ssh_login = ssh_login or _VM_XCOM.format(task=vm_task_id, key="ssh_login")
+            ssh_proxy_command = ssh_proxy_command or _VM_XCOM.format(task=vm_task_id, key="ssh_proxy_command")
+            host_keys = host_keys or _VM_XCOM.format(task=vm_task_id, key="host_keys")
+            accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
+        self.ssh_conn_id = ssh_conn_id
+        self.remote_host = remote_host
+        self.ssh_login = ssh_login
+        self.ssh_proxy_command = ssh_proxy_command
+        self.host_keys = host_keys
+        self.model = model
+        self.accelerator_type = accelerator_type
+        self.runtime = runtime
+        self.maxtext_venv = maxtext_venv
+        self.base_python = base_python
+        self.model_source_dir = model_source_dir
+        self.root_dir = root_dir
+        self.checkpoint_storage = checkpoint_storage
+        self.workdir = workdir
+        self.hf_conn_id = hf_conn_id
+        self.poll_interval = poll_interval
+        self.inline_wait = self.quick_job_wait if inline_wait is None else inline_wait
+        self.log_chunk_size = log_chunk_size
+        self.command_timeout = command_timeout
+        self.max_reconnect_attempts = max_reconnect_attempts
+
+    @property
+    def jobs_dir(self) -> str:
+        return f"{self.workdir}/jobs"
+
+    # -- what each step defines ------------------------------------------------------------------
+    def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        raise NotImplementedError
+
+    # -- shared machinery ------------------------------------------------------------------------
+    def _runtime(self) -> Runtime:
+        if self.runtime == "cpu":
+            if not self.maxtext_venv:
+                raise SpecError(
+                    "maxtext_venv", None, "is required on the cpu runtime", "give the venv's path"
+                )
+            return cpu_runtime(
+                f"{self.workdir}/launchers", self.maxtext_venv, self.base_python or "python3.12"
+            )
+        validation.one_of("runtime", self.runtime, ("tpu", "cpu"))
+        return tpu_runtime(self.maxtext_venv or "maxtext_venv")
+
+    def _profile(self) -> ModelProfile:
+        profile = model_profile(self.model)
+        if profile.is_local and self.model_source_dir:
+            return tiny_llama_profile(self.model_source_dir)
+        return profile
+
+    def run_spec(self, context: Context, conversion_key: str = "") -> maxtext.RunSpec:
+        """Everything the user gave, validated; bad input fails the task at once, without retries."""
+        try:
+            validation.safe_absolute_path("workdir", self.workdir)
+            dag_run = context["dag_run"]
+            name = layout.run_name(dag_run.dag_id, dag_run.run_id, getattr(dag_run, "logical_date", None))
+            profile = self._profile()
+            return maxtext.RunSpec(
+                model=profile,
+                accelerator=accelerator(self.accelerator_type or DEFAULT_ACCELERATOR),
+                runtime=self._runtime(),
+                layout=layout.RunLayout(
+                    profile.key, name, self.root_dir or "", self.checkpoint_storage or "", conversion_key
+                ),
+            )
+        except SpecError as err:
+            raise InvalidInputError.of(self.task_id, err) from err
+
+    def _remote_job_id(self, context: Context) -> str:
+        dag_run = context["dag_run"]
+        task = re.sub(r"[^a-z0-9]+", "-", self.task_id.lower()).strip("-")[:40]
+        return f"{task}-{compute.run_hash(dag_run.dag_id, dag_run.run_id)}"
+
+    def _pinned_host_keys(self) -> dict[str, str]:
+        """The rendered ``host_keys`` (a dict; a rendered string when the DAG does not render native objects)."""
+        if isinstance(self.host_keys, str):
+            return ast.literal_eval(self.host_keys) if self.host_keys.strip() else {}
+        return dict(self.host_keys or {})
+
+    def _vm(self) -> VmHook:
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        return VmHook(
+            ssh_conn_id=self.ssh_conn_id,
+            remote_host=self.remote_host or None,
+            username=self.ssh_login or None,
+            host_keys=self._pinned_host_keys(),
+            proxy_command=self._proxy_command(),
+        )
+
+    def _proxy_command(self) -> str | None:
+        """The rendered ``ssh_proxy_command``; a missing XCom value renders as "None"."""
+        command = (self.ssh_proxy_command or "").strip()
+        return command if command and command != "None" else None
+
+    def _hub_endpoint(self) -> str | None:
+        if not self.hf_conn_id:
+            return None
+        from airflow.sdk import BaseHook
+
+        return BaseHook.get_connection(self.hf_conn_id).host or None
+
+    def _token(self) -> str:
+        from airflow.sdk import BaseHook
+
+        if not self.hf_conn_id:
+            raise AirflowFailException(f"{self.task_id}: hf_conn_id is required (the Hugging Face token)")
+        token = BaseHook.get_connection(self.hf_conn_id).password
+        if not token:
+            raise AirflowFailException(
+                f"{self.task_id}: connection {self.hf_conn_id!r} has no password (token)"
+            )
+        return token
+
+    def _job_script(self, job: Job, paths: RemoteJobPaths) -> tuple[str, str | None]:
+        """The script the detached job runs, and where the token file goes (if the step needs one)."""
+        token_file = (
+            f"{self.workdir}/secrets/{paths.job_id}.token" if job.reads_hub or job.token_file else None
+        )
+        script = remote_job.wrapper_script(
+            f"{paths.job_dir}.step.sh",
+            paths.log_file,
+            token_file=token_file,
+            token_in_env=job.reads_hub,
+            keep_token_file=job.token_file,
+            hub_endpoint=self._hub_endpoint() if job.reads_hub else None,
+            done_marker=job.done_marker,
+        )
+        return script, token_file
+
+    def _job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        try:
+            return self.build_job(spec, context)
+        except SpecError as err:
+            raise InvalidInputError.of(self.task_id, err) from err
+
+    def execute(self, context: Context) -> Any:
+        spec = self.run_spec(context)
+        self.validate(spec, context)
+        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
+
+        paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
+        with self._vm() as vm:
+            spec = self.resolve(context, vm, spec)
+            job = self._job(spec, context)
+            if job.done_marker and vm.exists(job.done_marker):
+                self.log.info(
+                    "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
+                )
+                return self.finish(context, vm, job, paths, reused=True)
+            state, log_offset = self._job_state(vm, paths)
+            if state == "running":
+                self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
+            else:
+                if state == "succeeded":
+                    self.log.info("Job %s already finished successfully on the VM", paths.job_id)
+                    return self.finish(context, vm, job, paths, reused=True)
+                if state != "absent":
+                    self.log.info(
+                        "Earlier job %s %s; starting it again (training resumes from its checkpoint)",
+                        paths.job_id,
+                        state,
+                    )
+                    vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
+                self._start(vm, spec, job, paths)
+                log_offset = 0
+            ended = self._wait_briefly(vm, paths)
+        if ended is not None:
+            return self.execute_complete(context, ended)
+        return self._watch(context, paths, log_offset=log_offset, first=True)
+
+    def _start(self, vm: VmHook, spec: maxtext.RunSpec, job: Job, paths: RemoteJobPaths) -> None:
+        from airflow.providers.ssh.utils.remote_job import build_posix_wrapper_command
+
+        self.prepare(vm, spec, job)
+        script, token_file = self._job_script(job, paths)
+        vm.put_text(f"{paths.job_dir}.step.sh", job.script, 0o700)
+        vm.put_text(f"{paths.job_dir}.sh", script, 0o700)
+        if token_file:
+            vm.put_text(token_file, self._token(), 0o600)
+        vm.run(build_posix_wrapper_command(f"bash {shlex.quote(paths.job_dir + '.sh')}", paths))
+        self.log.info("Started job %s on the VM (log: %s)", paths.job_id, paths.log_file)
+
+    def _wait_briefly(self, vm: VmHook, paths: RemoteJobPaths) -> dict | None:
+        """The trigger's completion event, if the job ends within ``inline_wait`` seconds; else None."""
+        deadline = time.monotonic() + self.inline_wait
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            exit_code = remote_job.parse_completion(
+                vm.run(remote_job.completion_command(paths.pid_file, paths.exit_code_file))
+            )
+            if exit_code is not None:
+                log = vm.get_text(paths.log_file) or ""
+                return {"job_id": paths.job_id, "done": True, "exit_code": exit_code, "log_chunk": log}
+        return None
+
+    def validate(self, spec: maxtext.RunSpec, context: Context) -> None:
+        """Bad input fails here, before the VM is touched."""
+        self._job(spec, context)
+
+    def resolve(self, context: Context, vm: VmHook, spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        """Complete ``spec`` with what only the VM or a service can tell (once per try; see ``resolved``)."""
+        return spec
+
+    def resolved(self, context: Context, spec: maxtext.RunSpec) -> maxtext.RunSpec:
+        """``spec`` as ``resolve`` completed it earlier in this try (after the deferral)."""
+        return spec
+
+    def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
+        """Upload what the step needs besides its script (launchers, helper scripts)."""
+
+    @staticmethod
+    def _job_state(vm: VmHook, paths: RemoteJobPaths) -> tuple[str, int]:
+        command = remote_job.state_command(
+            paths.job_dir, paths.pid_file, paths.exit_code_file, paths.log_file
+        )
+        return remote_job.parse_state(vm.run(command))
+
+    def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
+        """Defer to the remote-job trigger; before the first deferral, record the job for ``on_kill``."""
+        from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+
+        if first:
+            context["ti"].xcom_push(
+                key="ssh_remote_job",
+                value={"job_id": paths.job_id, "log_file": paths.log_file, "pid_file": paths.pid_file},
+            )
+        self.defer(
+            trigger=MaxTextJobTrigger(
+                ssh_conn_id=self.ssh_conn_id,
+                remote_host=self.remote_host,
+                login=self.ssh_login or None,
+                proxy_command=self._proxy_command(),
+                host_keys=self._pinned_host_keys(),
+                job_id=paths.job_id,
+                job_dir=paths.job_dir,
+                log_file=paths.log_file,
+                exit_code_file=paths.exit_code_file,
+                remote_os="posix",
+                poll_interval=self.poll_interval,
+                log_chunk_size=self.log_chunk_size,
+                log_offset=log_offset,
+                command_timeout=self.command_timeout,
+                max_reconnect_attempts=self.max_reconnect_attempts,
+                vm=self.vm_watch(context),
+            ),
+            method_name="execute_complete",
+            timeout=self.execution_timeout,
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        """Stream the new log lines, re-defer while the job runs, then finish or fail."""
+        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
+
+        for line in (event.get("log_chunk") or "").splitlines():
+            self.log.info("[remote] %s", line)
+        paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
+        if not event.get("done"):
+            return self._watch(context, paths, log_offset=event.get("log_offset", 0))
+        exit_code = event.get("exit_code")
+        if exit_code == remote_job.JOB_DIED:
+            raise RemoteJobError(
+                f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
+                f"a retry resumes from the newest checkpoint (log: {paths.log_file})"
+            )
+        if exit_code is None:
+            lost = self.vm_lost(context)
+            if lost:
+                return self.on_vm_lost(context, lost)
+            raise RemoteJobError(
+                f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}"
+            )
+        if exit_code != 0:
+            raise RemoteJobError(
+                f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
+                f"{self.failure_hint(context)}"
+            )
+        job = self.build_job(self.resolved(context, self.run_spec(context)), context)
+        with self._vm() as vm:
+            return self.finish(context, vm, job, paths, reused=False)
+
+    def on_kill(self) -> None:
+        """A kill of the running task kills the job's process group on the VM."""
+        from airflow.providers.ssh.utils.remote_job import build_posix_kill_command
+
+        ti = getattr(self, "task_instance", None)
+        job = ti.xcom_pull(task_ids=self.task_id, key="ssh_remote_job") if ti else None
+        if not job:
+            return
+        self.log.info("Killing job %s on the VM", job["job_id"])
+        with self._vm() as vm:
+            vm.run(build_posix_kill_command(job["pid_file"]), check=False)
+
+    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
+        """Parse metrics from the job's log (or those kept in storage), push outputs and metrics, log the
+        one-line summary."""
+        from airflow_tpu_posttrain.recipes.metrics import parse_lines
+
+        log = vm.run(remote_job.metric_lines_command(paths.log_file))
+        if not log.strip() and job.done_marker:
+            # finished on an earlier VM: its log went with that VM's disk; the lines were kept in storage
+            kept = storage.read_command(storage.metrics_uri(job.done_marker))
+            log = vm.run(f"{kept} 2>/dev/null || true")
+        metrics = parse_lines(log.splitlines())
+        result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
+        result.update(self.results(context, vm, job))
+        self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
+        return result
+
+    def failure_hint(self, context: Context) -> str:
+        """What a user should know when the step failed (appended to the error)."""
+        return ""
+
+    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
+        """Step-specific results read back from the VM."""
+        return {}
