@@ -139,15 +139,15 @@ def _still_running(procs: list[psutil.Process]) -> list[str]:
     return left
 
 
-def _screenshot(run_url: str) -> None:
+def _screenshot(page_url: str) -> None:
     from playwright import sync_api
 
     with sync_api.sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = chromium.new_page(viewport={"width": 1400, "height": 900})
+        page = chromium.new_page(viewport={"width": 1600, "height": 900})
         page.set_default_timeout(60_000)
-        page.goto(run_url)
-        page.get_by_text("create_tpu_vm").first.wait_for()
+        page.goto(page_url)
+        page.get_by_text("completed step").first.wait_for()  # the task's log, with the training's steps
         page.screenshot(path=README_SCREENSHOT)
         chromium.close()
 
@@ -192,7 +192,9 @@ def test_ui_serves_the_running_run_and_ctrl_c_ends_everything_the_demo_started()
         grid = httpx.get(run_url, timeout=30)
         assert grid.status_code == 200 and "<title>Airflow" in grid.text, grid.text[:500]
         if os.environ.get("TPU_POSTTRAIN_SCREENSHOTS") == "1":
-            _screenshot(run_url)
+            # For the README: the run in its training, as the demo's view shows it, with the steps in the log.
+            _wait_for("a training step", lambda: output.match(r"^  SFT: \d+ steps, loss "), DEMO_TIMEOUT_S)
+            _screenshot(f"{run_url}/tasks/train")
         started = _started_by(psutil.Process(demo.pid), marker)
         assert any("scheduler" in " ".join(proc.cmdline()) for proc in started), started
 

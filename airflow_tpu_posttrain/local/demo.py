@@ -25,7 +25,6 @@ from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from airflow_tpu_posttrain.local.demo_view import (
@@ -38,6 +37,7 @@ from airflow_tpu_posttrain.local.demo_view import (
     read_run,
     styled_state,
     task_result,
+    task_table,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -261,13 +261,7 @@ def _summary(
             f" in {duration(run_s)} (the demo, set-up included: {duration(wall_s)})",
         )
     )
-    tasks = Table(box=None, show_header=False, pad_edge=False)
-    tasks.add_column()
-    tasks.add_column()
-    tasks.add_column(justify="right")
-    for task in run.tasks:
-        tasks.add_row("  " + task.task_id, styled_state(task.state), duration(task.seconds))
-    console.print(tasks)
+    console.print(task_table(run.tasks, indent="  "))
     train = task_result(dag_id, run.run_id, "train")
     console.print(f"demo: {metrics_from_xcom(train.get('metrics', {})).summary(step_title)}")
     if published.get("storage_uri"):

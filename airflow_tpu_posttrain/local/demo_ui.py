@@ -40,7 +40,7 @@ class AirflowServices:
         self.env = {
             **env,
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-            "AIRFLOW__CORE__PARALLELISM": "4",  # worker processes: the DAG runs at most 3 tasks at once
+            "AIRFLOW__CORE__PARALLELISM": "4",  # worker processes: the DAG runs a few tasks at once
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(

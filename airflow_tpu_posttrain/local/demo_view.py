@@ -175,6 +175,17 @@ def styled_state(state: str) -> Text:
     return Text(state, style=STATE_STYLE.get(state, "dim"))
 
 
+def task_table(tasks: Iterable[TaskView], indent: str = "") -> Table:
+    """One row per task: its id, state and duration."""
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column()
+    table.add_column()
+    table.add_column(justify="right")
+    for task in tasks:
+        table.add_row(indent + task.task_id, styled_state(task.state), duration(task.seconds))
+    return table
+
+
 class ProgressView:
     """The run as it goes, on ``console``: a live table on a terminal, one line per change elsewhere."""
 
@@ -186,7 +197,8 @@ class ProgressView:
         self.run: RunView | None = None
         self.reported: dict[str, str] = {}
         self.reported_training = ""
-        self.live = Live(console=console, get_renderable=self._table, refresh_per_second=2, transient=False)
+        # transient: when the run ends, the summary takes the table's place
+        self.live = Live(console=console, get_renderable=self._table, refresh_per_second=2, transient=True)
 
     def __enter__(self) -> ProgressView:
         if self.console.is_terminal:
@@ -219,9 +231,7 @@ class ProgressView:
         return self.metrics.summary(self.step_title) if self.metrics.as_xcom() else ""
 
     def _table(self) -> Group:
-        table = Table(box=None, pad_edge=False, show_header=False)
-        for task in self.run.tasks if self.run else ():
-            table.add_row(task.task_id, styled_state(task.state), duration(task.seconds))
+        table = task_table(self.run.tasks if self.run else ())
         state = f"run {self.run.run_id}: {self.run.state}" if self.run else "waiting for the run to start"
         return Group(
             Text(state, style="bold"), table, Text(self.training() or f"{self.step_title}: not started")
