@@ -1,19 +1,49 @@
-"""The local default, end to end: ``python -m airflow_tpu_posttrain.local.demo [sft|rl]``.
+"""The local default, end to end: ``python -m airflow_tpu_posttrain.local.demo [sft|rl] [--verbose] [--ui]``.
 
-Starts the local stack (Compute emulator whose instances are local machines, Hub server), runs the tiny model's DAG from
-``dags/`` in real Airflow (SQLite metadata DB under ``.local/airflow``), prints where the trained Hugging Face
-model is, proves it loads and generates with ``transformers``, and stops everything it started.
+Starts the local stack (Compute emulator whose instances are local machines, Hub server), runs the tiny model's DAG
+from ``dags/`` in real Airflow (SQLite metadata DB under ``.local/airflow``), proves the trained Hugging Face model
+loads and generates with ``transformers``, prints a summary and stops everything it started.
+
+The run goes through ``airflow dags test`` (``dag.test()``), or with ``--ui`` through Airflow's scheduler,
+triggerer, dag-processor and api-server, whose UI stays up after the run until Ctrl-C. The terminal shows the
+run's tasks and the training's progress (``demo_view.py``); Airflow's, MaxText's and the stand-ins' output goes to a
+log file (``--verbose``: to the terminal, as it comes).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+from airflow_tpu_posttrain.local.demo_view import (
+    LogTail,
+    ProgressView,
+    RunView,
+    duration,
+    metrics_from_xcom,
+    newest_run_id,
+    read_run,
+    styled_state,
+    task_result,
+    task_table,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / ".local"
+SAMPLE_PROMPT = "What is 2 plus 3?"
+POLL_S = 1.0
 
 
 def _airflow_home() -> Path:
@@ -23,59 +53,231 @@ def _airflow_home() -> Path:
         AIRFLOW_HOME=str(home),
         AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW__LOGGING__BASE_LOG_FOLDER=str(home / "logs"),
     )
     home.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True)
     return home
 
 
-def main(recipe: str = "sft") -> int:
-    if recipe not in ("sft", "rl"):
-        raise SystemExit("usage: demo [sft|rl]")
-    _airflow_home()
-    from airflow.dag_processing.dagbag import DagBag
-    from airflow.models.pool import Pool
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "recipe", nargs="?", default="sft", choices=("sft", "rl"), help="the DAG: SFT or GRPO"
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="Airflow's and MaxText's output on the terminal"
+    )
+    parser.add_argument(
+        "--ui", action="store_true", help="run it with Airflow's services; UI up until Ctrl-C"
+    )
+    parser.add_argument("--port", type=int, default=8080, help="the UI's port with --ui (default 8080)")
+    return parser.parse_args(argv)
 
-    from airflow_tpu_posttrain.local.stack import LocalStack
 
-    dag_id = f"posttrain_{recipe}__tiny-llama"
-    stack = LocalStack(LOCAL)
-    with stack as env:
-        os.environ.update(env)
-        Pool.create_or_update_pool(
-            "tpu_vms", slots=2, description="Concurrent TPU VMs", include_deferred=True
-        )
-        bag = DagBag(dag_folder=str(REPO / "dags"))
-        if bag.import_errors:
-            print(bag.import_errors, file=sys.stderr)
-            return 1
-        print(f"demo: running {dag_id} (CPU VM converts and exports, TPU VM trains; both deleted at the end)")
-        dag_run = bag.get_dag(dag_id).test(run_conf={"storage_uri": str(stack.published_dir)})
-        states = {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
-        print(f"demo: run {dag_run.run_id} ended {dag_run.state}: {states}")
-        print(f"demo: VMs left in the Compute emulator: {len(stack.compute.instances())}")
-        if dag_run.state != "success":
-            return 1
-        [export] = [ti for ti in dag_run.get_task_instances() if ti.task_id == "export_and_publish"]
-        result = export.xcom_pull(task_ids="export_and_publish")
-        model_dir = Path(result["storage_uri"].removeprefix("file://"))
-        hub = result["hub"]
-        print(f"demo: trained model (Hugging Face format): {model_dir}")
-        print(
-            f"demo: published to the local Hub: {hub['url']} (revision {hub['revision']}, commit {hub['commit_sha']})"
-        )
+def _console(verbose: bool, log_file: Path) -> Console:
+    """The terminal. Unless ``verbose``, everything else written to this process's stdout and stderr (its
+    children's too) goes to ``log_file`` from here on."""
+    if verbose:
+        return Console(highlight=False, soft_wrap=True, force_interactive=False)  # lines, among the stream
+    terminal = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, sys.stdout.fileno())
+    os.dup2(log, sys.stderr.fileno())
+    os.close(log)
+    # soft_wrap: a long line (a URL) is left to the terminal to wrap, and stays one line in a pipe.
+    return Console(file=terminal, highlight=False, soft_wrap=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: the same clean stop."""
+    raise KeyboardInterrupt
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End a child started in a session of its own, and its children."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def _watch(view: ProgressView, dag_id: str, after_id: int, check_runner: Callable[[], None]) -> RunView:
+    """Poll the DB until the run ends."""
+    with view:
+        while True:
+            check_runner()
+            run = read_run(dag_id, after_id)
+            view.update(run)
+            if run is not None and run.finished:
+                return run
+            time.sleep(POLL_S)
+
+
+def _generate(model_dir: Path) -> tuple[bool, str]:
+    """Whether the model loads and generates in ``transformers``, and what it generated (or the error)."""
     check = subprocess.run(
         [
             str(LOCAL / "hfcheck-venv" / "bin" / "python"),
             str(Path(__file__).with_name("check_hf_model.py")),
             str(model_dir),
+            "--prompt",
+            SAMPLE_PROMPT,
         ],
         capture_output=True,
         text=True,
     )
-    print(check.stdout.strip() or check.stderr.strip())
-    return check.returncode
+    print(check.stdout, check.stderr)  # to the log
+    generated = [line for line in check.stdout.splitlines() if line.startswith("generated text: ")]
+    if check.returncode or not generated:
+        return False, (check.stderr.strip() or check.stdout.strip()).splitlines()[-1]
+    return True, f"{SAMPLE_PROMPT!r} → {generated[0].removeprefix('generated text: ')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    started = time.monotonic()
+    demo_dir = LOCAL / "demo" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    demo_dir.mkdir(parents=True)
+    log_file = demo_dir / "demo.log"
+    console = _console(args.verbose, log_file)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _demo(args, console, demo_dir, log_file, started)
+    except KeyboardInterrupt:
+        console.print("demo: stopped (Ctrl-C); everything it started has ended")
+        return 130
+    except Exception as error:
+        import traceback
+
+        traceback.print_exc()  # to the log
+        console.print(f"demo: failed: {type(error).__name__}: {error} (log: {log_file})")
+        return 1
+
+
+def _demo(args: argparse.Namespace, console: Console, demo_dir: Path, log_file: Path, started: float) -> int:
+    home = _airflow_home()
+    from airflow.models.pool import Pool
+
+    from airflow_tpu_posttrain.local.stack import LocalStack
+    from airflow_tpu_posttrain.operators.maxtext import GrpoTrainOperator, SftTrainOperator
+
+    dag_id = f"posttrain_{args.recipe}__tiny-llama"
+    step_title = {"sft": SftTrainOperator, "rl": GrpoTrainOperator}[args.recipe].step_title
+    if not args.verbose:
+        console.print(f"demo: full logs in {log_file}")
+    console.print("demo: starting the local stand-ins (Compute emulator, Hub server, the VM image)")
+    stack = LocalStack(LOCAL)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(stack.stop)
+        os.environ.update(stack.start())
+        Pool.create_or_update_pool(
+            "tpu_vms", slots=2, description="Concurrent TPU VMs", include_deferred=True
+        )
+        after_id = newest_run_id(dag_id)
+        conf = {"storage_uri": str(stack.published_dir)}
+        if args.ui:
+            from airflow_tpu_posttrain.local.demo_ui import AirflowServices
+
+            services = AirflowServices(dict(os.environ), args.port, demo_dir)
+            cleanup.callback(services.stop)
+            console.print("demo: starting Airflow's dag-processor, scheduler, triggerer and api-server")
+            services.start()
+            services.wait_until_served(dag_id)
+            run_id = services.trigger(dag_id, conf)
+            console.print(f"demo: the UI: {services.url}/dags/{dag_id}/runs/{run_id}")
+            console.print("demo: login: none needed (every visitor is admin; it listens on 127.0.0.1 only)")
+            check_runner = services.check_alive
+            run_logs = home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
+            tail = LogTail(lambda: sorted(p for p in run_logs.glob("task_id=train/**/*") if p.is_file()))
+        else:
+            console.print(f"demo: running {dag_id} (a CPU VM converts and exports, a TPU VM trains)")
+            command = [sys.executable, "-m", "airflow", "dags", "test", dag_id, "--conf", json.dumps(conf)]
+            command += ["--dagfile-path", str(REPO / "dags" / "local_dags.py")]
+            runner = subprocess.Popen(
+                command, start_new_session=True
+            )  # its output: ours (the log, or terminal)
+            cleanup.callback(_stop_group, runner)
+            check_runner = _exits_with_the_run(runner, dag_id, after_id)
+            tail = LogTail(lambda: [] if args.verbose else [log_file])
+        cleanup.callback(_ignore_interrupts)  # runs first: a second Ctrl-C does not cut the clean-up short
+        run = _watch(ProgressView(console, step_title, tail), dag_id, after_id, check_runner)
+        if not args.ui:
+            runner.wait()
+        vms_left = len(stack.compute.instances())
+        published = task_result(dag_id, run.run_id, "export_and_publish")
+        generated = _generate(Path(published["storage_uri"].removeprefix("file://"))) if published else None
+        _summary(console, run, time.monotonic() - started, step_title, dag_id, published, generated, vms_left)
+        ok = run.state == "success" and generated is not None and generated[0] and vms_left == 0
+        if args.ui:
+            console.print(f"demo: the UI stays up at {services.url} until Ctrl-C, which stops everything")
+            while True:
+                signal.pause()
+        return 0 if ok else 1
+
+
+def _exits_with_the_run(runner: subprocess.Popen, dag_id: str, after_id: int) -> Callable[[], None]:
+    """A check that ``airflow dags test`` has not ended before its run did (an import error, a crash)."""
+
+    def check() -> None:
+        if runner.poll() is None:
+            return
+        run = read_run(dag_id, after_id)
+        if run is None or not run.finished:
+            raise RuntimeError(f"airflow dags test exited ({runner.returncode}) before its run ended")
+
+    return check
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _summary(
+    console: Console,
+    run: RunView,
+    wall_s: float,
+    step_title: str,
+    dag_id: str,
+    published: dict,
+    generated: tuple[bool, str] | None,
+    vms_left: int,
+) -> None:
+    run_s = (run.end - run.start).total_seconds() if run.start and run.end else None
+    console.print()
+    console.print(
+        Text.assemble(
+            (f"demo: run {run.run_id} ", "bold"),
+            styled_state(run.state),
+            f" in {duration(run_s)} (the demo, set-up included: {duration(wall_s)})",
+        )
+    )
+    console.print(task_table(run.tasks, indent="  "))
+    train = task_result(dag_id, run.run_id, "train")
+    console.print(f"demo: {metrics_from_xcom(train.get('metrics', {})).summary(step_title)}")
+    if published.get("storage_uri"):
+        console.print(f"demo: model (Hugging Face format) in storage: {published['storage_uri']}")
+    if hub := published.get("hub"):
+        console.print(
+            f"demo: on the Hub: {hub['url']} (revision {hub['revision']}, commit {hub['commit_sha'][:12]})"
+        )
+    if generated is not None:
+        console.print(
+            f"demo: sample: {generated[1]}"
+            if generated[0]
+            else f"demo: the model does not generate: {generated[1]}"
+        )
+    console.print(f"demo: VMs left: {vms_left}")
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:2]))
+    sys.exit(main(sys.argv[1:]))
