@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 from conftest import log_excerpt
 
@@ -293,7 +294,7 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     import asyncio
     import importlib
 
-    from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
+    from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger, ComputeOperationsTrigger
 
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
@@ -306,17 +307,30 @@ def test_trigger_survives_a_triggerer_restart(emulator):
         project_id=PROJECT, operations=[{"name": operation.name, "zone": "us-east5-b"}],
         instance={"name": "tpu-r", "zone": "us-east5-b"}, poll_interval=0.1, state={"phase": "create"},
     )
-    classpath, kwargs = trigger.serialize()
-    module, cls = classpath.rsplit(".", 1)
-    revived = getattr(importlib.import_module(module), cls)(**kwargs)
+    def revive(trigger):
+        classpath, kwargs = trigger.serialize()
+        module, cls = classpath.rsplit(".", 1)
+        return getattr(importlib.import_module(module), cls)(**kwargs)
 
-    async def first_event():
-        return await anext(revived.run())
+    async def first_event(trigger):
+        return await anext(trigger.run())
 
-    event = asyncio.run(first_event())
-    assert event.payload["status"] == "success" and event.payload["instance"]["status"] == "RUNNING"
-    assert event.payload["state"] == {"phase": "create"}
+    event = asyncio.run(first_event(revive(trigger)))
+    assert event.payload == {"status": "success", "instance": event.payload["instance"], "errors": [],
+                             "state": {"phase": "create"}}
+    assert event.payload["instance"]["status"] == "RUNNING"
     assert len(inserts(emulator)) == 1
+
+    # The teardown's trigger: the delete starts in the triggerer; a second one finds nothing to delete.
+    deletes = [{"name": "tpu-r", "zone": "us-east5-b", "request_id": "9b0c6f7e-2f1d-4a57-9c3e-0d1f2a3b4c5d"}]
+    deleting = ComputeDeleteTrigger(project_id=PROJECT, deletes=deletes, poll_interval=0.1, state={"name": "tpu-r"})
+    event = asyncio.run(first_event(revive(deleting)))
+    assert event.payload == {"status": "success", "deleted": [{"name": "tpu-r", "zone": "us-east5-b"}],
+                             "errors": [], "state": {"name": "tpu-r"}}
+    assert emulator.instances() == []
+    again = ComputeDeleteTrigger(project_id=PROJECT, deletes=[{**deletes[0], "request_id": str(uuid.uuid4())}],
+                                 poll_interval=0.1)
+    assert asyncio.run(first_event(revive(again))).payload["deleted"] == []
 
 
 _TEARDOWN_PROBE = """

@@ -24,8 +24,9 @@ from airflow_tpu_posttrain.exceptions import (
     VmDeleteError,
     VmNotReadyError,
 )
-from airflow_tpu_posttrain.recipes import access, capacity, compute, validation
+from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
+from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -158,27 +159,14 @@ class _ComputeOperator(BaseOperator):
             )
         return project
 
-    def _defer_on(
-        self, operations: list[dict], instance: dict | None, deletes: list[dict] | None = None, **state: Any
-    ) -> None:
-        """Wait (and delete) in the triggerer; ``state`` comes back in the event (``event["state"]``)."""
-        from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
-
-        self.defer(
-            trigger=ComputeOperationsTrigger(
-                project_id=self.project,
-                operations=operations,
-                instance=instance,
-                deletes=deletes,
-                gcp_conn_id=self.gcp_conn_id,
-                api_endpoint=self.api_endpoint,
-                impersonation_chain=self.impersonation_chain,
-                poll_interval=self.poll_interval,
-                state=state,
-            ),
-            method_name="execute_complete",
-            timeout=self.wait_timeout,
-        )
+    def _trigger_arguments(self) -> dict[str, Any]:
+        return {
+            "project_id": self.project,
+            "gcp_conn_id": self.gcp_conn_id,
+            "api_endpoint": self.api_endpoint,
+            "impersonation_chain": self.impersonation_chain,
+            "poll_interval": self.poll_interval,
+        }
 
 
 class TpuVmCreateOperator(_ComputeOperator):
@@ -421,7 +409,9 @@ class TpuVmCreateOperator(_ComputeOperator):
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
                 self._record(context, spec, name, zone, status=status)
-                return self._complete_or_defer(context, [], {"name": name, "zone": zone}, "wait", progress)
+                return self._complete_or_defer(
+                    context, [], {"name": name, "zone": zone}, Phase.WAIT, progress
+                )
             self.log.info(
                 "Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status
             )
@@ -430,7 +420,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
             if operation:
                 return self._complete_or_defer(
-                    context, [{"name": operation, "zone": zone}], None, "replace", _Progress(attempt=1)
+                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, _Progress(attempt=1)
                 )
         return self._insert_when_capacity(context, spec, name, _Progress())
 
@@ -476,18 +466,14 @@ class TpuVmCreateOperator(_ComputeOperator):
         )
         self.defer(
             trigger=TpuCapacityTrigger(
-                project_id=spec.project_id,
                 zones=list(spec.zones),
                 group=self._group(spec),
                 cap=self.max_tpu_vms if in_use else None,
                 own_name=name,
                 deadline=deadline,
                 retry_after=max(3 * self.poll_interval, 1.0),
-                gcp_conn_id=self.gcp_conn_id,
-                api_endpoint=self.api_endpoint,
-                impersonation_chain=self.impersonation_chain,
-                poll_interval=self.poll_interval,
-                state={"phase": "capacity", **progress._asdict()},
+                state={"phase": Phase.CAPACITY.value, **progress._asdict()},
+                **self._trigger_arguments(),
             ),
             method_name="execute_complete",
             timeout=timedelta(seconds=max(0.0, deadline - time.time()) + 300),
@@ -552,7 +538,9 @@ class TpuVmCreateOperator(_ComputeOperator):
             self.log.info("Instance %s already exists in %s: waiting for it instead", name, zone)
         if self._lost_the_race(spec, name):
             return self._yield_capacity(context, spec, name, progress)
-        return self._complete_or_defer(context, operations, {"name": name, "zone": zone}, "create", progress)
+        return self._complete_or_defer(
+            context, operations, {"name": name, "zone": zone}, Phase.CREATE, progress
+        )
 
     def _lost_the_race(self, spec: compute.TpuVmSpec, name: str) -> bool:
         """Right after the insert, before the VM runs: whether another create took the last place first (both
@@ -598,17 +586,31 @@ class TpuVmCreateOperator(_ComputeOperator):
         return login
 
     def _complete_or_defer(
-        self, context: Context, operations: list[dict], instance: dict | None, phase: str, progress: _Progress
+        self,
+        context: Context,
+        operations: list[dict],
+        instance: dict | None,
+        phase: Phase,
+        progress: _Progress,
     ) -> Any:
         """Wait up to ``inline_wait`` seconds here (a reused VM, a quick operation), else in the triggerer."""
-        state = {"phase": phase, **progress._asdict()}
+        from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
+
+        state = {"phase": phase.value, **progress._asdict()}
         event = self._wait_briefly(operations, instance)
         if event is None:
-            self._defer_on(operations, instance, **state)
+            self.defer(
+                trigger=ComputeOperationsTrigger(
+                    operations=operations, instance=instance, state=state, **self._trigger_arguments()
+                ),
+                method_name="execute_complete",
+                timeout=self.wait_timeout,
+            )
         return self.execute_complete(context, {**event, "state": state})
 
     def _wait_briefly(self, operations: list[dict], instance: dict | None) -> dict | None:
-        """The trigger's event, when the operations and the instance settle within ``inline_wait``; else None."""
+        """``ComputeOperationsTrigger``'s event, when the operations and the instance settle within
+        ``inline_wait``; else None."""
         deadline = time.monotonic() + self.inline_wait
         pending = list(operations)
         while True:
@@ -618,32 +620,44 @@ class TpuVmCreateOperator(_ComputeOperator):
                     break
                 errors = operation.get("error", {}).get("errors", [])
                 if errors:
-                    return {"status": "error", "operation": pending[0]["name"], "errors": errors}
+                    return {"status": "error", "instance": None, "errors": errors}
                 pending.pop(0)
             if not pending:
                 if not instance:
-                    return {"status": "success"}
+                    return {"status": "success", "instance": None, "errors": []}
                 found = self.hook.get_instance(self.project, instance["zone"], instance["name"])
                 if found and found.get("status") == "RUNNING":
-                    return {"status": "success", "instance": found}
+                    return {"status": "success", "instance": found, "errors": []}
             if time.monotonic() + 0.5 > deadline:
                 return None
             time.sleep(0.5)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        """Where the wait of one phase (``create_phases``) ended: take the next action."""
         state = dict(event["state"])
-        phase, vm = state.pop("phase"), state.pop("vm", None)
+        phase, vm = Phase(state.pop("phase")), state.pop("vm", None)
         progress = _Progress(**{**state, "stockouts": tuple(state.get("stockouts") or ())})
         spec = self._spec(context)
         name = self._name(context)
-        if phase == "capacity":
-            if event["status"] == "available":
-                return self._insert_when_capacity(context, spec, name, progress)
+        errors = event.get("errors") or []
+        lost_race = (
+            event["status"] == "success"
+            and phase in create_phases.RUNNING_PHASES
+            and self._lost_the_race(spec, name)
+        )
+        action = create_phases.next_action(
+            phase, event["status"], compute.classify_errors(errors) if errors else None, lost_race
+        )
+        if action is Action.FAIL_NO_CAPACITY:
             raise self._no_capacity(spec, name, event.get("in_use", ""))
-        if phase in ("replace", "yield") and event["status"] == "success":
+        if action is Action.INSERT:
             return self._insert_when_capacity(context, spec, name, progress)
+        if action is Action.YIELD_PLACE:
+            return self._yield_capacity(context, spec, name, progress)
         zone = spec.zones[progress.zone_index]
-        if phase == "ready" and event["status"] == "ready":
+        if action is Action.AWAIT_LOGIN:
+            return self._ready_or_defer(context, spec, name, progress, event["instance"])
+        if action is Action.DONE:
             record = self._record(context, spec, name, zone, **vm, host_keys=event["host_keys"])
             self.log.info(
                 "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",
@@ -654,49 +668,49 @@ class TpuVmCreateOperator(_ComputeOperator):
                 ", ".join(sorted(record["host_keys"])),
             )
             return record
-        if event["status"] == "success":
-            if self._lost_the_race(spec, name):
-                return self._yield_capacity(context, spec, name, progress)
-            return self._ready_or_defer(context, spec, name, progress, event["instance"])
-
-        errors = event.get("errors", [])
         detail = compute.describe_errors(errors)
-        kind = compute.classify_errors(errors)
-        if phase == "create" and kind == compute.ErrorKind.CAPACITY:
-            self.log.warning("Zone %s is out of %s capacity: %s", zone, spec.accelerator_type, detail)
-            progress = progress._replace(
-                zone_index=progress.zone_index + 1, stockouts=(*progress.stockouts, f"{zone}: {detail}")
-            )
-            leftover = self.hook.get_instance(spec.project_id, zone, name)
-            if leftover:
-                operation = self.hook.delete_instance(
-                    spec.project_id, zone, name, self._request_id(context, name, zone, "stockout")
-                )
-                if operation:
-                    return self._complete_or_defer(
-                        context, [{"name": operation, "zone": zone}], None, "replace", progress
-                    )
-            return self._insert(context, spec, name, progress)
-        self._delete_leftover(context, spec, name, zone)
-        if phase == "ready":
-            raise VmNotReadyError(f"{detail}. The VM was deleted; a retry creates a new one.")
-        if phase == "create" and kind == compute.ErrorKind.RESERVATION_FULL:
+        if action is Action.NEXT_ZONE:
+            return self._next_zone(context, spec, name, progress, detail)
+        if action in create_phases.DELETES_FIRST:
+            self._delete_leftover(context, spec, name, zone)
+        if action is Action.WAIT_FOR_RESERVATION:
             self.log.warning("Reservation %s is fully used: %s", spec.reservation, detail)
             return self._wait_for_capacity(
                 context, spec, name, progress._replace(attempt=progress.attempt + 1), ""
             )
-        if kind == compute.ErrorKind.QUOTA:
+        if action is Action.FAIL_NOT_READY:
+            raise VmNotReadyError(f"{detail}. The VM was deleted; a retry creates a new one.")
+        if action is Action.FAIL_QUOTA:
             raise AirflowFailException(
                 f"Quota exceeded creating {name} in {zone}: {detail}. Request a quota increase for "
                 f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
             )
-        if kind == compute.ErrorKind.RESERVATION:
+        if action is Action.FAIL_RESERVATION:
             raise AirflowFailException(
                 f"Reservation problem creating {name} in {zone}: {detail}. Check that reservation "
                 f"'{spec.reservation}' exists in {zone}, is of {spec.machine_type} and is shared with this "
                 "project, or choose another provisioning_model."
             )
         raise VmCreateError(f"{phase} of {name} in {zone} failed: {detail}")
+
+    def _next_zone(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, detail: str
+    ) -> Any:
+        """A stock-out: delete what the zone left behind (if anything), then insert in the next zone."""
+        zone = spec.zones[progress.zone_index]
+        self.log.warning("Zone %s is out of %s capacity: %s", zone, spec.accelerator_type, detail)
+        progress = progress._replace(
+            zone_index=progress.zone_index + 1, stockouts=(*progress.stockouts, f"{zone}: {detail}")
+        )
+        if self.hook.get_instance(spec.project_id, zone, name):
+            operation = self.hook.delete_instance(
+                spec.project_id, zone, name, self._request_id(context, name, zone, "stockout")
+            )
+            if operation:
+                return self._complete_or_defer(
+                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, progress
+                )
+        return self._insert(context, spec, name, progress)
 
     def _yield_capacity(
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress
@@ -713,7 +727,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         )
         progress = progress._replace(attempt=progress.attempt + 1)
         operations = [{"name": operation, "zone": zone}] if operation else []
-        return self._complete_or_defer(context, operations, None, "yield", progress)
+        return self._complete_or_defer(context, operations, None, Phase.YIELD, progress)
 
     def _ready_or_defer(
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, instance: dict
@@ -746,25 +760,21 @@ class TpuVmCreateOperator(_ComputeOperator):
             if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], vm["ssh_proxy_command"]):
                 event = {"status": "ready", "host_keys": host_keys}
                 return self.execute_complete(
-                    context, {**event, "state": {"phase": "ready", **progress._asdict(), "vm": vm}}
+                    context, {**event, "state": {"phase": Phase.READY.value, **progress._asdict(), "vm": vm}}
                 )
             time.sleep(0.5)
         from airflow_tpu_posttrain.triggers.compute import VmReadyTrigger
 
         self.defer(
             trigger=VmReadyTrigger(
-                project_id=spec.project_id,
                 zone=zone,
                 name=name,
                 address=vm["ssh_address"],
                 port=vm["ssh_port"],
                 proxy_command=vm["ssh_proxy_command"],
                 timeout=self.ready_timeout.total_seconds(),
-                gcp_conn_id=self.gcp_conn_id,
-                api_endpoint=self.api_endpoint,
-                impersonation_chain=self.impersonation_chain,
-                poll_interval=min(self.poll_interval, 5.0),
-                state={"phase": "ready", **progress._asdict(), "vm": vm},
+                state={"phase": Phase.READY.value, **progress._asdict(), "vm": vm},
+                **{**self._trigger_arguments(), "poll_interval": min(self.poll_interval, 5.0)},
             ),
             method_name="execute_complete",
             timeout=self.ready_timeout + timedelta(minutes=1),
@@ -851,7 +861,17 @@ class TpuDeleteOperator(_ComputeOperator):
         self.log.info(
             "Deleting %s (looking in %s)%s", name, zones, f" and firewall rule {firewall}" if firewall else ""
         )
-        self._defer_on([], None, deletes=deletes, name=name, zones=zones, firewall=firewall)
+        from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger
+
+        self.defer(
+            trigger=ComputeDeleteTrigger(
+                deletes=deletes,
+                state={"name": name, "zones": zones, "firewall": firewall},
+                **self._trigger_arguments(),
+            ),
+            method_name="execute_complete",
+            timeout=self.wait_timeout,
+        )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         state = event["state"]
@@ -859,7 +879,7 @@ class TpuDeleteOperator(_ComputeOperator):
             raise VmDeleteError(
                 f"Deleting {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
             )
-        deleted = event.get("deleted", [])
+        deleted = event["deleted"]
         zone = next((d["zone"] for d in deleted if d["zone"]), None)
         result = {
             "deleted": zone is not None,

@@ -1,5 +1,6 @@
-"""Asynchronous Compute Engine work: deletes started from the triggerer, waits for operations and, optionally,
-for an instance to be RUNNING."""
+"""Asynchronous Compute Engine work, one trigger per kind of wait, each firing once with fixed event keys:
+operations (and an instance) to RUNNING, deletes started from the triggerer, a RUNNING VM to be ready to log
+into."""
 
 from __future__ import annotations
 
@@ -75,46 +76,18 @@ class ComputeTrigger(BaseTrigger):
         raise NotImplementedError
 
 
-class ComputeOperationsTrigger(ComputeTrigger):
-    """
-    Start ``deletes``, then poll their and the given operations until DONE, reading ``operation.error``; then,
-    if ``instance`` is given, poll it to RUNNING.
+class _OperationsTrigger(ComputeTrigger):
+    """A Compute trigger that polls operations, riding out transient API failures (429/5xx).
 
-    Deleting from here keeps ``google-cloud-compute`` (seconds to import) out of the worker that runs the
-    teardown: the triggerer has it loaded, so the VM's deletion starts as soon as the teardown is scheduled.
-    The event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
-
-    :param project_id: the project of the operations and the instance.
-    :param operations: ``[{"name": op, "zone": zone-or-None}]``; zone None means a global operation.
-    :param deletes: ``[{"name", "zone", "request_id"}]`` to delete first; zone None means a firewall rule.
-        The event's ``deleted`` lists those that existed.
-    :param instance: ``{"name", "zone"}`` of an instance that must reach RUNNING, or None.
     :param max_transient_failures: consecutive 429/5xx answers tolerated while polling.
     """
 
-    def __init__(
-        self,
-        project_id: str,
-        operations: list[dict[str, str | None]],
-        instance: dict[str, str] | None = None,
-        deletes: list[dict[str, str | None]] | None = None,
-        max_transient_failures: int = 10,
-        **common: Any,
-    ) -> None:
+    def __init__(self, project_id: str, max_transient_failures: int = 10, **common: Any) -> None:
         super().__init__(project_id, **common)
-        self.operations = operations
-        self.instance = instance
-        self.deletes = deletes or []
         self.max_transient_failures = max_transient_failures
 
     def _kwargs(self) -> dict[str, Any]:
-        return {
-            **super()._kwargs(),
-            "operations": self.operations,
-            "instance": self.instance,
-            "deletes": self.deletes,
-            "max_transient_failures": self.max_transient_failures,
-        }
+        return {**super()._kwargs(), "max_transient_failures": self.max_transient_failures}
 
     async def _poll(self, call) -> Any:
         """Run ``call`` until it answers, sleeping between transient API failures."""
@@ -134,6 +107,104 @@ class ComputeOperationsTrigger(ComputeTrigger):
                 )
                 await asyncio.sleep(min(self.poll_interval * failures, 60))
 
+    async def _operation_errors(self, hook: TpuVmAsyncHook, operations: list[dict[str, str | None]]) -> list:
+        """Wait for each operation to be DONE; the first one's ``error.errors`` that failed, else []."""
+        for op in operations:
+            while True:
+                operation = await self._poll(
+                    lambda op=op: hook.get_operation(self.project_id, op["name"], op.get("zone"))
+                )
+                if operation.get("status") == "DONE":
+                    break
+                await asyncio.sleep(self.poll_interval)
+            errors = operation.get("error", {}).get("errors", [])
+            if errors:
+                return errors
+            self.log.info("Operation %s is DONE", op["name"])
+        return []
+
+    @staticmethod
+    def _raised(err: Exception) -> list[dict[str, str]]:
+        return [{"code": type(err).__name__, "message": str(err)}]
+
+
+class ComputeOperationsTrigger(_OperationsTrigger):
+    """
+    Poll operations until DONE, reading ``operation.error``; then, if ``instance`` is given, poll it to RUNNING.
+
+    Fires once with fixed keys: ``{"status": "success" | "error", "instance": the RUNNING instance or None,
+    "errors": [{"code", "message"}], "state"}``, never sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
+    deferral.
+
+    :param project_id: the project of the operations and the instance.
+    :param operations: ``[{"name": op, "zone": zone-or-None}]``; zone None means a global operation.
+    :param instance: ``{"name", "zone"}`` of an instance that must reach RUNNING, or None.
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        operations: list[dict[str, str | None]],
+        instance: dict[str, str] | None = None,
+        **common: Any,
+    ) -> None:
+        super().__init__(project_id, **common)
+        self.operations = operations
+        self.instance = instance
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "operations": self.operations, "instance": self.instance}
+
+    def _ended(self, errors: list, instance: dict | None = None) -> TriggerEvent:
+        return self._event(
+            {"status": "error" if errors else "success", "instance": instance, "errors": errors}
+        )
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook()
+        try:
+            errors = await self._operation_errors(hook, self.operations)
+            if errors or not self.instance:
+                yield self._ended(errors)
+                return
+            zone, name = self.instance["zone"], self.instance["name"]
+            while True:
+                found = await self._poll(lambda: hook.get_instance(self.project_id, zone, name))
+                status = found.get("status") if found else None
+                if status == "RUNNING":
+                    yield self._ended([], found)
+                    return
+                if status is None or status in DEAD_STATES:
+                    message = f"instance {name} in {zone} is {status or 'gone'} instead of RUNNING"
+                    yield self._ended([{"code": "INSTANCE_NOT_RUNNING", "message": message}])
+                    return
+                self.log.info("Instance %s is %s; waiting for RUNNING", name, status)
+                await asyncio.sleep(self.poll_interval)
+        except Exception as err:
+            yield self._ended(self._raised(err))
+
+
+class ComputeDeleteTrigger(_OperationsTrigger):
+    """
+    Delete instances and firewall rules, then wait for the deletes to be DONE.
+
+    Deleting from here keeps ``google-cloud-compute`` (seconds to import) out of the worker that runs the
+    teardown: the triggerer has it loaded, so the VM's deletion starts as soon as the teardown is scheduled.
+    Fires once with fixed keys: ``{"status": "success" | "error", "deleted": [{"name", "zone"}] of those that
+    existed, "errors": [{"code", "message"}], "state"}``, never sooner than ``settle.MIN_DEFERRAL_SECONDS``
+    after the deferral.
+
+    :param project_id: the project of the instances and rules.
+    :param deletes: ``[{"name", "zone", "request_id"}]``; zone None means a firewall rule.
+    """
+
+    def __init__(self, project_id: str, deletes: list[dict[str, str | None]], **common: Any) -> None:
+        super().__init__(project_id, **common)
+        self.deletes = deletes
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {**super()._kwargs(), "deletes": self.deletes}
+
     async def _delete(self, hook: TpuVmAsyncHook, target: dict[str, str | None]) -> str | None:
         """Start deleting an instance (``zone`` set) or a firewall rule; the operation, or None if it is gone."""
         if target.get("zone"):
@@ -144,49 +215,19 @@ class ComputeOperationsTrigger(ComputeTrigger):
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
+        deleted: list[dict[str, str | None]] = []
         try:
-            operations, deleted = list(self.operations), []
+            operations = []
             for target in self.deletes:
-                zone, name = target.get("zone"), target["name"]
                 operation = await self._poll(lambda target=target: self._delete(hook, target))
                 if operation:
-                    operations.append({"name": operation, "zone": zone})
-                    deleted.append({"name": name, "zone": zone})
-            for op in operations:
-                while True:
-                    operation = await self._poll(
-                        lambda op=op: hook.get_operation(self.project_id, op["name"], op.get("zone"))
-                    )
-                    if operation.get("status") == "DONE":
-                        break
-                    await asyncio.sleep(self.poll_interval)
-                errors = operation.get("error", {}).get("errors", [])
-                if errors:
-                    yield self._event({"status": "error", "operation": op["name"], "errors": errors})
-                    return
-                self.log.info("Operation %s is DONE", op["name"])
-            if not self.instance:
-                yield self._event({"status": "success", "deleted": deleted})
-                return
-            zone, name = self.instance["zone"], self.instance["name"]
-            while True:
-                found = await self._poll(lambda: hook.get_instance(self.project_id, zone, name))
-                status = found.get("status") if found else None
-                if status == "RUNNING":
-                    yield self._event({"status": "success", "instance": found})
-                    return
-                if status is None or status in DEAD_STATES:
-                    message = f"instance {name} in {zone} is {status or 'gone'} instead of RUNNING"
-                    yield self._event(
-                        {"status": "error", "errors": [{"code": "INSTANCE_NOT_RUNNING", "message": message}]}
-                    )
-                    return
-                self.log.info("Instance %s is %s; waiting for RUNNING", name, status)
-                await asyncio.sleep(self.poll_interval)
+                    operations.append({"name": operation, "zone": target.get("zone")})
+                    deleted.append({"name": target["name"], "zone": target.get("zone")})
+            errors = await self._operation_errors(hook, operations)
         except Exception as err:
-            yield self._event(
-                {"status": "error", "errors": [{"code": type(err).__name__, "message": str(err)}]}
-            )
+            errors = self._raised(err)
+        status = "error" if errors else "success"
+        yield self._event({"status": status, "deleted": deleted, "errors": errors})
 
 
 async def ssh_port_open(

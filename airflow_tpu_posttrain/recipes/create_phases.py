@@ -1,0 +1,78 @@
+"""The TPU VM create as a state machine: the phase it waits in across deferrals, and what it does next when
+that wait ends. Pure: the create operator does the API calls; the tests walk every transition.
+
+A create starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
+or by inserting (``CREATE``), possibly after ``CAPACITY`` (no place under ``max_tpu_vms`` or in a fully used
+reservation). Once RUNNING it waits in ``READY`` for the VM's host keys and sshd. Losing the race for a capacity
+group's last place deletes ours (``YIELD``) and waits for room again.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from airflow_tpu_posttrain.recipes.compute import ErrorKind
+
+
+class Phase(StrEnum):
+    WAIT = "wait"  # an earlier try's live instance: waiting for it to be RUNNING
+    REPLACE = "replace"  # deleting an instance that cannot be used (TERMINATED, or left by a stock-out)
+    CAPACITY = "capacity"  # waiting for a place under max_tpu_vms, or in a fully used reservation
+    CREATE = "create"  # the insert's operations, then RUNNING
+    YIELD = "yield"  # deleting ours: another run's VM took the capacity group's last place first
+    READY = "ready"  # RUNNING: waiting for its host keys and its sshd
+
+
+class Action(StrEnum):
+    INSERT = "insert"  # insert in the current zone when the group has room, else wait for a place
+    YIELD_PLACE = "yield place"  # delete ours and wait for room
+    AWAIT_LOGIN = "await login"  # RUNNING: wait until its host keys are published and its sshd answers
+    DONE = "done"  # logged in: record the VM
+    NEXT_ZONE = "next zone"  # a stock-out: delete what the zone left behind, insert in the next zone
+    WAIT_FOR_RESERVATION = "wait for reservation"  # the reservation is fully used: wait, then insert again
+    FAIL_NO_CAPACITY = "fail: no capacity in time"
+    FAIL_NOT_READY = "fail: not ready"
+    FAIL_QUOTA = "fail: quota"
+    FAIL_RESERVATION = "fail: reservation"
+    FAIL = "fail"
+
+
+RUNNING_PHASES = frozenset({Phase.WAIT, Phase.CREATE})
+"""Phases whose success means our instance is RUNNING: the moment to check it did not take a place over the cap."""
+
+DELETES_FIRST = frozenset(
+    {
+        Action.WAIT_FOR_RESERVATION,
+        Action.FAIL_NOT_READY,
+        Action.FAIL_QUOTA,
+        Action.FAIL_RESERVATION,
+        Action.FAIL,
+    }
+)
+"""Actions that first delete whatever the failed attempt left (the instance, its firewall rule): a teardown does
+not run when its setup failed, so the create cleans up after itself."""
+
+
+def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_race: bool = False) -> Action:
+    """What follows when the wait in ``phase`` ended with ``status`` (a trigger's: ``success``, ``ready``,
+    ``available``, ``timeout`` or ``error``), the ``error_kind`` of its errors (``compute.ErrorKind``), and
+    whether a RUNNING instance turned out to be over its group's cap (``lost_race``)."""
+    if phase is Phase.CAPACITY:
+        return Action.INSERT if status == "available" else Action.FAIL_NO_CAPACITY
+    if status == "ready" and phase is Phase.READY:
+        return Action.DONE
+    if status == "success" and phase in (Phase.REPLACE, Phase.YIELD):
+        return Action.INSERT
+    if status == "success" and phase in RUNNING_PHASES:
+        return Action.YIELD_PLACE if lost_race else Action.AWAIT_LOGIN
+    if phase is Phase.READY:
+        return Action.FAIL_NOT_READY
+    if phase is Phase.CREATE and error_kind == ErrorKind.CAPACITY:
+        return Action.NEXT_ZONE
+    if phase is Phase.CREATE and error_kind == ErrorKind.RESERVATION_FULL:
+        return Action.WAIT_FOR_RESERVATION
+    if error_kind == ErrorKind.QUOTA:
+        return Action.FAIL_QUOTA
+    if error_kind == ErrorKind.RESERVATION:
+        return Action.FAIL_RESERVATION
+    return Action.FAIL
