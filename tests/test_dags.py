@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from airflow_tpu_posttrain.operators.recovery import create_task_id
+
 REPO = Path(__file__).resolve().parents[1]
 DAGS_DIR = REPO / "dags"
 
@@ -170,16 +172,21 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     assert set(dag.task_ids) == {CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, WATCHER}
     # The CPU VM converts while the TPU VM is created and installed; training needs both.
     assert upstream[CREATE] == upstream[CREATE_CPU] == set()
-    assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU}
+    # Each step is wired to its VM by the create's XComArg (``vm=create.output``): the create is its upstream.
+    assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU, CREATE_CPU}
     assert upstream["install_maxtext"] == {CREATE}
-    assert upstream["train"] == {"install_maxtext", "convert_to_maxtext"}
+    assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE}
     # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.
     assert upstream[DELETE] == {CREATE, "train"}
-    assert upstream["export_and_publish"] == {"train"} and upstream[DELETE_CPU] == {CREATE_CPU, "export_and_publish"}
+    assert upstream["export_and_publish"] == {"train", CREATE_CPU}
+    assert upstream[DELETE_CPU] == {CREATE_CPU, "export_and_publish"}
     for task_id in (INSTALL_CPU, "convert_to_maxtext", "export_and_publish"):
-        assert dag.get_task(task_id).vm_task_id == CREATE_CPU, task_id
+        assert create_task_id(dag.get_task(task_id)) == CREATE_CPU, task_id
     for task_id in ON_TPU:
-        assert dag.get_task(task_id).vm_task_id == CREATE, task_id
+        assert create_task_id(dag.get_task(task_id)) == CREATE, task_id
+    # The training starts from the conversion's output, the export from the training's.
+    assert dag.get_task("train").conversion.operator.task_id == "convert_to_maxtext"
+    assert dag.get_task("export_and_publish").trained.operator.task_id == "train"
     # Checkpoints pass through storage: gs:// on Google Cloud (the VMs get the storage scope), a directory locally.
     storage = {dag.get_task(t).checkpoint_storage for t in BODY}
     assert len(storage) == 1
@@ -591,3 +598,25 @@ def test_parsing_imports_no_ssh_library(parse_probe):
     only import them when they run."""
     ssh = sorted({m.split(".")[0] for m in parse_probe["modules"]} & {"paramiko", "asyncssh"})
     assert not ssh, f"parsing the DAG file imports {ssh}"
+
+
+def test_the_readme_wiring_example_builds_the_dag_it_describes():
+    """README's hand-written DAG (steps wired by XComArgs) parses, and each step finds its VM and its input."""
+    from datetime import datetime
+
+    from airflow.sdk import DAG
+
+    import airflow_tpu_posttrain.operators.export as export_module
+    import airflow_tpu_posttrain.operators.maxtext as maxtext_module
+    import airflow_tpu_posttrain.operators.tpu_vm as tpu_vm_module
+
+    readme = (REPO / "README.md").read_text()
+    example = readme.split("Steps are wired to each other by XComArgs", 1)[1].split("```python\n", 1)[1]
+    example = example.split("```", 1)[0]
+    names = {**vars(tpu_vm_module), **vars(maxtext_module), **vars(export_module)}
+    with DAG("readme_example", schedule=None, start_date=datetime(2026, 1, 1)) as dag:
+        exec(example, dict(names))
+    assert [create_task_id(dag.get_task(t)) for t in BODY] == [CREATE] * 4
+    assert dag.get_task("train").conversion.operator.task_id == "convert_to_maxtext"
+    assert dag.get_task("export_and_publish").trained.operator.task_id == "train"
+    assert dag.get_task(DELETE).is_teardown and CREATE in dag.get_task(DELETE).upstream_task_ids

@@ -26,7 +26,8 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
         task_id="create_tpu_vm", zones=["us-east5-b"], reservation="my-reservation", poll_interval=0.2
     )
     install = MaxTextInstallOperator(
-        task_id="install_maxtext", model="tiny-llama", runtime="cpu", maxtext_venv="/var/tmp/venv", retries=0
+        task_id="install_maxtext", vm=create.output, model="tiny-llama", runtime="cpu", maxtext_venv="/var/tmp/venv",
+        retries=0,
     )
     delete = TpuDeleteOperator(task_id="delete_tpu_vm", zones=["us-east5-b"], poll_interval=0.2)
     create >> install >> delete.as_teardown(setups=create)

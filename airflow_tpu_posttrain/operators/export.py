@@ -45,7 +45,9 @@ class HfExportOperator(MaxTextJobOperator):
     XCom: ``export_dir``, ``kept_uri``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``,
     ``validated``.
 
-    :param train_task_id: the training task whose XCom ``checkpoint`` to export.
+    :param trained: the training task's record, wired as its XComArg (``train.output``): its ``checkpoint`` is
+        what to export.
+    :param trained_checkpoint: that checkpoint, when it does not come from ``trained``.
     :param hub_repo_id: ``owner/name`` on the Hub (or None). :param hub_private: create the repo private.
     :param storage_uri: where to copy the model, into ``<storage_uri>/<run name>`` (or None). At least one
         publish target is required.
@@ -53,6 +55,7 @@ class HfExportOperator(MaxTextJobOperator):
 
     template_fields: Sequence[str] = (
         *MaxTextJobOperator.template_fields,
+        "trained",
         "trained_checkpoint",
         "hub_repo_id",
         "storage_uri",
@@ -63,7 +66,7 @@ class HfExportOperator(MaxTextJobOperator):
     def __init__(
         self,
         *,
-        train_task_id: str = "train",
+        trained: Any = None,
         trained_checkpoint: str | None = None,
         hub_repo_id: str | None = None,
         hub_private: bool = True,
@@ -71,12 +74,16 @@ class HfExportOperator(MaxTextJobOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.trained_checkpoint = (
-            trained_checkpoint or f"{{{{ ti.xcom_pull(task_ids='{train_task_id}')['checkpoint'] }}}}"
-        )
+        self.trained = trained
+        self.trained_checkpoint = trained_checkpoint
         self.hub_repo_id = hub_repo_id
         self.hub_private = hub_private
         self.storage_uri = storage_uri
+
+    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
+        super().render_template_fields(context, jinja_env)
+        if not self.trained_checkpoint and isinstance(self.trained, dict):
+            self.trained_checkpoint = self.trained.get("checkpoint")
 
     def failure_hint(self, context: Context) -> str:
         layout = self.run_spec(context).layout

@@ -141,11 +141,17 @@ class MaxTextConvertOperator(MaxTextJobOperator):
 
 class _TrainOperator(MaxTextJobOperator):
     """What SFT and GRPO share: the converted checkpoint, overrides, the durable final checkpoint, and recovery
-    from the loss of the VM (with checkpoint storage: the VM is created again and training resumes)."""
+    from the loss of the VM (with checkpoint storage: the VM is created again and training resumes).
+
+    :param conversion: the convert task's record, wired as its XComArg (``convert.output``): its
+        ``converted_params`` is the checkpoint training starts from.
+    :param converted_params: that checkpoint, when it does not come from ``conversion``.
+    """
 
     template_fields: Sequence[str] = (
         *MaxTextJobOperator.template_fields,
         "overrides",
+        "conversion",
         "converted_params",
         "max_recoveries",
     )
@@ -154,17 +160,21 @@ class _TrainOperator(MaxTextJobOperator):
         self,
         *,
         overrides: Sequence[str] | None = None,
-        convert_task_id: str = "convert_to_maxtext",
+        conversion: Any = None,
         converted_params: str | None = None,
         max_recoveries: int | str = 3,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.overrides = overrides
-        self.converted_params = (
-            converted_params or f"{{{{ ti.xcom_pull(task_ids='{convert_task_id}')['converted_params'] }}}}"
-        )
+        self.conversion = conversion
+        self.converted_params = converted_params
         self.max_recoveries = max_recoveries
+
+    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
+        super().render_template_fields(context, jinja_env)
+        if not self.converted_params and isinstance(self.conversion, dict):
+            self.converted_params = self.conversion.get("converted_params")
 
     def execute(self, context: Context) -> Any:
         self.validate(self.run_spec(context), context)  # bad input fails before Compute is asked anything
@@ -204,9 +214,8 @@ class _TrainOperator(MaxTextJobOperator):
 
 class SftTrainOperator(_TrainOperator):
     """
-    Supervised fine-tuning (``train_sft``) from the converted checkpoint (``converted_params``, default: the
-    convert task's XCom). The run name is deterministic per DAG
-    run, so a retry resumes from the newest checkpoint; a finished run is not retrained. XCom: ``checkpoint``
+    Supervised fine-tuning (``train_sft``) from the converted checkpoint (``conversion``, the convert task's
+    XComArg, or ``converted_params``). The run name is deterministic per DAG run, so a retry resumes from the newest checkpoint; a finished run is not retrained. XCom: ``checkpoint``
     (the final ``model_params``), ``run_name``, ``metrics``.
 
     :param steps: training steps (tutorial: 1000).

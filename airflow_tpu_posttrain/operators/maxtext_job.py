@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from airflow_tpu_posttrain.hooks.vm import VmHook
 
 DEFAULT_WORKDIR = "/tmp/airflow-tpu-posttrain"
-_VM_XCOM = "{{{{ ti.xcom_pull(task_ids='{task}')['{key}'] }}}}"
 
 
 class Job:
@@ -73,15 +72,16 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
     :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
-    :param vm_task_id: the create task whose XCom gives the VM's address, host keys and accelerator type.
-    :param remote_host: the VM's address, when it does not come from ``vm_task_id``.
-    :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm_task_id``: the
+    :param vm: the VM's record from its create task, wired as that task's XComArg (``create.output``): its
+        address, login, proxy command, host keys and accelerator type are the defaults of the five below.
+    :param remote_host: the VM's address, when it does not come from ``vm``.
+    :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm``: the
         connection's login, or the OS Login POSIX name); empty: the connection's login.
     :param ssh_proxy_command: reach the VM through this command (default: the IAP tunnel the create task names,
-        from ``vm_task_id``; empty: dial ``remote_host`` directly).
+        from ``vm``; empty: dial ``remote_host`` directly).
     :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
-        ``vm_task_id``); every connection, in the worker and in the triggerer, is pinned to them.
-    :param accelerator_type: default: the VM's, from ``vm_task_id``.
+        ``vm``); every connection, in the worker and in the triggerer, is pinned to them.
+    :param accelerator_type: default: the VM's, from ``vm``.
     :param runtime: ``tpu`` (the tutorials) or ``cpu`` (the local CPU "VM", see recipes/runtime.py).
     :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
     :param base_python: the interpreter uv builds the venv from (``3.12`` on TPU, a path on cpu).
@@ -100,6 +100,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
     """
 
     template_fields: Sequence[str] = (
+        "vm",
         "ssh_conn_id",
         "remote_host",
         "ssh_login",
@@ -120,7 +121,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         *,
         model: str,
         ssh_conn_id: str = "tpu_vm_ssh",
-        vm_task_id: str | None = "create_tpu_vm",
+        vm: Any = None,
         remote_host: str | None = None,
         ssh_login: str | None = None,
         ssh_proxy_command: str | None = None,
@@ -142,13 +143,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.vm_task_id = vm_task_id
-        if vm_task_id:
-            remote_host = remote_host or _VM_XCOM.format(task=vm_task_id, key="ssh_address")
-            ssh_login = ssh_login or _VM_XCOM.format(task=vm_task_id, key="ssh_login")
-            ssh_proxy_command = ssh_proxy_command or _VM_XCOM.format(task=vm_task_id, key="ssh_proxy_command")
-            host_keys = host_keys or _VM_XCOM.format(task=vm_task_id, key="host_keys")
-            accelerator_type = accelerator_type or _VM_XCOM.format(task=vm_task_id, key="accelerator_type")
+        self.vm = vm
         self.ssh_conn_id = ssh_conn_id
         self.remote_host = remote_host
         self.ssh_login = ssh_login
@@ -169,6 +164,17 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         self.log_chunk_size = log_chunk_size
         self.command_timeout = command_timeout
         self.max_reconnect_attempts = max_reconnect_attempts
+
+    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
+        """Render, then fill what was not given explicitly from the VM's record (``vm``, rendered by now)."""
+        super().render_template_fields(context, jinja_env)
+        vm = self.vm if isinstance(self.vm, dict) else {}
+        self.remote_host = self.remote_host or vm.get("ssh_address")
+        self.ssh_login = self.ssh_login or vm.get("ssh_login")
+        if self.ssh_proxy_command is None:
+            self.ssh_proxy_command = vm.get("ssh_proxy_command")
+        self.host_keys = self.host_keys or vm.get("host_keys")
+        self.accelerator_type = self.accelerator_type or vm.get("accelerator_type")
 
     @property
     def jobs_dir(self) -> str:

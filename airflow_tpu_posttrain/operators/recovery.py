@@ -52,21 +52,30 @@ class Lost:
         return f"VM {self.name} {what} (preempted, a host error or deleted{ran})"
 
 
+def create_task_id(task: Any) -> str | None:
+    """The create task a step's ``vm`` is wired to (``vm=create.output``), read from the DAG's own, unrendered
+    task; None when the step was given its VM otherwise."""
+    from airflow.sdk.definitions.xcom_arg import PlainXComArg
+
+    vm = getattr(task, "vm", None)
+    return vm.operator.task_id if isinstance(vm, PlainXComArg) else None
+
+
 class VmRecoveryMixin:
-    """For :class:`MaxTextJobOperator` steps that recover their VM (``vm_task_id``: the create task)."""
+    """For :class:`MaxTextJobOperator` steps that recover their VM (``vm``: its create task's XComArg)."""
 
     max_recoveries: int | str
-    vm_task_id: str | None
+    vm: Any
     checkpoint_storage: str | None
     task_id: str
     log: Any
 
     # -- the VM as Compute sees it now --------------------------------------------------------------
     def _vm_record(self, context: Context) -> dict | None:
-        return context["ti"].xcom_pull(task_ids=self.vm_task_id) if self.vm_task_id else None
+        return self.vm if isinstance(self.vm, dict) else None
 
     def _create_task(self, context: Context) -> BaseOperator:
-        return self._task_copy(context, self.vm_task_id)
+        return self._task_copy(context, create_task_id(context["dag"].get_task(self.task_id)))
 
     def _compute(self, context: Context) -> tuple[TpuVmHook, str]:
         creator = self._create_task(context)
@@ -96,7 +105,7 @@ class VmRecoveryMixin:
 
     def vm_watch(self, context: Context) -> dict | None:
         """What the job trigger needs to ask Compute whether the VM is gone (None: no create task to ask about)."""
-        if not self.vm_task_id:
+        if not create_task_id(context["dag"].get_task(self.task_id)):
             return None
         record = self._recovered(context) or self._vm_record(context)
         if not record or not record.get("zone"):
@@ -234,13 +243,14 @@ class VmRecoveryMixin:
         """The DAG's install task for this step's VM."""
         from airflow_tpu_posttrain.operators.maxtext import MaxTextInstallOperator
 
+        creator = create_task_id(context["dag"].get_task(self.task_id))
         installs = [
             task.task_id
             for task in context["dag"].tasks
-            if isinstance(task, MaxTextInstallOperator) and task.vm_task_id == self.vm_task_id
+            if isinstance(task, MaxTextInstallOperator) and create_task_id(task) == creator
         ]
         if not installs:
-            raise VmLostError(f"No install task for {self.vm_task_id}'s VM in this DAG: cannot recover")
+            raise VmLostError(f"No install task for {creator}'s VM in this DAG: cannot recover")
         return self._task_copy(context, installs[0])
 
     @staticmethod

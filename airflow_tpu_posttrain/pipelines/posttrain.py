@@ -302,9 +302,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "checkpoint_storage": storage,
         **(cfg.local or {}),
     }
-    on_tpu = {**on_vm, "vm_task_id": "create_tpu_vm", "pool": POOL}
-    # The split layout's conversion and export run on the CPU VM, outside the TPU pool.
-    on_cpu = {**on_vm, "vm_task_id": "create_cpu_vm"} if split else on_tpu
     on_compute = {
         "project_id": cfg.project_id,
         "gcp_conn_id": cfg.gcp_conn_id,
@@ -348,6 +345,19 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             max_wait_for_capacity="{{ params.max_wait_for_capacity * 60 }}",
             **{**creating, "execution_timeout": t.create + wait_for_capacity},
         )
+        on_tpu = {**on_vm, "vm": create_tpu.output, "pool": POOL}
+        on_cpu = on_tpu
+        if split:  # the conversion and the export run on the CPU VM, outside the TPU pool
+            create_cpu = TpuVmCreateOperator(
+                task_id="create_cpu_vm",
+                name_prefix="cpu",
+                accelerator_type=cfg.cpu_accelerator_type,
+                provisioning_model="STANDARD",
+                image_project=compute.CPU_IMAGE_PROJECT,
+                image_family=compute.CPU_IMAGE_FAMILY,
+                **creating,
+            )
+            on_cpu = {**on_vm, "vm": create_cpu.output}
         install_tpu = MaxTextInstallOperator(
             task_id="install_maxtext",
             maxtext_version="{{ params.maxtext_version }}",
@@ -370,6 +380,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 train_split="{{ params.train_split }}",
                 train_data_columns="{{ params.train_data_columns }}",
                 overrides="{{ params.overrides }}",
+                conversion=convert.output,
                 checkpoint_period=cfg.checkpoint_period,
                 max_recoveries="{{ params.max_recoveries }}",
                 execution_timeout=t.train,
@@ -382,6 +393,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 num_batches="{{ params.num_batches }}",
                 num_test_batches="{{ params.num_test_batches }}",
                 overrides="{{ params.overrides }}",
+                conversion=convert.output,
                 max_recoveries="{{ params.max_recoveries }}",
                 execution_timeout=t.train,
                 poll_interval=poll(30),
@@ -389,7 +401,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             )
         export = HfExportOperator(
             task_id="export_and_publish",
-            train_task_id="train",
+            trained=train.output,
             hub_repo_id="{{ params.hub_repo_id }}",
             storage_uri="{{ params.storage_uri }}",
             execution_timeout=t.export,
@@ -410,15 +422,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             [install_tpu, convert, train, export] >> watcher
             return dag
 
-        create_cpu = TpuVmCreateOperator(
-            task_id="create_cpu_vm",
-            name_prefix="cpu",
-            accelerator_type=cfg.cpu_accelerator_type,
-            provisioning_model="STANDARD",
-            image_project=compute.CPU_IMAGE_PROJECT,
-            image_family=compute.CPU_IMAGE_FAMILY,
-            **creating,
-        )
         install_cpu = MaxTextInstallOperator(
             task_id="install_maxtext_cpu",
             maxtext_version="{{ params.maxtext_version }}",
