@@ -49,6 +49,20 @@ class VmHostKeyMismatchError(AirflowFailException):
     """The machine at the VM's address is not the VM: its host key is not one the VM published. Not retried."""
 
 
+class QuotaExceededError(AirflowFailException):
+    """Compute refused the VM for a quota (e.g. TPU chips in the region); the VM was deleted. Not retried: it
+    takes a quota increase or another region."""
+
+
+class ReservationError(AirflowFailException):
+    """The reservation to consume is missing, of another machine type, in another zone or not shared with the
+    project; the VM was deleted. Not retried: the reservation or the provisioning model must change."""
+
+
+class VmAccessError(AirflowFailException):
+    """Airflow's key could not be let into the VM (OS Login refused it). Not retried: it takes a grant in IAM."""
+
+
 class CapacityTimeoutError(AirflowFailException):
     """No place under the TPU cap (or in a fully used reservation) came free within ``max_wait_for_capacity``;
     nothing was created."""

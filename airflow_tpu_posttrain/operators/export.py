@@ -9,8 +9,8 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
-from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_tpu_posttrain.exceptions import RemoteJobError
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -186,7 +186,7 @@ class HfExportOperator(MaxTextJobOperator):
     def results(self, context: Context, vm: VmHook, job: Job) -> dict:
         text = vm.get_text(job.outputs["result_file"])
         if text is None:
-            raise AirflowFailException(
+            raise RemoteJobError(
                 f"Publishing left no result file; the exported model is on the VM at {job.outputs['export_dir']}"
             )
         published = json.loads(text)

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
@@ -160,7 +159,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         self.workdir = workdir
         self.hf_conn_id = hf_conn_id
         self.poll_interval = poll_interval
-        self.inline_wait = self.quick_job_wait if inline_wait is None else inline_wait
+        self.inline_wait = inline_wait
         self.log_chunk_size = log_chunk_size
         self.command_timeout = command_timeout
         self.max_reconnect_attempts = max_reconnect_attempts
@@ -259,11 +258,25 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         from airflow.sdk import BaseHook
 
         if not self.hf_conn_id:
-            raise AirflowFailException(f"{self.task_id}: hf_conn_id is required (the Hugging Face token)")
+            raise InvalidInputError.of(
+                self.task_id,
+                SpecError(
+                    "hf_conn_id",
+                    None,
+                    "is required",
+                    "name the connection whose password is the Hugging Face token",
+                ),
+            )
         token = BaseHook.get_connection(self.hf_conn_id).password
         if not token:
-            raise AirflowFailException(
-                f"{self.task_id}: connection {self.hf_conn_id!r} has no password (token)"
+            raise InvalidInputError.of(
+                self.task_id,
+                SpecError(
+                    "hf_conn_id",
+                    self.hf_conn_id,
+                    "has no password",
+                    "set the connection's password to the Hugging Face token",
+                ),
             )
         return token
 
@@ -338,7 +351,8 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     def _wait_briefly(self, vm: VmHook, paths: RemoteJobPaths) -> dict | None:
         """The trigger's completion event, if the job ends within ``inline_wait`` seconds; else None."""
-        deadline = time.monotonic() + self.inline_wait
+        wait = self.quick_job_wait if self.inline_wait is None else self.inline_wait
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             time.sleep(0.5)
             exit_code = remote_job.parse_completion(

@@ -14,12 +14,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     CapacityUnavailableError,
     InvalidInputError,
+    QuotaExceededError,
+    ReservationError,
+    VmAccessError,
     VmCreateError,
     VmDeleteError,
     VmNotReadyError,
@@ -154,8 +156,14 @@ class _ComputeOperator(BaseOperator):
     def project(self) -> str:
         project = self.project_id or self.hook.project_id
         if not project:
-            raise AirflowFailException(
-                "project_id is not set: pass project_id or set 'project' in the Google Cloud connection"
+            raise InvalidInputError.of(
+                self.task_id,
+                SpecError(
+                    "project_id",
+                    None,
+                    "is not set",
+                    "pass project_id or set 'project' in the Google Cloud connection",
+                ),
             )
         return project
 
@@ -578,7 +586,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
         except (PermissionDenied, Unauthenticated) as err:
-            raise AirflowFailException(
+            raise VmAccessError(
                 f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
                 "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
             ) from err
@@ -681,12 +689,12 @@ class TpuVmCreateOperator(_ComputeOperator):
         if action is Action.FAIL_NOT_READY:
             raise VmNotReadyError(f"{detail}. The VM was deleted; a retry creates a new one.")
         if action is Action.FAIL_QUOTA:
-            raise AirflowFailException(
+            raise QuotaExceededError(
                 f"Quota exceeded creating {name} in {zone}: {detail}. Request a quota increase for "
                 f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
             )
         if action is Action.FAIL_RESERVATION:
-            raise AirflowFailException(
+            raise ReservationError(
                 f"Reservation problem creating {name} in {zone}: {detail}. Check that reservation "
                 f"'{spec.reservation}' exists in {zone}, is of {spec.machine_type} and is shared with this "
                 "project, or choose another provisioning_model."
