@@ -209,3 +209,33 @@ def test_ui_serves_the_running_run_and_ctrl_c_ends_everything_the_demo_started()
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+
+
+def test_the_live_view_counts_each_trainer_line_once(tmp_path):
+    """The demo's log holds each trainer line twice, as the trigger streamed it and as the step read it back
+    when it ended (lines from a real tiny GRPO run): the training loop's time is not counted twice."""
+    import io
+
+    from rich.console import Console
+
+    from airflow_tpu_posttrain.local.demo_view import LogTail, ProgressView
+
+    streamed = [
+        "I1130 16:20:52.705280 140686168148864 peft_trainer.py:748] Train loop finished in: 5.1119 seconds",
+        "I1130 16:20:53.010911 140686168148864 peft_trainer.py:748] Train loop finished in: 0.0396 seconds "
+        "[airflow_tpu_posttrain.triggers.remote_job.MaxTextJobTrigger] loc=ssh_remote_job.py:316",
+    ]
+    read_back = [
+        f"2026-11-30T16:20:56.289941Z [info     ] {line.split(' [airflow')[0]} "
+        "[airflow.task.hooks.airflow_tpu_posttrain.hooks.vm.VmHook] loc=ssh.py:556"
+        for line in streamed
+    ]
+    log = tmp_path / "demo.log"
+    log.write_text("\n".join(streamed) + "\n")
+    view = ProgressView(Console(file=io.StringIO()), "GRPO", LogTail(lambda: [log]))
+    view.update(None)
+    with log.open("a") as more:
+        more.write("\n".join(read_back) + "\n")
+    view.update(None)
+
+    assert view.metrics.train_loop_s == 5.1119 + 0.0396

@@ -42,6 +42,32 @@ RL_LOG = f"""\
 {AIRFLOW}I1129 16:06:01.000000 140 train_rl.py:780] Post RL Training: corr=1, total=2, accuracy=50.0%, partial_accuracy=50.0%, format_accuracy=100.0%, mean_reward=1.2500
 """.splitlines()
 
+# Captured from real runs of the tiny model (maxtext 0.2.5, google-tunix 0.1.7, CPU): the lines the log filter keeps,
+# as the training task reads them back from the VM, in the order they were logged.
+SFT_TINY_REAL_LOG = """\
+I1130 12:02:24.837229 140217502825344 peft_trainer.py:488] Train step 1 training loss: 6.275753  - training perplexity: 531.526489
+I1130 12:02:25.253213 140217502825344 metric_logger.py:265] completed step: 1, seconds: 42.905, TFLOP/s/device: 0.000, Tokens/s/device: 2.983, total_weights: 32, loss: 6.276, lm_loss: 0.000, perplexity: 531.526
+I1130 12:02:25.938371 140217502825344 peft_trainer.py:488] Train step 2 training loss: 6.292087  - training perplexity: 540.279541
+I1130 12:02:25.945953 140217502825344 metric_logger.py:265] completed step: 2, seconds: 1.104, TFLOP/s/device: 0.000, Tokens/s/device: 115.913, total_weights: 16, loss: 6.292, lm_loss: 0.000, perplexity: 535.885
+I1130 12:02:25.995357 140217502825344 peft_trainer.py:488] Train step 3 training loss: 6.206674  - training perplexity: 496.048676
+I1130 12:02:26.014632 140217502825344 metric_logger.py:265] completed step: 3, seconds: 0.069, TFLOP/s/device: 0.001, Tokens/s/device: 1864.830, total_weights: 32, loss: 6.207, lm_loss: 0.000, perplexity: 522.263
+I1130 12:02:26.492290 140217502825344 peft_trainer.py:488] Train step 4 training loss: 6.276697  - training perplexity: 532.028564
+I1130 12:02:26.495972 140217502825344 metric_logger.py:265] completed step: 4, seconds: 0.482, TFLOP/s/device: 0.000, Tokens/s/device: 265.645, total_weights: 19, loss: 6.277, lm_loss: 0.000, perplexity: 524.687
+I1130 12:02:29.784106 140217502825344 peft_trainer.py:748] Train loop finished in: 47.8477 seconds
+I1130 12:02:29.795633 140217502825344 peft_trainer.py:488] Train step 5 training loss: 6.223117  - training perplexity: 504.272552
+I1130 12:02:29.801588 140217502825344 metric_logger.py:265] completed step: 5, seconds: 3.301, TFLOP/s/device: 0.000, Tokens/s/device: 38.775, total_weights: 30, loss: 6.223, lm_loss: 0.000, perplexity: 520.539
+""".splitlines()
+
+GRPO_TINY_REAL_LOG = """\
+W1130 16:20:44.970310 140686168148864 train_rl.py:743] Pre RL Training: corr=0, total=2, accuracy=0.0%, partial_accuracy=0.0%, format_accuracy=0.0%, mean_reward=0.0000
+I1130 16:20:52.705280 140686168148864 peft_trainer.py:748] Train loop finished in: 5.1119 seconds
+I1130 16:20:53.009215 140686168148864 peft_trainer.py:488] Train step 1 training loss: 0.000000  - training perplexity: 1.000000
+I1130 16:20:53.010911 140686168148864 peft_trainer.py:748] Train loop finished in: 0.0396 seconds
+I1130 16:20:53.015988 140686168148864 peft_trainer.py:488] Train step 2 training loss: 0.000008  - training perplexity: 1.000008
+W1130 16:20:53.265758 140686168148864 train_rl.py:768] RL Training Completed Successfully!
+W1130 16:20:53.476274 140686168148864 train_rl.py:781] Post RL Training: corr=0, total=2, accuracy=0.0%, partial_accuracy=0.0%, format_accuracy=0.0%, mean_reward=0.0000
+""".splitlines()
+
 CONVERSION_LOG = """\
 [remote] INFO:absl:Loading HF checkpoint from /dev/shm/x/hf
 [remote] INFO:absl:Conversion complete. Checkpoint saved to /dev/shm/x/mt-format
@@ -65,6 +91,44 @@ GARBAGE = [
     "\x00\xff binary \ufffd",
     "loss: 3.0, perplexity: 20.0",
 ]
+
+
+def test_real_sft_log_every_field():
+    """Each field against the real lines: the loss and perplexity of the last step are that step's own
+    (exp(6.223117) = 504.27), not the running geometric mean the "completed step" line carries (520.539)."""
+    metrics = parse_lines(SFT_TINY_REAL_LOG)
+
+    assert metrics == TrainingMetrics(
+        steps_completed=5,
+        first_loss=6.275753,
+        last_loss=6.223,
+        last_perplexity=504.272552,
+        tokens_per_s_per_device=38.775,
+        train_loop_s=47.8477,
+    )
+    assert math.isclose(math.exp(6.223117), metrics.last_perplexity, rel_tol=1e-5)
+    assert metrics.summary("SFT") == "SFT: 5 steps, loss 6.276 → 6.223, perplexity 504.3, train loop 47.8 s"
+
+
+def test_real_grpo_log_every_field():
+    """The RL learner runs the trainer's loop once per batch: the training loop's time is the sum of both calls,
+    not the last one (which read "train loop 0.0 s")."""
+    metrics = parse_lines(GRPO_TINY_REAL_LOG)
+    evaluation = {
+        "corr": 0, "total": 2, "accuracy": 0.0, "partial_accuracy": 0.0, "format_accuracy": 0.0, "mean_reward": 0.0
+    }
+
+    assert metrics == TrainingMetrics(
+        steps_completed=2,
+        first_loss=0.0,
+        last_loss=0.000008,
+        last_perplexity=1.000008,
+        train_loop_s=5.1119 + 0.0396,
+        pre_rl=evaluation,
+        post_rl=evaluation,
+        rl_completed=True,
+    )
+    assert "train loop 5.2 s" in metrics.summary("GRPO")
 
 
 def test_sft_resumed_run():
@@ -111,7 +175,8 @@ def test_lm_loss_is_not_read_as_loss():
     )
 
     assert metrics.first_loss is None and metrics.last_loss is None
-    assert metrics.last_perplexity == 2.0
+    # That line's perplexity is the run's running geometric mean, not the step's: it is not read.
+    assert metrics.last_perplexity is None
 
 
 def test_rl_run():

@@ -27,6 +27,9 @@ from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics, parse_lines
 TRAINING_LINE = re.compile(
     r"Train step|completed step|Train loop finished|Restored params|RL Train|Pre RL|Post RL"
 )
+# An absl line's header (severity, time to the microsecond, thread, file:line): the same trainer line, whichever
+# logger carried it into the demo's log.
+ABSL_HEADER = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
 FINISHED = {"success", "failed", "skipped", "upstream_failed", "removed"}
 # Worth a line of their own when the output is not a terminal: a task starting, being retried, ending.
 REPORTED = FINISHED | {"running", "up_for_retry"}
@@ -194,6 +197,8 @@ class ProgressView:
         self.step_title = step_title
         self.log_tail = log_tail
         self.metrics = TrainingMetrics()
+        # The log holds each trainer line twice (streamed by the trigger, read back when the step ends).
+        self.seen_lines: set[str] = set()
         self.run: RunView | None = None
         self.reported: dict[str, str] = {}
         self.reported_training = ""
@@ -212,7 +217,14 @@ class ProgressView:
     def update(self, run: RunView | None) -> None:
         self.run = run
         messages = (message for line in self.log_tail.new_lines() for message in log_messages(line))
-        parse_lines(filter(TRAINING_LINE.search, messages), into=self.metrics)
+        new = {}
+        for message in filter(TRAINING_LINE.search, messages):
+            header = ABSL_HEADER.search(message)
+            key = header[0] if header else message
+            if key not in self.seen_lines:
+                new[key] = message
+        self.seen_lines.update(new)
+        parse_lines(new.values(), into=self.metrics)
         if self.console.is_terminal:
             return  # the live table redraws itself from self.run and self.metrics
         for task in run.tasks if run else ():

@@ -20,13 +20,16 @@ _TRAIN_STEP = re.compile(
     rf"Train step (\d+) training loss: ({_NUMBER})(?:\s*-\s*training perplexity: ({_NUMBER}))?", re.I
 )
 # MaxText: "completed step: 1, seconds: 43.755, ..., Tokens/s/device: 2.925, ..., loss: 6.276, lm_loss: 0.000,
-# perplexity: 531.526"
+# perplexity: 531.526". Its perplexity is not the step's: MaxText's post-training hook reads Tunix's
+# ``metrics_logger.get_metric(..., "perplexity", "train")``, the geometric mean over every step so far
+# (maxtext/trainers/post_train/hooks.py, tunix/sft/metrics_logger.py); the step's own is on the "Train step" line.
 _COMPLETED_STEP = re.compile(r"completed step: (\d+),(.*)")
 _STEP_TOKENS_PER_S = re.compile(rf"Tokens/s/device: ({_NUMBER})", re.I)
 # Anchored on the comma so that "lm_loss" is not read as "loss".
 _STEP_LOSS = re.compile(rf",\s*loss: ({_NUMBER})", re.I)
-_STEP_PERPLEXITY = re.compile(rf",\s*perplexity: ({_NUMBER})", re.I)
 
+# Logged by every ``PeftTrainer.train()`` call, timing that call's loop: SFT makes one call, the RL learner one per
+# batch (a tiny GRPO run: 5.1119 s, then 0.0396 s), so the training loop's time is their sum.
 _TRAIN_LOOP_FINISHED = re.compile(rf"Train loop finished in: ({_NUMBER}) seconds")
 _RESTORED = re.compile(r"Restored params from step: (\d+)")
 
@@ -133,7 +136,8 @@ def parse_lines(lines: Iterable[str], into: TrainingMetrics | None = None) -> Tr
     """Fold log lines into ``into`` (updated in place) or a new :class:`TrainingMetrics`, and return it.
 
     Feeding a log chunk by chunk gives the same result as feeding it at once, provided each item is a whole
-    line: joining a line that was split across chunks is the caller's job.
+    line, given once: joining a line that was split across chunks, and not feeding a line twice (the training
+    loop's time is a sum), is the caller's job.
     """
     metrics = into if into is not None else TrainingMetrics()
     for raw_line in lines:
@@ -147,12 +151,10 @@ def _parse_line(line: str, metrics: TrainingMetrics) -> None:
         _record_step(metrics, int(match[1]), float(match[2]), float(perplexity) if perplexity else None, None)
     elif match := _COMPLETED_STEP.search(line):
         rest = match[2]
-        loss, perplexity, tokens_per_s = (
-            _search_float(pattern, rest) for pattern in (_STEP_LOSS, _STEP_PERPLEXITY, _STEP_TOKENS_PER_S)
-        )
-        _record_step(metrics, int(match[1]), loss, perplexity, tokens_per_s)
+        loss, tokens_per_s = (_search_float(pattern, rest) for pattern in (_STEP_LOSS, _STEP_TOKENS_PER_S))
+        _record_step(metrics, int(match[1]), loss, None, tokens_per_s)
     elif match := _TRAIN_LOOP_FINISHED.search(line):
-        metrics.train_loop_s = float(match[1])
+        metrics.train_loop_s = (metrics.train_loop_s or 0.0) + float(match[1])
     elif match := _RESTORED.search(line):
         metrics.resumed_from_step = int(match[1])
     elif match := _RL_EVAL.search(line):
