@@ -1,5 +1,6 @@
-"""The local Hub's gated repos answer as the real Hub's do, through the real ``huggingface_hub`` client: the repo's
-info and file list are public, its files need an accepted token, and only a token holder may gate a repo."""
+"""The local Hub answers as the real Hub does, through the real ``huggingface_hub`` client: a gated repo's info and
+file list are public, its files need an accepted token, and only a token holder may gate a repo; a model card's
+metadata is checked before it is committed."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def test_only_a_token_holder_gates_a_repo(hub):
         HfApi(endpoint=hub.url, token=TOKEN).update_repo_settings(REPO, gated="everyone")
     HfApi(endpoint=hub.url, token=TOKEN).update_repo_settings(REPO, gated=False)
     assert HfApi(endpoint=hub.url, token=False).model_info(REPO).gated is False
+
+
+def test_a_model_card_must_name_a_base_model_of_the_hub(hub):
+    """huggingface_hub validates a README.md's metadata with the Hub before committing it: a base model that is
+    not a model of the Hub (a local path) is refused with the Hub's errors, a real one is accepted."""
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.create_repo("org/tuned")
+
+    def card(base_model: str) -> bytes:
+        return f"---\nbase_model: {base_model}\ntags:\n- maxtext\n---\n\n# tuned\n".encode()
+
+    with pytest.raises(ValueError, match='"base_model" with value "/dev/shm/model" is not valid'):
+        api.upload_file(path_or_fileobj=card("/dev/shm/model"), path_in_repo="README.md", repo_id="org/tuned")
+    assert "README.md" not in api.list_repo_files("org/tuned")
+    api.upload_file(path_or_fileobj=card(REPO), path_in_repo="README.md", repo_id="org/tuned")
+    assert "README.md" in api.list_repo_files("org/tuned")

@@ -105,6 +105,7 @@ def test_real_sft_log_every_field():
         last_perplexity=504.272552,
         tokens_per_s_per_device=38.775,
         train_loop_s=47.8477,
+        loss_curve=[(1, 6.275753), (2, 6.292087), (3, 6.206674), (4, 6.276697), (5, 6.223117)],
     )
     assert math.isclose(math.exp(6.223117), metrics.last_perplexity, rel_tol=1e-5)
     assert metrics.summary("SFT") == "SFT: 5 steps, loss 6.276 → 6.223, perplexity 504.3, train loop 47.8 s"
@@ -127,6 +128,7 @@ def test_real_grpo_log_every_field():
         pre_rl=evaluation,
         post_rl=evaluation,
         rl_completed=True,
+        loss_curve=[(1, 0.0), (2, 0.000008)],
     )
     assert "train loop 5.2 s" in metrics.summary("GRPO")
 
@@ -142,6 +144,7 @@ def test_sft_resumed_run():
         tokens_per_s_per_device=160.1,
         train_loop_s=46.5141,
         resumed_from_step=1,
+        loss_curve=[(2, 6.275753), (3, 6.26), (4, 6.24), (5, 6.223)],
     )
     assert metrics.summary("SFT") == (
         "SFT: 5 steps (resumed from 1), loss 6.276 → 6.223, perplexity 505.6, train loop 46.5 s"
@@ -273,6 +276,7 @@ def test_as_xcom_holds_only_seen_fields_and_is_json_serialisable():
         "tokens_per_s_per_device": 160.1,
         "train_loop_s": 46.5141,
         "resumed_from_step": 1,
+        "loss_curve": [[2, 6.275753], [3, 6.26], [4, 6.24], [5, 6.223]],
     }
     assert set(rl) == {"pre_rl", "post_rl", "rl_completed"}
     for xcom in (sft, rl):

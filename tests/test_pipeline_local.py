@@ -158,6 +158,20 @@ def test_tiny_sft_end_to_end(stack, capfd):
     model_copy = Path(published["storage_uri"].removeprefix("file://"))
     assert model_copy.is_relative_to(published_dir) and (model_copy / "model.safetensors").is_file()
     print(loads_and_generates(model_copy))
+    # The model card, on the Hub branch and in the storage copy: the base model at the revision converted, the
+    # run, the numbers, and the training curve the Hub serves beside it.
+    from huggingface_hub import ModelCard, hf_hub_download
+
+    download = {"repo_id": hub["repo_id"], "revision": hub["revision"], "endpoint": stack.hub.url,
+                "token": HF_TOKEN, "cache_dir": stack.vm_dir / "hf-cache"}
+    card = ModelCard.load(hf_hub_download(filename="README.md", **download))
+    assert card.data.base_model == "local/tiny-llama" and "sft" in card.data.tags
+    assert f"at revision `{converted['source_revision']}`" in card.text and "SFT, 5 steps" in card.text
+    assert f"`posttrain_sft__tiny-llama` / `{dr.run_id}`" in card.text
+    assert "![Training curve](training_curve.png)" in card.text
+    curve = Path(hf_hub_download(filename="training_curve.png", **download)).read_bytes()
+    assert curve.startswith(b"\x89PNG") and (model_copy / "training_curve.png").read_bytes() == curve
+    assert ModelCard.load(model_copy / "README.md").content == card.content
 
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
     # The token: nowhere in the task logs, XCom, or left on either VM (every file of its own at its end; the
@@ -198,6 +212,9 @@ def test_tiny_rl_end_to_end(stack, capfd):
         token=HF_TOKEN, cache_dir=str(stack.vm_dir / "hf-cache"),
     )
     print(loads_and_generates(Path(local)))
+    card = (Path(local) / "README.md").read_text()
+    assert "GRPO, 2 steps" in card and "| accuracy (before → after) |" in card
+    assert (Path(local) / "training_curve.png").read_bytes().startswith(b"\x89PNG")
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
     assert HF_TOKEN not in logs
     for name in vms:

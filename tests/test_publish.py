@@ -381,3 +381,63 @@ def test_hub_server_rejects_writes_without_a_valid_token(tmp_path):
         assert create({"Authorization": "Bearer the-token"}) == 409
         recorded = [request.headers.get("authorization") for request in server.requests]
         assert recorded == [None, REDACTED, REDACTED, REDACTED]
+
+
+# The MaxText venv's python: what runs publish_model.py on the VM, with matplotlib (a MaxText dependency).
+VM_PYTHON = Path(__file__).resolve().parents[1] / ".local" / "maxtext-venv" / "bin" / "python"
+GRPO_CARD = {
+    "base_model": "meta-llama/Llama-3.1-8B-Instruct",
+    "base_revision": "0e9e39f249a16976918f6564b8830bc894c89659",
+    "dataset": "openai/gsm8k",
+    "recipe": "GRPO",
+    "steps": 2,
+    "accelerator": "v6e-8",
+    "maxtext_version": "0.2.5",
+    "dag_id": "posttrain_rl__llama3.1-8b-Instruct",
+    "run_id": "scheduled__2026-11-30T00:00:00+00:00",
+    "metrics": {
+        "first_loss": 0.0,
+        "last_loss": 8e-06,
+        "loss_curve": [[1, 0.0], [2, 8e-06]],
+        "pre_rl": {"accuracy": 0.0, "mean_reward": 0.0},
+        "post_rl": {"accuracy": 50.0, "mean_reward": 1.25},
+    },
+}
+
+
+def test_publishes_a_model_card_with_its_training_curve(tmp_path, hub, token, token_file, export):
+    """The card is huggingface_hub's (its metadata reads back as ModelCardData), names the base model at its
+    revision, the dataset, the run and the numbers, and shows the curve the Hub serves beside it; a re-run
+    draws the same picture, so it commits nothing new."""
+    from huggingface_hub import HfApi, ModelCard, hf_hub_download
+
+    HfApi(endpoint=hub.url, token=token).create_repo(GRPO_CARD["base_model"])  # the Hub checks it exists
+    card_facts = tmp_path / "card.json"
+    card_facts.write_text(json.dumps(GRPO_CARD))
+    args = ["--model-dir", str(export), "--result-file", str(tmp_path / "result.json"), *hub_args(hub),
+            "--card", str(card_facts)]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGINGFACE_"))}
+    env |= {"HF_TOKEN_FILE": str(token_file), "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf-home")}
+
+    def publish() -> str:
+        ran = subprocess.run([str(VM_PYTHON), str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        return json.loads((tmp_path / "result.json").read_text())["hub"]["commit_sha"]
+
+    first = publish()
+    download = {"repo_id": REPO_ID, "revision": BRANCH, "endpoint": hub.url, "token": token,
+                "cache_dir": tmp_path / "cache"}
+    card = ModelCard.load(hf_hub_download(filename="README.md", **download))
+    assert card.data.base_model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert card.data.datasets == ["openai/gsm8k"] and "grpo" in card.data.tags
+    for shown in ("at revision `0e9e39f249a16976918f6564b8830bc894c89659`", "GRPO, 2 steps", "v6e-8",
+                  "`posttrain_rl__llama3.1-8b-Instruct` / `scheduled__2026-11-30T00:00:00+00:00`",
+                  "| accuracy (before → after) | 0.0% → 50.0% |", "| mean reward (before → after) | 0.0 → 1.25 |",
+                  "![Training curve](training_curve.png)"):
+        assert shown in card.text, (shown, card.text)
+    curve = Path(hf_hub_download(filename="training_curve.png", **download)).read_bytes()
+    assert curve.startswith(b"\x89PNG\r\n\x1a\n") and len(curve) > 10_000
+
+    assert publish() == first
+    assert len(HfApi(endpoint=hub.url, token=token).list_repo_commits(REPO_ID, revision=BRANCH)) >= 1

@@ -69,6 +69,7 @@ _REPO = r"(?P<repo>[^/]+/[^/]+)"
 _REV = r"(?P<rev>[^/]+)"
 _ROUTES = [
     ("POST", r"/api/repos/create", "create_repo"),
+    ("POST", r"/api/validate-yaml", "validate_yaml"),
     ("GET", rf"/api/models/{_REPO}", "model_info"),
     ("GET", rf"/api/models/{_REPO}/revision/{_REV}", "model_info"),
     ("GET", rf"/api/models/{_REPO}/refs", "list_refs"),
@@ -430,6 +431,45 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.store.create_repo(repo_id, private):
             raise HubError(409, "You already created this model repo", extra={"url": url})
         self._send_json({"url": url, "name": repo_id, "id": repo_id})
+
+    def _validate_yaml(self) -> None:
+        """What huggingface_hub asks before committing a README.md: its metadata must be a YAML mapping, and a
+        ``base_model`` must name models of this Hub (the real Hub refuses, e.g., a local path there:
+        huggingface/autotrain-advanced#651); ``datasets`` and ``tags`` are lists of strings."""
+        import yaml
+
+        content = self._read_json().get("content", "")
+        errors: list[str] = []
+        front = re.match(r"---\n(.*?)\n---\n", content, re.S)
+        metadata = {}
+        if front:
+            try:
+                metadata = yaml.safe_load(front[1]) or {}
+            except yaml.YAMLError as error:
+                errors.append(f"Invalid YAML: {error}")
+            if not isinstance(metadata, dict):
+                errors.append("The metadata must be a YAML mapping")
+                metadata = {}
+        base_models = metadata.get("base_model") or []
+        for base in [base_models] if isinstance(base_models, str) else base_models:
+            if not (isinstance(base, str) and self._model_exists(base)):
+                errors.append(
+                    f'"base_model" with value "{base}" is not valid. Use a model id from {self.server.hub.url}'
+                )
+        for key in ("datasets", "tags"):
+            value = metadata.get(key)
+            if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                errors.append(f'"{key}" must be a list of strings')
+        if errors:
+            self._send_json({"errors": [{"message": m} for m in errors], "warnings": []}, status=400)
+            return
+        self._send_json({"errors": [], "warnings": []})
+
+    def _model_exists(self, repo_id: str) -> bool:
+        try:
+            return self.store.load_repo(repo_id) is not None
+        except HubError:  # not a repo id at all
+            return False
 
     def _create_branch(self, repo: str, rev: str) -> None:
         self._repo(repo, write=True)

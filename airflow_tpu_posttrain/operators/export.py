@@ -146,6 +146,8 @@ class HfExportOperator(MaxTextJobOperator):
             # One folder per run, as the Hub gets one branch per run.
             uri = validation.storage_uri("storage_uri", storage_uri)
             publish += ["--storage-uri", f"{uri}/{spec.layout.run_name}"]
+        card_file = f"{spec.layout.export_dir}.card.json"
+        publish += ["--card", card_file]
         export_marker = f"{spec.layout.export_dir}/.complete"
         kept = spec.layout.kept_export_dir
         export_step = [f"  bash -c {shlex.quote(export.script())}"]
@@ -168,6 +170,7 @@ class HfExportOperator(MaxTextJobOperator):
                 f"  touch {shlex.quote(export_marker)}",
                 "fi",
                 "export HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_PROGRESS_BARS=1",
+                f"printf '%s' {shlex.quote(json.dumps(self._card_facts(spec, context)))} > {shlex.quote(card_file)}",
                 shlex.join(publish),
             ]
         )
@@ -178,6 +181,23 @@ class HfExportOperator(MaxTextJobOperator):
             reads_hub=True,  # to_huggingface takes the tokenizer from the base model's repo
             token_file=bool(hub_repo_id),
         )
+
+    def _card_facts(self, spec: maxtext.RunSpec, context: Context) -> dict[str, Any]:
+        """What the model card says (no secret: it is written into the job's script): the base model, the
+        training's provenance and metrics (``trained``), the MaxText release and the DAG run."""
+        trained = self.trained if isinstance(self.trained, dict) else {}
+        return {
+            "base_model": spec.model.hf_source,
+            "base_revision": trained.get("source_revision"),
+            "dataset": trained.get("dataset"),
+            "recipe": trained.get("recipe"),
+            "steps": trained.get("steps") or trained.get("num_batches"),
+            "accelerator": trained.get("accelerator"),
+            "maxtext_version": spec.model.maxtext_version,
+            "dag_id": context["dag_run"].dag_id,
+            "run_id": context["dag_run"].run_id,
+            "metrics": trained.get("metrics") or {},
+        }
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         script = resources.files("airflow_tpu_posttrain.vm_scripts") / "publish_model.py"

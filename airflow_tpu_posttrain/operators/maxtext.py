@@ -130,7 +130,10 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         command = maxtext.to_maxtext(spec, use_pathways=self.use_pathways)
         outputs = {"converted_params": spec.layout.converted_params}
         if spec.layout.conversion_key:
-            outputs["conversion_key"] = spec.layout.conversion_key
+            stashed = context["ti"].xcom_pull(task_ids=self.task_id, key="conversion")
+            outputs.update(
+                conversion_key=spec.layout.conversion_key, source_revision=stashed["source_revision"]
+            )
         return Job(
             command.script(),
             f"{spec.layout.converted_dir}/.complete",
@@ -175,6 +178,17 @@ class _TrainOperator(MaxTextJobOperator):
         super().render_template_fields(context, jinja_env)
         if not self.converted_params and isinstance(self.conversion, dict):
             self.converted_params = self.conversion.get("converted_params")
+
+    def provenance(self, spec: maxtext.RunSpec, dataset: str | None) -> dict[str, Any]:
+        """What the export's model card says of this training: recipe, dataset (a Hub id, or None for local
+        files), the accelerator, and the base model's revision the conversion read."""
+        conversion = self.conversion if isinstance(self.conversion, dict) else {}
+        return {
+            "recipe": self.step_title,
+            "dataset": dataset if dataset and "/" in dataset else None,
+            "accelerator": spec.accelerator.type,
+            "source_revision": conversion.get("source_revision"),
+        }
 
     def execute(self, context: Context) -> Any:
         self.validate(self.run_spec(context), context)  # bad input fails before Compute is asked anything
@@ -277,7 +291,12 @@ class SftTrainOperator(_TrainOperator):
         return Job(
             command.script(),
             f"{run_dir}/.complete-{steps}",
-            {"checkpoint": spec.layout.sft_params(steps), "run_name": spec.layout.run_name, "steps": steps},
+            {
+                "checkpoint": spec.layout.sft_params(steps),
+                "run_name": spec.layout.run_name,
+                "steps": steps,
+                **self.provenance(spec, None if dataset.train_files else dataset.hf_path),
+            },
             reads_hub=True,
         )
 
@@ -324,6 +343,8 @@ class GrpoTrainOperator(_TrainOperator):
                 "checkpoint": spec.layout.rl_params(batches),
                 "run_name": spec.layout.run_name,
                 "num_batches": batches,
+                # MaxText reads GSM8K from the Hub unless the profile names local files.
+                **self.provenance(spec, None if spec.model.rl_dataset.train_files else "openai/gsm8k"),
             },
             reads_hub=True,
         )

@@ -75,6 +75,7 @@ class TrainingMetrics:
     rl_completed: bool = False
     output_path: str | None = None
     peak_memory_gb: float | None = None
+    loss_curve: list[tuple[int, float]] | None = None  # (step, that step's loss), for the model card's curve
 
     def as_xcom(self) -> dict[str, object]:
         """The fields that were seen, JSON-safe: a non-finite float becomes the string ``"nan"``/``"inf"``."""
@@ -85,6 +86,8 @@ class TrainingMetrics:
                 continue
             if isinstance(value, dict):
                 value = {key: _json_number(number) for key, number in value.items()}
+            elif isinstance(value, list):
+                value = [[step, _json_number(loss)] for step, loss in value]
             seen[field.name] = _json_number(value)
         return seen
 
@@ -147,8 +150,9 @@ def parse_lines(lines: Iterable[str], into: TrainingMetrics | None = None) -> Tr
 
 def _parse_line(line: str, metrics: TrainingMetrics) -> None:
     if match := _TRAIN_STEP.search(line):
-        perplexity = match[3]
-        _record_step(metrics, int(match[1]), float(match[2]), float(perplexity) if perplexity else None, None)
+        step, loss, perplexity = int(match[1]), float(match[2]), match[3]
+        _record_step(metrics, step, loss, float(perplexity) if perplexity else None, None)
+        metrics.loss_curve = sorted({**dict(metrics.loss_curve or ()), step: loss}.items())
     elif match := _COMPLETED_STEP.search(line):
         rest = match[2]
         loss, tokens_per_s = (_search_float(pattern, rest) for pattern in (_STEP_LOSS, _STEP_TOKENS_PER_S))

@@ -8,6 +8,10 @@ google-cloud-storage (only for gs:// URIs), both imported where needed.
 The Hub token is read from the file named by $HF_TOKEN_FILE; it never comes from argv and is never
 printed (error messages are scrubbed of it too).
 
+With --card, the folder first gets a model card (README.md, made with huggingface_hub's ModelCard and
+ModelCardData) and the training curve it shows (training_curve.png, drawn with matplotlib, a MaxText
+dependency), so the Hub page and the storage copy carry both.
+
 Re-running with unchanged files changes nothing: huggingface_hub drops files whose remote oid equals
 the local one and skips a commit that would be empty, so the branch head (and the reported
 commit sha) stays the same; storage copies whose destination already holds identical files are skipped.
@@ -210,6 +214,99 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
     }
 
 
+# ---- model card --------------------------------------------------------------------------------------
+
+CARD_FILE = "README.md"
+CURVE_FILE = "training_curve.png"
+
+
+def render_curve(facts: dict, path: Path) -> bool:
+    """The training's loss per step (and, for GRPO, accuracy and mean reward before and after) as a PNG;
+    False when the log gave no step to plot."""
+    metrics = facts.get("metrics") or {}
+    curve = [(step, loss) for step, loss in metrics.get("loss_curve") or [] if isinstance(loss, (int, float))]
+    if not curve:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluations = [metrics.get("pre_rl"), metrics.get("post_rl")]
+    rl = all(evaluations)
+    figure, axes = plt.subplots(1, 2 if rl else 1, figsize=(10 if rl else 6, 4), squeeze=False)
+    loss_axis = axes[0][0]
+    loss_axis.plot([step for step, _ in curve], [loss for _, loss in curve], marker="o")
+    loss_axis.set(xlabel="step", ylabel="training loss", title=f"{facts.get('recipe') or 'Training'} loss")
+    loss_axis.grid(alpha=0.3)
+    if rl:
+        rl_axis = axes[0][1]
+        labels = ["accuracy (%)", "mean reward"]
+        before = [evaluations[0].get("accuracy", 0.0), evaluations[0].get("mean_reward", 0.0)]
+        after = [evaluations[1].get("accuracy", 0.0), evaluations[1].get("mean_reward", 0.0)]
+        positions = range(len(labels))
+        rl_axis.bar([x - 0.2 for x in positions], before, width=0.4, label="before")
+        rl_axis.bar([x + 0.2 for x in positions], after, width=0.4, label="after")
+        rl_axis.set(xticks=list(positions), xticklabels=labels, title="evaluation")
+        rl_axis.legend()
+    figure.tight_layout()
+    figure.savefig(
+        path, dpi=100, metadata={"Software": None}
+    )  # no version stamp: a re-run writes the same bytes
+    plt.close(figure)
+    return True
+
+
+def _change(before: object, after: object, unit: str = "") -> str:
+    return f"{before}{unit} → {after}{unit}"
+
+
+def write_card(model_dir: Path, facts: dict) -> None:
+    """README.md: the model card's metadata from ModelCardData (base model, dataset, tags), then what was run."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    metrics = facts.get("metrics") or {}
+    has_curve = render_curve(facts, model_dir / CURVE_FILE)
+    recipe = facts.get("recipe") or "Post-training"
+    data = ModelCardData(
+        base_model=facts["base_model"],
+        datasets=[facts["dataset"]] if facts.get("dataset") else None,
+        library_name="transformers",
+        tags=["maxtext", "airflow-tpu-posttrain", recipe.lower()],
+    )
+    revision = facts.get("base_revision")
+    rows = [
+        ("base model", f"`{facts['base_model']}`" + (f" at revision `{revision}`" if revision else "")),
+        ("dataset", f"`{facts['dataset']}`" if facts.get("dataset") else "local files"),
+        ("recipe", f"{recipe}, {facts.get('steps')} steps"),
+        ("MaxText", f"{facts.get('maxtext_version')}"),
+        ("accelerator", f"{facts.get('accelerator')}"),
+        ("Airflow DAG run", f"`{facts.get('dag_id')}` / `{facts.get('run_id')}`"),
+    ]
+    if metrics.get("first_loss") is not None and metrics.get("last_loss") is not None:
+        rows.append(
+            ("training loss (first → last step)", _change(metrics["first_loss"], metrics["last_loss"]))
+        )
+    for key, label in (("accuracy", "accuracy"), ("mean_reward", "mean reward")):
+        before, after = (metrics.get("pre_rl") or {}).get(key), (metrics.get("post_rl") or {}).get(key)
+        if before is not None and after is not None:
+            rows.append(
+                (f"{label} (before → after)", _change(before, after, "%" if key == "accuracy" else ""))
+            )
+    body = [
+        f"# {facts['base_model'].split('/')[-1]}, {recipe}",
+        "",
+        f"{recipe} of `{facts['base_model']}` with MaxText on a Cloud TPU VM, run by Airflow (airflow-tpu-posttrain).",
+        "",
+        "| | |",
+        "| --- | --- |",
+        *(f"| {name} | {value} |" for name, value in rows),
+    ]
+    if has_curve:
+        body += ["", f"![Training curve]({CURVE_FILE})"]
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n").save(model_dir / CARD_FILE)
+
+
 # ---- publishing -------------------------------------------------------------------------------------
 
 
@@ -370,6 +467,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hub.add_argument("--hub-endpoint", help="Hub URL (default: $HF_ENDPOINT, else huggingface.co)")
     parser.add_argument("--storage-uri", help="gs://bucket/prefix, file:///abs/dir or /abs/dir")
     parser.add_argument(
+        "--card", type=Path, help="JSON of what the model card says (base model, run, metrics)"
+    )
+    parser.add_argument(
         "--keep-uri",
         help="checkpoint storage to keep the checked export in before publishing (marked <uri>.complete)",
     )
@@ -382,6 +482,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace, token: str | None) -> dict:
     expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
     validated = validate_export(args.model_dir, expected_config)
+    if args.card:
+        write_card(args.model_dir, read_json_file(args.card, "model card facts"))
     kept = None
     if args.keep_uri:
         kept = args.keep_uri.rstrip("/")
