@@ -227,8 +227,11 @@ def render_curve(facts: dict, path: Path) -> bool:
     curve = [(step, loss) for step, loss in metrics.get("loss_curve") or [] if isinstance(loss, (int, float))]
     if not curve:
         return False
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # a venv without MaxText's dependencies: the card goes without its picture
+        print("publish_model: matplotlib is not installed; the model card has no training curve", flush=True)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
