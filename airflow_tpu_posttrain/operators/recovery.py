@@ -70,12 +70,18 @@ class VmRecoveryMixin:
     task_id: str
     log: Any
 
+    def _creator(self, context: Context) -> str | None:
+        """The create task this step's ``vm`` is wired to, read from the DAG's unrendered copy of this task (in
+        the running copy, ``vm`` is already the record); None outside a DAG."""
+        dag = context.get("dag")
+        return create_task_id(dag.get_task(self.task_id)) if dag is not None else None
+
     # -- the VM as Compute sees it now --------------------------------------------------------------
     def _vm_record(self, context: Context) -> dict | None:
         return self.vm if isinstance(self.vm, dict) else None
 
     def _create_task(self, context: Context) -> BaseOperator:
-        return self._task_copy(context, create_task_id(context["dag"].get_task(self.task_id)))
+        return self._task_copy(context, self._creator(context))
 
     def _compute(self, context: Context) -> tuple[TpuVmHook, str]:
         creator = self._create_task(context)
@@ -105,7 +111,7 @@ class VmRecoveryMixin:
 
     def vm_watch(self, context: Context) -> dict | None:
         """What the job trigger needs to ask Compute whether the VM is gone (None: no create task to ask about)."""
-        if not create_task_id(context["dag"].get_task(self.task_id)):
+        if not self._creator(context):
             return None
         record = self._recovered(context) or self._vm_record(context)
         if not record or not record.get("zone"):
@@ -243,7 +249,7 @@ class VmRecoveryMixin:
         """The DAG's install task for this step's VM."""
         from airflow_tpu_posttrain.operators.maxtext import MaxTextInstallOperator
 
-        creator = create_task_id(context["dag"].get_task(self.task_id))
+        creator = self._creator(context)
         installs = [
             task.task_id
             for task in context["dag"].tasks
