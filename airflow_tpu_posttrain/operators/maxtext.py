@@ -130,10 +130,10 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         command = maxtext.to_maxtext(spec, use_pathways=self.use_pathways)
         outputs = {"converted_params": spec.layout.converted_params}
         if spec.layout.conversion_key:
-            stashed = context["ti"].xcom_pull(task_ids=self.task_id, key="conversion")
-            outputs.update(
-                conversion_key=spec.layout.conversion_key, source_revision=stashed["source_revision"]
-            )
+            outputs["conversion_key"] = spec.layout.conversion_key
+            # Known once resolved (not yet when the job is only validated, with a placeholder key).
+            stashed = context["ti"].xcom_pull(task_ids=self.task_id, key="conversion") or {}
+            outputs["source_revision"] = stashed.get("source_revision")
         return Job(
             command.script(),
             f"{spec.layout.converted_dir}/.complete",
