@@ -206,6 +206,36 @@ def _ensure_account(login: str) -> pwd.struct_passwd:
         return pwd.getpwnam(login)
 
 
+def _own_private_copy(cache: Path, account: pwd.struct_passwd) -> None:
+    """Give a VM's copy of the package cache to its login without touching the mirror: the copy's directories
+    are its own inodes, and its lock files are made anew; the packages stay hard links to the mirror's files,
+    readable by every login. (Chowning the mirror itself, as VMs of different logins boot, changed the owner of
+    files another VM's install was reading.)"""
+    for lock in cache.rglob(".lock"):
+        lock.unlink()
+        lock.touch()
+    owner = f"{account.pw_uid}:{account.pw_gid}"
+    subprocess.run(
+        [
+            "find",
+            str(cache),
+            "(",
+            "-type",
+            "d",
+            "-o",
+            "-name",
+            ".lock",
+            ")",
+            "-exec",
+            "chown",
+            owner,
+            "{}",
+            "+",
+        ],
+        check=True,
+    )
+
+
 def _chown(path: Path, account: pwd.struct_passwd) -> None:
     subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(path)], check=True)
 
@@ -382,8 +412,6 @@ class LocalVm:
             _chown(home, _ensure_account(login))
         if self.package_cache is not None and logins:
             self.package_cache.mkdir(parents=True, exist_ok=True)
-            if self.package_cache.stat().st_uid != pwd.getpwnam(logins[0]).pw_uid:
-                _chown(self.package_cache, pwd.getpwnam(logins[0]))
             # The mirror's packages, hard-linked onto the VM's disk (seconds, no bytes copied): uv then links
             # them into the venv, both on /var/tmp's mount (links cannot cross mounts). A copy if they cannot.
             copy = (
@@ -391,9 +419,9 @@ class LocalVm:
                 if _same_filesystem(self.package_cache, self.disk_dir)
                 else ["cp", "-a"]
             )
-            subprocess.run(
-                [*copy, str(self.package_cache), str(self.disk_dir / "var-tmp" / VM_UV_CACHE)], check=True
-            )
+            vm_cache = self.disk_dir / "var-tmp" / VM_UV_CACHE
+            subprocess.run([*copy, str(self.package_cache), str(vm_cache)], check=True)
+            _own_private_copy(vm_cache, pwd.getpwnam(logins[0]))
         (self._etc / "ssh-keys").write_text(self.ssh_keys)
         shutil.copy(__file__, self._etc / "vm_agent.py")
         self._write_config()
