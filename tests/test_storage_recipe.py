@@ -1,4 +1,4 @@
-"""The storage commands a job script runs on a VM, run here with bash on a local directory."""
+"""The storage commands a job script runs on a VM, run here with bash on a local directory (gs://: test_gcs_tool.py)."""
 
 import subprocess
 
@@ -22,9 +22,3 @@ def test_metric_lines_kept_next_to_the_done_marker_can_be_read_back(tmp_path):
     )
     assert _bash(storage.exists_command(marker) + " && echo yes") == "yes\n"
     assert _bash(storage.read_command(kept)) == "completed step: 9, loss: 6.2\n"
-
-
-def test_gcs_commands_quote_the_uri():
-    uri = "gs://bucket/run name/.complete-10.metrics"
-    assert storage.write_command(uri) == "gcloud storage cp - 'gs://bucket/run name/.complete-10.metrics'"
-    assert storage.read_command(uri) == "gcloud storage cat 'gs://bucket/run name/.complete-10.metrics'"

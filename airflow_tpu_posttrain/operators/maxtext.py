@@ -46,7 +46,13 @@ class MaxTextInstallOperator(MaxTextJobOperator):
         version = validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version
         cache = f"{spec.layout.storage}/environments" if spec.layout.storage else None
         return Job(
-            install.install_script(spec.runtime, version, cache, save=self.save_environment),
+            install.install_script(
+                spec.runtime,
+                version,
+                cache,
+                save=self.save_environment,
+                storage_tool_script=self.storage_tool.script,
+            ),
             None,
             {"venv": spec.runtime.venv, "maxtext_version": version},
         )
@@ -188,7 +194,7 @@ class _TrainOperator(MaxTextJobOperator):
         """The final checkpoint must be durable (in storage, or on the VM in the seeds' layout) before the task
         succeeds: the TPU VM is deleted right after."""
         checkpoint = job.outputs["checkpoint"]
-        if not vm.exists(checkpoint):
+        if not vm.exists(checkpoint, self.storage_tool):
             raise CheckpointMissingError(
                 f"{self.step_title} finished but its final checkpoint {checkpoint} is missing; "
                 "a retry resumes from the newest checkpoint"
