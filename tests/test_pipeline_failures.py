@@ -98,9 +98,11 @@ def root() -> Path:
     return Path(SEEDS_ROOT)
 
 
-def checkpoint_storage(stack) -> Path:
-    """The directory both local VMs share for checkpoints (registry: checkpoint_storage)."""
-    return stack.storage_dir
+def checkpoint_storage(stack) -> str:
+    """The local DAGs' checkpoint storage: the local GCS server's bucket (registry: checkpoint_storage)."""
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
+
+    return LOCAL_CHECKPOINT_STORAGE
 
 
 def _vm_end_probe(vm) -> dict:
@@ -308,7 +310,7 @@ def test_train_fails_on_an_unknown_maxtext_override(stack, vm_ends, capfd, fault
     dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "train")
-    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(checkpoint_storage(stack)))
+    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(checkpoint_storage(stack))
     assert "SFT failed on the VM with exit code" in logs
     assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
     fault_matrix.record(
