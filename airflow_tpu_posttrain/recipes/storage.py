@@ -20,6 +20,7 @@ from airflow_tpu_posttrain.recipes.shell import remote_path
 GCS_TOOL_NAME = "gcs_tool.py"  # in airflow_tpu_posttrain/vm_scripts, copied to the VM
 # gcs_tool.py's exit status for "no" (``exists``); anything else but 0 is an error (storage unreachable...).
 EXISTS_NO = 1
+ORBAX_COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" on storage without atomic rename
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,18 @@ def copy_tree_command(source: str, destination: str, tool: GcsTool | None = None
     if is_gcs(source) or is_gcs(destination):
         return f"{mkdir}{_tool(source, tool).command('sync', source, destination)}"
     return f"{mkdir}cp -a {shlex.quote(source + '/.')} {shlex.quote(destination + '/')}"
+
+
+def committed_checkpoint(params_uri: str) -> str:
+    """What must exist for the orbax checkpoint item ``<step dir>/<item>`` (``.../checkpoints/5/model_params``)
+    to be complete. In a directory orbax writes a step under a temporary name and renames it into place, so the
+    item's path is enough. On GCS there is no rename: orbax writes the step in place and
+    ``<step dir>/commit_success.txt`` last (orbax-checkpoint 0.12.8: a trainer SIGKILLed while saving step 4 left
+    ``checkpoints/4/model_params/...`` without ``checkpoints/4/commit_success.txt``), so a half-written step
+    already has objects under the item's prefix."""
+    if is_gcs(params_uri):
+        return f"{posixpath.dirname(params_uri)}/{ORBAX_COMMIT_MARKER}"
+    return params_uri
 
 
 def metrics_uri(done_marker: str) -> str:
