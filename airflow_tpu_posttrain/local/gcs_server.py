@@ -96,7 +96,7 @@ class GcsServer:
 
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = self.port or _free_port()  # a restart (fault tests) keeps the URL the clients were given
         argv = [
             str(server_binary()),
             "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
