@@ -101,7 +101,7 @@ class GcsServer:
             str(server_binary()),
             "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
             "-backend", "filesystem", "-filesystem-root", str(self.root),
-            "-external-url", self.url, "-public-host", f"127.0.0.1:{self.port}",
+            "-external-url", self.url,
             "-log-level", "warn",
         ]  # fmt: skip
         with self.log_path.open("ab") as log:
