@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import posixpath
@@ -284,6 +285,11 @@ def test_cpu_runtime_commands():
         "max_target_length=128",
     )
     assert sft.env == {"JAX_PLATFORMS": "cpu"}
+    # With gs:// storage (the local GCS server) the CPU run has no profiler: JAX's profiler writes through a
+    # GCS client without an endpoint setting. On a TPU the tutorials' profiler stays, whatever the storage.
+    in_gcs = dataclasses.replace(spec, layout=RunLayout("tiny-llama", "tiny-run", storage="gs://bucket/p", conversion_key="k"))
+    assert "profiler=" in maxtext.train_sft(in_gcs).argv
+    assert tpu_runtime().profiler("xplane", "gs://bucket/p/post-train") == "xplane"
 
     rl = maxtext.train_rl(spec)
     assert rl.argv[:2] == ("python3", "/opt/launchers/train_rl_cpu.py")

@@ -143,7 +143,9 @@ def train_sft(
         "hf_path": data.hf_path,
         "train_split": data.train_split,
         "train_data_columns": data.train_data_columns,
-        "profiler": validation.one_of("profiler", profiler, PROFILERS),
+        "profiler": spec.runtime.profiler(
+            validation.one_of("profiler", profiler, PROFILERS), spec.layout.post_train_dir
+        ),
     }
     if data.train_files is not None:
         args["hf_train_files"] = data.train_files
