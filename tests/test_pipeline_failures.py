@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import REPO, log_excerpt
+from conftest import REPO, log_excerpt, storage_has
 from test_pipeline_local import SEEDS_ROOT, WORKDIR, VmEnds
 
 from airflow_tpu_posttrain.local.stack import LOCAL_LOGIN
@@ -331,11 +331,11 @@ def test_export_fails_when_its_output_directory_cannot_be_written(stack, vm_ends
     assert placed == [xcom(dr, "create_cpu_vm")["name"]], placed
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
+    assert trained["metrics"]["steps_completed"] == STEPS and storage_has(trained["checkpoint"])
     assert "Export failed on the VM with exit code" in logs
     assert str(root() / "hf-trained") in logs
     fault_matrix.record(
         "pipeline: export, output directory not writable (trained checkpoint kept)",
-        stack.compute.instances() == [], dr.state, Path(trained["checkpoint"]).is_dir(),
+        stack.compute.instances() == [], dr.state, storage_has(trained["checkpoint"]),
         log_excerpt(logs, "Export failed on the VM with exit code"),
     )
