@@ -32,6 +32,11 @@ class RemoteJobError(AirflowException):
     """A MaxText step's job on the VM failed, died or was lost; a retry re-attaches or resumes."""
 
 
+class StorageError(AirflowException):
+    """Checkpoint storage could not be asked from the VM (unreachable, refused): retryable. Never taken for
+    "not there", which would redo a finished step or fail a finished training."""
+
+
 class CheckpointMissingError(AirflowException):
     """Training ended but its final checkpoint is not where it must be durable; a retry resumes."""
 

@@ -120,6 +120,24 @@ def stack(airflow_db, tmp_path_factory):
             local.fleet.before_end = None
 
 
+def storage_objects(uri: str) -> list[str]:
+    """The object names under a ``gs://bucket/prefix`` of the local GCS server (the stack's environment names it
+    in STORAGE_EMULATOR_HOST), relative to the prefix, listed through google-cloud-storage."""
+    from google.cloud import storage
+
+    bucket, _, prefix = uri.removeprefix("gs://").partition("/")
+    prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+    return sorted(blob.name[len(prefix):] for blob in storage.Client().list_blobs(bucket, prefix=prefix))
+
+
+def storage_has(uri: str) -> bool:
+    """Whether ``uri`` is an object or has objects under it, in the local GCS server."""
+    from google.cloud import storage
+
+    bucket, _, name = uri.removeprefix("gs://").partition("/")
+    return storage.Client().bucket(bucket).blob(name).exists() or bool(storage_objects(uri))
+
+
 # ------------------------------------------------------------------------------------------- fault matrix
 # Every test that takes the ``fault_matrix`` fixture is a registered fault case: it records its row(s) after its
 # assertions passed (a row means "verified"). Rows travel in the test's report (``user_properties``), so they

@@ -341,3 +341,26 @@ def test_allocate_address_skips_taken_addresses():
     others = {allocate_address(taken={first}) for _ in range(20)}
     assert first not in others
     assert all(address.startswith("127.77.") for address in others | {first})
+
+
+def test_sessions_reach_the_local_gcs_server_without_credentials(make_vm, keys, tmp_path):
+    """The image's environment names the local GCS server to the storage clients (as a VM on Google Cloud reaches
+    storage.googleapis.com with its service account); nothing is copied onto the VM: the pipeline's storage tool
+    writes into the bucket from a session, and this machine reads it back."""
+    from google.cloud import storage as gcs_client
+
+    from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
+
+    with GcsServer(tmp_path / "gcs", buckets=("bucket",)) as gcs:
+        vm = make_vm("vm-storage", environment=client_environment(gcs.url))
+        tool = Path(__file__).resolve().parents[1] / "airflow_tpu_posttrain" / "vm_scripts" / "gcs_tool.py"
+        with _connect(vm, keys["user"][0]) as client:
+            assert _run(client, "echo $STORAGE_EMULATOR_HOST $TENSORSTORE_GCS_HTTP_URL").split() == [gcs.url] * 2
+            assert _run(client, "ls ~/.config/gcloud 2>/dev/null; echo ${GOOGLE_APPLICATION_CREDENTIALS:-none}") == "none\n"
+            _run(client, f"echo written-on-the-vm | {sys.executable} {tool} write gs://bucket/from-vm/marker")
+        os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
+        try:
+            blob = gcs_client.Client().bucket("bucket").blob("from-vm/marker")
+            assert blob.download_as_bytes() == b"written-on-the-vm\n"
+        finally:
+            del os.environ["STORAGE_EMULATOR_HOST"]

@@ -31,12 +31,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-
-from conftest import HF_TOKEN, log_excerpt
-
-from airflow_tpu_posttrain.local.hub_server import REDACTED
+from conftest import HF_TOKEN, log_excerpt, storage_has
 from test_pipeline_local import SEEDS_ROOT, WORKDIR, before_vm_end, token_probe
 from test_reattach import vm_of_its_own
+
+from airflow_tpu_posttrain.local.hub_server import REDACTED
 
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__faults-sft"
@@ -88,10 +87,9 @@ def _return_value(dag_run, task_id):
 
 
 def _all_xcom(run_id: str) -> list[tuple[str, str, object]]:
-    from sqlalchemy import select
-
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
     with create_session() as session:
         rows = session.scalars(select(XComModel).where(XComModel.dag_id == DAG_ID, XComModel.run_id == run_id))
@@ -99,10 +97,9 @@ def _all_xcom(run_id: str) -> list[tuple[str, str, object]]:
 
 
 def _rendered_fields(run_id: str) -> dict[str, object]:
-    from sqlalchemy import select
-
     from airflow.models.renderedtifields import RenderedTaskInstanceFields as RTIF
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
     with create_session() as session:
         rows = session.scalars(select(RTIF).where(RTIF.dag_id == DAG_ID, RTIF.run_id == run_id))
@@ -254,10 +251,13 @@ def _vm_end_probe(stack, copies: Path):
 
 
 def _checkpoint_files(checkpoint: str) -> dict[str, int]:
-    """``{path: mtime_ns}`` of every file of a run's checkpoints (``.../checkpoints/<step>/model_params``)."""
-    checkpoints = Path(checkpoint).parents[1]
-    files = (p for p in checkpoints.rglob("*") if p.is_file())
-    return {str(p.relative_to(checkpoints)): p.stat().st_mtime_ns for p in files}
+    """``{object name: generation}`` of every object of a run's checkpoints (``.../checkpoints/<step>/model_params``)
+    in the local GCS server: a rewritten object gets a new generation, as on Cloud Storage."""
+    from google.cloud import storage
+
+    bucket, _, name = checkpoint.removeprefix("gs://").partition("/")
+    prefix = name.rsplit("/", 2)[0] + "/"
+    return {b.name[len(prefix):]: b.generation for b in storage.Client().list_blobs(bucket, prefix=prefix)}
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -347,7 +347,7 @@ def _assert_vms_deleted_and_checkpoint_kept(run: dict, stack) -> None:
     assert run["returns"]["delete_cpu_vm"]["deleted"] is True
     assert stack.compute.instances() == [], [i["name"] for i in stack.compute.instances()]
     assert run["vm_end_error"] is None, run["vm_end_error"]  # each VM probed at its end, its disk gone since
-    assert Path(run["returns"]["train"]["checkpoint"]).is_dir()  # in checkpoint storage: it outlives the VMs
+    assert storage_has(run["returns"]["train"]["checkpoint"])  # in checkpoint storage: it outlives the VMs
 
 
 def _diagnose(run: dict) -> str:
@@ -379,7 +379,7 @@ def test_ssh_drops_while_training_do_not_fail_the_task(faulted_run, stack, fault
     fault_matrix.record(
         f"MaxText: SSH sessions dropped while train is deferred ({len(lost)} reconnects)",
         run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
-        Path(run["returns"]["train"]["checkpoint"]).is_dir(), log_excerpt(run["logs"], "Lost SSH connection while polling"),
+        storage_has(run["returns"]["train"]["checkpoint"]), log_excerpt(run["logs"], "Lost SSH connection while polling"),
     )
 
 
@@ -414,14 +414,14 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fa
     assert metrics["resumed_from_step"] == restored[0] >= CHECKPOINT_PERIOD
     assert metrics["steps_completed"] == STEPS
     assert run["returns"]["train"]["checkpoint"].endswith(f"/checkpoints/{STEPS}/model_params")
-    assert Path(run["returns"]["train"]["checkpoint"]).is_dir()
+    assert storage_has(run["returns"]["train"]["checkpoint"])
     # The retry reused the run's VMs: one instance insert each (TPU VM, CPU VM) for the whole run.
     assert run["instance_inserts"] == 2
     _assert_vms_deleted_and_checkpoint_kept(run, stack)
     fault_matrix.record(
         f"MaxText: trainer SIGKILLed after step {KILL_AFTER_STEP} -> retry resumes from checkpoint",
         run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
-        Path(run["returns"]["train"]["checkpoint"]).is_dir(),
+        storage_has(run["returns"]["train"]["checkpoint"]),
         log_excerpt(run["logs"], f"SFT: {STEPS} steps (resumed from {restored[0]})"),
     )
 
@@ -671,11 +671,11 @@ def test_rerun_of_finished_run_reuses_training_and_conversion(faulted_run, rerun
     assert HF_TOKEN not in rerun["logs"]
     assert rerun["returns"]["delete_tpu_vm"]["deleted"] is True and rerun["instances_after"] == []
     assert rerun["vm_end_error"] is None, rerun["vm_end_error"]
-    assert Path(train["checkpoint"]).is_dir()
+    assert storage_has(train["checkpoint"])
     fault_matrix.record(
         "MaxText: re-run of a finished run reuses conversion and training",
         rerun["returns"]["delete_tpu_vm"]["deleted"] is True and rerun["instances_after"] == [], rerun["state"],
-        Path(train["checkpoint"]).is_dir(), log_excerpt(rerun["logs"], "output already complete"),
+        storage_has(train["checkpoint"]), log_excerpt(rerun["logs"], "output already complete"),
     )
 
 

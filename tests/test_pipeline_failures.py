@@ -6,7 +6,7 @@ Every fault is injected through the environment the pipeline runs in, never by p
 
 - create: every zone of the DAG out of capacity (the emulator's stock-out fault);
 - install: a MaxText version that does not exist (``maxtext_version`` in the run's conf);
-- convert: a regular file where the conversion cache goes (``<checkpoint storage>/conversions``);
+- convert: the checkpoint bucket missing (deleted from the local GCS server for the run, made again after);
 - train: an override MaxText's config rejects (``overrides`` in the run's conf; unknown keys are an error);
 - export: a regular file where the exports' parent directory goes (``<root>/hf-trained`` on the CPU VM, put
   there as soon as that VM is up);
@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import REPO, log_excerpt
+from conftest import REPO, log_excerpt, storage_has
 from test_pipeline_local import SEEDS_ROOT, WORKDIR, VmEnds
 
 from airflow_tpu_posttrain.local.stack import LOCAL_LOGIN
@@ -98,9 +98,11 @@ def root() -> Path:
     return Path(SEEDS_ROOT)
 
 
-def checkpoint_storage(stack) -> Path:
-    """The directory both local VMs share for checkpoints (registry: checkpoint_storage)."""
-    return stack.storage_dir
+def checkpoint_storage(stack) -> str:
+    """The local DAGs' checkpoint storage: the local GCS server's bucket (registry: checkpoint_storage)."""
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
+
+    return LOCAL_CHECKPOINT_STORAGE
 
 
 def _vm_end_probe(vm) -> dict:
@@ -197,19 +199,22 @@ def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
 
 
 @contextlib.contextmanager
-def file_in_place_of(path: Path):
-    """A regular file where ``path`` (a directory the pipeline writes) goes; whatever was there is put back."""
-    aside = path.with_name(path.name + ".aside")
-    if path.exists():
-        path.rename(aside)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("not a directory: a fault injected by test_pipeline_failures\n")
+def bucket_missing(stack):
+    """The checkpoint storage's bucket deleted for the run (as a user's typo in its name, or a deleted bucket,
+    would leave it), made again afterwards. Its objects (here: none, the steps before the convert write none) are
+    deleted with it."""
+    from google.cloud import storage
+
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
+
+    bucket = storage.Client().bucket(LOCAL_BUCKET)
+    for blob in list(bucket.list_blobs()):
+        blob.delete()
+    bucket.delete()
     try:
-        yield
+        yield f"gs://{LOCAL_BUCKET}"
     finally:
-        path.unlink()
-        if aside.exists():
-            aside.rename(path)
+        stack.gcs.create_bucket(LOCAL_BUCKET)
 
 
 def assert_failed_cleanly(stack, vm_ends, dr, failed_step: str) -> None:
@@ -290,17 +295,18 @@ def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, vm_ends, 
     )
 
 
-def test_convert_fails_when_its_output_directory_cannot_be_written(stack, vm_ends, capfd, fault_matrix):
-    converted_dir = checkpoint_storage(stack) / "conversions"  # above RunLayout.converted_dir
-    with file_in_place_of(converted_dir):
+def test_convert_fails_when_the_checkpoint_bucket_is_missing(stack, vm_ends, capfd, fault_matrix):
+    with bucket_missing(stack) as bucket:
         dr = run_pipeline()
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "convert_to_maxtext")
-    assert "Convert failed on the VM with exit code" in logs
-    assert str(converted_dir) in logs  # the remote traceback names the path it could not write
+    # Storage could not be asked whether the conversion is cached: an error naming the URI and the answer, never
+    # "not cached" (which would convert into a bucket that is not there).
+    assert f"StorageError: could not check {checkpoint_storage(stack)}/conversions/tiny-llama/" in logs
+    assert "NotFound" in logs and bucket.removeprefix("gs://") in logs
     fault_matrix.record(
-        "pipeline: convert, output directory not writable", stack.compute.instances() == [], dr.state, None,
-        log_excerpt(logs, "Convert failed on the VM with exit code"),
+        "pipeline: convert, checkpoint bucket missing", stack.compute.instances() == [], dr.state, None,
+        log_excerpt(logs, "StorageError: could not check"),
     )
 
 
@@ -308,7 +314,7 @@ def test_train_fails_on_an_unknown_maxtext_override(stack, vm_ends, capfd, fault
     dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "train")
-    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(str(checkpoint_storage(stack)))
+    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(checkpoint_storage(stack))
     assert "SFT failed on the VM with exit code" in logs
     assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
     fault_matrix.record(
@@ -325,11 +331,11 @@ def test_export_fails_when_its_output_directory_cannot_be_written(stack, vm_ends
     assert placed == [xcom(dr, "create_cpu_vm")["name"]], placed
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
+    assert trained["metrics"]["steps_completed"] == STEPS and storage_has(trained["checkpoint"])
     assert "Export failed on the VM with exit code" in logs
     assert str(root() / "hf-trained") in logs
     fault_matrix.record(
         "pipeline: export, output directory not writable (trained checkpoint kept)",
-        stack.compute.instances() == [], dr.state, Path(trained["checkpoint"]).is_dir(),
+        stack.compute.instances() == [], dr.state, storage_has(trained["checkpoint"]),
         log_excerpt(logs, "Export failed on the VM with exit code"),
     )

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from conftest import HF_TOKEN, REPO
+from conftest import HF_TOKEN, REPO, storage_has, storage_objects
+
+from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
 WORKDIR = "/tmp/airflow-tpu-posttrain"  # the jobs, scripts, launchers and token files on a VM (production's)
 SEEDS_ROOT = "/dev/shm/tiny-llama"  # the seeds' layout root on the VM (a tmpfs of its own)
@@ -136,16 +138,30 @@ def test_tiny_sft_end_to_end(stack, capfd):
         ends.wait_gone(vms)
     assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
 
-    # Split layout: the CPU VM converted into the cache in checkpoint storage, the TPU VM trained from there
-    # and wrote its checkpoints there, and both VMs are gone.
-    storage = stack.storage_dir
+    # Split layout: the CPU VM converted into the cache in checkpoint storage (the local GCS server's bucket),
+    # the TPU VM trained from there and wrote its checkpoints there, and both VMs are gone.
+    storage = LOCAL_CHECKPOINT_STORAGE
     converted = xcom(dr, "convert_to_maxtext")
-    assert Path(converted["converted_params"]).is_dir()
     assert converted["converted_params"].startswith(f"{storage}/conversions/tiny-llama/mt0.2.5-")
     assert xcom(dr, "create_cpu_vm")["machine_type"] == "e2-standard-2"
     trained = xcom(dr, "train")
-    assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and Path(trained["checkpoint"]).is_dir()
+    assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and storage_has(trained["checkpoint"])
     assert trained["checkpoint"].startswith(f"{storage}/post-train/")
+    # The bucket holds what README says it holds, where it says: the conversion (orbax's commit marker and the
+    # pipeline's), the training run's checkpoints (each committed) and done marker, the checked export.
+    key = converted["conversion_key"]
+    run = trained["run_name"]
+    objects = storage_objects(storage)
+    assert f"conversions/tiny-llama/{key}/.complete" in objects
+    assert f"conversions/tiny-llama/{key}/0/commit_success.txt" in objects
+    assert any(o.startswith(f"conversions/tiny-llama/{key}/0/items/") for o in objects)
+    steps = {o.split("/")[3] for o in objects if o.startswith(f"post-train/{run}/checkpoints/")}
+    assert "5" in steps
+    for step in steps:  # every checkpoint orbax left is a committed one
+        assert f"post-train/{run}/checkpoints/{step}/commit_success.txt" in objects, step
+        assert any(o.startswith(f"post-train/{run}/checkpoints/{step}/model_params/") for o in objects), step
+    assert f"post-train/{run}/.complete-5" in objects and f"post-train/{run}/.complete-5.metrics" in objects
+    assert f"exports/{run}.complete" in objects and f"exports/{run}/model.safetensors" in objects
     assert xcom(dr, "delete_cpu_vm")["deleted"] is True
     assert trained["metrics"]["steps_completed"] == 5 and trained["metrics"]["last_loss"] > 0
     assert "SFT: 5 steps" in logs
@@ -196,7 +212,8 @@ def test_tiny_rl_end_to_end(stack, capfd):
     assert not xcom(dr, "create_tpu_vm")["external_ip"]
 
     trained = xcom(dr, "train")
-    assert trained["checkpoint"].endswith("/checkpoints/actor/2/model_params") and Path(trained["checkpoint"]).is_dir()
+    assert trained["checkpoint"].endswith("/checkpoints/actor/2/model_params") and storage_has(trained["checkpoint"])
+    assert trained["checkpoint"].startswith(f"{LOCAL_CHECKPOINT_STORAGE}/post-train/")
     metrics = trained["metrics"]
     assert metrics["rl_completed"] is True
     assert set(metrics["pre_rl"]) >= {"accuracy", "mean_reward"} and set(metrics["post_rl"]) >= {"accuracy", "mean_reward"}

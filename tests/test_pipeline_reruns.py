@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import os
 from datetime import UTC, datetime
-from pathlib import Path
 
-from conftest import log_excerpt
+from conftest import log_excerpt, storage_has, storage_objects
 from test_pipeline_failures import (  # noqa: F401 - vm_ends and _each_vm_probed are this module's fixtures too
     STEPS,
     WATCHER,
@@ -42,7 +41,7 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == STEPS and Path(trained["checkpoint"]).is_dir()
+    assert trained["metrics"]["steps_completed"] == STEPS and storage_has(trained["checkpoint"])
     assert "Export failed on the VM with exit code" in logs
     assert "publish_model: error:" in logs
     writes = [r for r in stack.hub.requests[hub_requests_before:] if r.method in ("POST", "PUT")]
@@ -53,12 +52,12 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
     assert not (hub.repo_exists(SFT_HUB_REPO) and hub.revision_exists(SFT_HUB_REPO, revision)), "published"
     # Both VMs and their disks are gone (assert_failed_cleanly), yet the checked export is whole in checkpoint
     # storage: the error and XCom say where.
-    kept = checkpoint_storage(stack) / "exports" / trained["run_name"]
+    kept = f"{checkpoint_storage(stack)}/exports/{trained['run_name']}"
     assert f"The checked export is kept at {kept}" in logs
     [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
-    assert export_ti.xcom_pull(task_ids="export_and_publish", key="kept_export") == str(kept)
-    files = sorted(p.name for p in kept.iterdir())
-    assert kept.with_name(kept.name + ".complete").is_file()
+    assert export_ti.xcom_pull(task_ids="export_and_publish", key="kept_export") == kept
+    files = storage_objects(kept)
+    assert storage_has(f"{kept}.complete")
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
 
     # With the write token back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
@@ -69,7 +68,7 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
     assert rerun.state == "success", states(rerun)
     assert f"Restoring the export kept at {kept}" in relogs
     published = xcom(rerun, "export_and_publish")
-    assert published["kept_uri"] == str(kept) and published["hub"]["revision"] == f"run-{trained['run_name']}"
+    assert published["kept_uri"] == kept and published["hub"]["revision"] == f"run-{trained['run_name']}"
     assert_vms_gone(vm_ends, rerun)
     fault_matrix.record(
         "pipeline: publish refused, read-only Hub token (checked export kept in storage; a re-run publishes it, "
@@ -108,7 +107,7 @@ def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_ma
     assert "2026-01-05-00-00-00" in names[0] and "2026-01-12-00-00-00" in names[1]
     checkpoints = [t["checkpoint"] for t in trained]
     assert checkpoints[0] != checkpoints[1]
-    assert all(c.endswith(f"/checkpoints/{STEPS}/model_params") and Path(c).is_dir() for c in checkpoints)
+    assert all(c.endswith(f"/checkpoints/{STEPS}/model_params") and storage_has(c) for c in checkpoints)
     hubs = [xcom(dr, "export_and_publish")["hub"] for dr in runs]
     assert [h["revision"] for h in hubs] == [f"run-{n}" for n in names]
     assert hubs[0]["commit_sha"] != hubs[1]["commit_sha"]
@@ -119,7 +118,7 @@ def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_ma
     assert converted[1]["reused"] is True
     assert converted[0]["converted_params"] == converted[1]["converted_params"]
     assert converted[0]["conversion_key"] == converted[1]["conversion_key"]
-    assert converted[0]["converted_params"].startswith(str(checkpoint_storage(stack) / "conversions"))
+    assert converted[0]["converted_params"].startswith(f"{checkpoint_storage(stack)}/conversions/")
     assert successful_conversions(vm_ends) == 1
 
     # The first date again, under its own run_id: the same DAG run, re-run.
@@ -140,6 +139,6 @@ def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_ma
     assert len(instance_inserts(stack, name)) == 2, [r["query"] for r in instance_inserts(stack, name)]
     fault_matrix.record(
         "pipeline: backfill 2 dates, re-run the first under its run_id (reuses conversion + training)",
-        stack.compute.instances() == [], rerun.state, Path(checkpoints[0]).is_dir(),
+        stack.compute.instances() == [], rerun.state, storage_has(checkpoints[0]),
         f"train reused={again['reused']}, same checkpoint and Hub revision {hubs[0]['revision']}"[:80],
     )

@@ -10,9 +10,8 @@ import contextlib
 import re
 import threading
 import time
-from pathlib import Path
 
-from conftest import log_excerpt
+from conftest import log_excerpt, storage_has
 from test_pipeline_local import WORKDIR, run_pipeline, states
 
 DAG_ID = "posttrain_sft__tiny-llama"
@@ -109,8 +108,8 @@ def test_preempted_training_vm_is_created_again_and_training_resumes(stack, capf
     repeated = max(lost_steps) - restored[0]
     metrics = train.xcom_pull(task_ids="train")["metrics"]
     assert metrics["resumed_from_step"] == restored[0] and metrics["steps_completed"] == STEPS
-    checkpoint = Path(train.xcom_pull(task_ids="train")["checkpoint"])
-    assert checkpoint.is_dir()
+    checkpoint = train.xcom_pull(task_ids="train")["checkpoint"]
+    assert storage_has(checkpoint)
 
     # Nothing left: the teardown deleted the VM made again; no firewall rule either.
     assert stack.compute.instances() == [] and stack.compute.firewalls() == []
@@ -119,7 +118,7 @@ def test_preempted_training_vm_is_created_again_and_training_resumes(stack, capf
           f"{seconds:.1f} s from preemption to training again")
     fault_matrix.record(
         f"preemption: SPOT TPU VM preempted at step {max(lost_steps)} -> created again, training resumed",
-        True, dag_run.state, checkpoint.is_dir(),
+        True, dag_run.state, storage_has(checkpoint),
         f"{log_excerpt(logs, 'Recovery 1/3', 50)}; resumed from step {restored[0]} ({repeated} steps "
         f"repeated), training again {seconds:.0f} s after the preemption",
     )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import posixpath
 import shlex
+import shutil
 import subprocess
+import sys
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -282,6 +285,11 @@ def test_cpu_runtime_commands():
         "max_target_length=128",
     )
     assert sft.env == {"JAX_PLATFORMS": "cpu"}
+    # With gs:// storage (the local GCS server) the CPU run has no profiler: JAX's profiler writes through a
+    # GCS client without an endpoint setting. On a TPU the tutorials' profiler stays, whatever the storage.
+    in_gcs = dataclasses.replace(spec, layout=RunLayout("tiny-llama", "tiny-run", storage="gs://bucket/p", conversion_key="k"))
+    assert not [arg for arg in maxtext.train_sft(in_gcs).argv if arg.startswith("profiler")]
+    assert tpu_runtime().profiler("xplane", "gs://bucket/p/post-train") == "xplane"
 
     rl = maxtext.train_rl(spec)
     assert rl.argv[:2] == ("python3", "/opt/launchers/train_rl_cpu.py")
@@ -399,7 +407,9 @@ def test_overrides_and_recipe_knobs():
         profiler="",
         overrides=["learning_rate=1e-5", "weight_dtype=bfloat16"],
     )
-    assert {"steps=20", "profiler=", "checkpoint_period=10"} <= set(sft.argv)
+    assert {"steps=20", "checkpoint_period=10"} <= set(sft.argv)
+    # No profiler: no profiler argument (MaxText 0.2.5 reads "profiler=" as None and refuses it).
+    assert not [arg for arg in sft.argv if arg.startswith("profiler=")]
     assert sft.argv[-2:] == ("learning_rate=1e-5", "weight_dtype=bfloat16")
     data = SftDataset(
         hf_path="owner/chats", train_split="train", train_data_columns="['prompt', 'completion']"
@@ -619,16 +629,22 @@ def test_install_reruns_are_noops(tmp_path):
 
 def _stand_in_tools(bin_dir, calls):
     """Stand-ins for what the tutorials' install calls (sudo apt, uv, the extra-deps script): each records its
-    call; `uv python install` and `uv venv` leave what the real ones leave in $HOME."""
+    call; `uv python install` and `uv venv` leave what the real ones leave in $HOME (the venv's python is this
+    test's python, which has google-cloud-storage as MaxText's venv has). `uv run` (the storage tool before the
+    venv exists) is the real uv's, unrecorded."""
     bin_dir.mkdir()
     record = f'echo "$(basename "$0") $*" >>{shlex.quote(str(calls))}\n'
+    real_uv = shutil.which("uv")
+    python = shlex.quote(sys.executable)
     tools = {
         "sudo": record,
         "install_tpu_post_train_extra_deps": record,
-        "uv": record
+        "uv": f'if [[ $1 == run ]]; then exec {shlex.quote(str(real_uv))} "$@"; fi\n'
+        + record
         + 'if [[ $1 == python ]]; then mkdir -p "$HOME/.local/share/uv/python/cpython-3.12" '
         '&& echo interpreter >"$HOME/.local/share/uv/python/cpython-3.12/python"; fi\n'
-        'if [[ $1 == venv ]]; then v="${@: -1}"; mkdir -p "$v/bin" && printf "#!/bin/sh\\n" >"$v/bin/python" '
+        f'if [[ $1 == venv ]]; then v="${{@: -1}}"; mkdir -p "$v/bin" '
+        f'&& printf \'#!/bin/sh\\nexec %s "$@"\\n\' {python} >"$v/bin/python" '
         '&& chmod +x "$v/bin/python" && touch "$v/bin/activate"; fi\n'
         'if [[ $1 == pip ]]; then echo "site-packages" >"$VIRTUAL_ENV_MARK"; fi\n',
     }
@@ -640,21 +656,21 @@ def _stand_in_tools(bin_dir, calls):
 @pytest.mark.parametrize("cache", ["directory", "gs"])
 def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
     """The tutorials' install once: the VM that saves uploads an archive of the venv (and uv's interpreter) to the
-    cache; a fresh VM (an empty $HOME) restores it instead of running apt/uv; a new version installs again."""
+    cache; a fresh VM (an empty $HOME) restores it instead of running apt/uv; a new version installs again.
+    ``gs``: through vm_scripts/gcs_tool.py against the local GCS server."""
+    from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
+
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     _stand_in_tools(bin_dir, calls)
     storage = tmp_path / "storage"
-    if cache == "gs":  # a stand-in gcloud storage backed by a directory, speaking `ls`, `cp - URI`, `cp URI -`
-        (bin_dir / "gcloud").write_text(
-            "#!/bin/bash\n"
-            f'root={shlex.quote(str(storage))}; path() {{ echo "$root/${{1#gs://}}"; }}\n'
-            'case "$2 $3" in\n'
-            '  "ls "*) test -e "$(path "$3")" ;;\n'
-            '  "cp -") mkdir -p "$(dirname "$(path "$4")")" && cat >"$(path "$4")" ;;\n'
-            '  *) cat "$(path "$3")" ;;\n'
-            "esac\n"
-        )
-        (bin_dir / "gcloud").chmod(0o755)
+    tool_script = str(Path(install.__file__).parents[1] / "vm_scripts" / "gcs_tool.py")
+    server = GcsServer(tmp_path / "gcs", buckets=("bucket",)) if cache == "gs" else None
+    vm_env: dict[str, str] = {}
+    if server is not None:
+        server.start()
+        vm_env = client_environment(server.url)
+        # The VMs' uv keeps its cache where this machine's is (as the local VMs get a copy of the package mirror).
+        vm_env["UV_CACHE_DIR"] = subprocess.run(["uv", "cache", "dir"], capture_output=True, text=True).stdout.strip()
         cache_uri = "gs://bucket/posttrain/environments"
     else:
         cache_uri = str(storage / "environments")
@@ -663,19 +679,37 @@ def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
         home = tmp_path / name
         home.mkdir()
         mark = home / "maxtext_venv" / "lib-installed"
-        return {**os.environ, "HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}", "VIRTUAL_ENV_MARK": str(mark)}
+        return {**os.environ, **vm_env, "HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                "VIRTUAL_ENV_MARK": str(mark)}
 
-    saver = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=True)
+    try:
+        _save_and_restore(tmp_path, calls, storage, server, cache_uri, tool_script, new_vm)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _save_and_restore(tmp_path, calls, storage, server, cache_uri, tool_script, new_vm):
+    saver = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=True, storage_tool_script=tool_script)
     first_vm = new_vm("cpu-vm")
     first = _bash(saver, first_vm)
     assert first.returncode == 0, first.stderr
     assert "Installed MaxText" in first.stdout and "Saving the MaxText environment" in first.stdout
     installed = calls.read_text().splitlines()
     assert any(c.startswith("sudo ") for c in installed) and "install_tpu_post_train_extra_deps " in installed
-    [archive] = list(storage.rglob("*.tar.gz"))
-    assert archive.name.startswith("maxtext-env-tpu-") and not list(storage.rglob("*.partial"))
+    if server is None:
+        [archive] = list(storage.rglob("*.tar.gz"))
+        assert archive.name.startswith("maxtext-env-tpu-") and not list(storage.rglob("*.partial"))
+    else:
+        from unittest import mock
 
-    restorer = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=False)
+        from google.cloud import storage as gcs_client
+
+        with mock.patch.dict(os.environ, {"STORAGE_EMULATOR_HOST": server.url}):
+            [name] = [b.name for b in gcs_client.Client().list_blobs("bucket", prefix="posttrain/")]
+        assert name.startswith("posttrain/environments/maxtext-env-tpu-") and name.endswith(".tar.gz")
+
+    restorer = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=False, storage_tool_script=tool_script)
     second_vm = new_vm("tpu-vm")
     second = _bash(restorer, second_vm)
     assert second.returncode == 0, second.stderr
@@ -685,5 +719,5 @@ def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
     assert (home / "maxtext_venv" / "lib-installed").read_text() == "site-packages\n"
     assert (home / ".local/share/uv/python/cpython-3.12/python").is_file()  # the interpreter the venv links to
 
-    other = _bash(install.install_script(tpu_runtime(), "0.2.5", cache_uri), new_vm("newer"))
+    other = _bash(install.install_script(tpu_runtime(), "0.2.5", cache_uri, storage_tool_script=tool_script), new_vm("newer"))
     assert "Installed MaxText" in other.stdout and "Restored" not in other.stdout

@@ -1,4 +1,4 @@
-"""The storage commands a job script runs on a VM, run here with bash on a local directory."""
+"""The storage commands a job script runs on a VM, run here with bash on a local directory (gs://: test_gcs_tool.py)."""
 
 import subprocess
 
@@ -24,7 +24,10 @@ def test_metric_lines_kept_next_to_the_done_marker_can_be_read_back(tmp_path):
     assert _bash(storage.read_command(kept)) == "completed step: 9, loss: 6.2\n"
 
 
-def test_gcs_commands_quote_the_uri():
-    uri = "gs://bucket/run name/.complete-10.metrics"
-    assert storage.write_command(uri) == "gcloud storage cp - 'gs://bucket/run name/.complete-10.metrics'"
-    assert storage.read_command(uri) == "gcloud storage cat 'gs://bucket/run name/.complete-10.metrics'"
+def test_a_gcs_checkpoint_is_complete_only_with_orbax_s_commit_marker():
+    """On GCS orbax writes a step in place and commit_success.txt last; in a directory it renames the step into
+    place, so the item's own path says it is complete."""
+    gcs = "gs://b/post-train/run/checkpoints/5/model_params"
+    assert storage.committed_checkpoint(gcs) == "gs://b/post-train/run/checkpoints/5/commit_success.txt"
+    local = "/shared/post-train/run/checkpoints/actor/2/model_params"
+    assert storage.committed_checkpoint(local) == local

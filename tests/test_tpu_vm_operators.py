@@ -294,10 +294,10 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     import asyncio
     import importlib
 
-    from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger, ComputeOperationsTrigger
-
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger, ComputeOperationsTrigger
 
     client = compute_v1.InstancesClient(
         transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()

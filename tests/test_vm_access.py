@@ -179,7 +179,6 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
     monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
     dr = run_dag("access_iap", lifecycle("access_iap", tasks="create", create_kwargs='network_path="iap"'))
     assert dr.state == "success", task_states(dr)
-    logs = "".join(capfd.readouterr())
     vm = xcom(dr, "create_tpu_vm")
     assert vm["external_ip"] is None and vm["ssh_address"] == vm["internal_ip"]
     tunnel = f"gcloud compute start-iap-tunnel {vm['name']} 22 --listen-on-stdin --project={PROJECT} --zone=us-east5-b"

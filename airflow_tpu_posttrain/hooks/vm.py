@@ -11,12 +11,15 @@ import base64
 import io
 import posixpath
 import shlex
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 
-from airflow_tpu_posttrain.exceptions import VmHostKeyMismatchError
+from airflow_tpu_posttrain.exceptions import StorageError, VmHostKeyMismatchError
 from airflow_tpu_posttrain.recipes.access import HOST_KEY_TYPES, SSH_PORT, known_hosts
+
+if TYPE_CHECKING:
+    from airflow_tpu_posttrain.recipes.storage import GcsTool
 
 
 class ClientIdentity(NamedTuple):
@@ -128,11 +131,23 @@ class VmHook(SSHHook):
                 return None
             return buffer.getvalue().decode(errors="replace")
 
-    def exists(self, uri: str) -> bool:
-        """Whether a path on the VM, or a ``gs://`` object or prefix (read with the VM's credentials), exists."""
-        from airflow_tpu_posttrain.recipes.storage import exists_command
+    def exists(self, uri: str, tool: GcsTool | None = None, timeout: int = 300) -> bool:
+        """Whether a path on the VM, or a ``gs://`` object or prefix (read with the VM's credentials through
+        ``tool``), exists. :class:`StorageError` when storage could not be asked: "could not look" is never
+        taken for "not there" (which would redo a finished step, or fail a finished training)."""
+        from airflow_tpu_posttrain.recipes.storage import EXISTS_NO, exists_command
 
-        return self.run(f"{exists_command(uri)} && echo yes || echo no").strip() == "yes"
+        status, _, stderr = self.exec_ssh_client_command(
+            self._client, exists_command(uri, tool), get_pty=False, environment=None, timeout=timeout
+        )
+        if status == 0:
+            return True
+        if status == EXISTS_NO:
+            return False
+        raise StorageError(
+            f"could not check {uri} from the VM (exit status {status}): "
+            f"{stderr.decode(errors='replace').strip()[-2000:]}"
+        )
 
 
 class VmHookAsync(SSHHookAsync):

@@ -29,6 +29,8 @@ class LocalFleet:
     :param shared_paths: host directories every VM sees (checkpoint storage standing in for ``gs://``).
     :param package_cache: a host directory standing in for a package mirror (uv's cache on the VMs).
     :param boot_delay: seconds from RUNNING until the VM's sshd answers.
+    :param vm_environment: environment of every VM's sessions (the image's settings: the local GCS server's URL
+        for the storage clients); may be set after construction, before the first boot.
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class LocalFleet:
         package_cache: Path | None = None,
         boot_delay: float = 2.0,
         port: int = 22,
+        vm_environment: dict[str, str] | None = None,
     ) -> None:
         self.disks_root = Path(disks_root)
+        self.vm_environment = dict(vm_environment or {})
         self.shared_paths = tuple(shared_paths)
         self.package_cache = package_cache
         self.boot_delay = boot_delay
@@ -85,6 +89,7 @@ class LocalFleet:
                 package_cache=self.package_cache,
                 oslogin_url=oslogin_url if oslogin else None,
                 oslogin_logins=tuple(oslogin_logins) if oslogin else (),
+                environment=self.vm_environment,
             )
             self._vms[key] = vm
         vm.boot()

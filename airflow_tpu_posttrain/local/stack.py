@@ -6,8 +6,10 @@ it with the token as they read Gemma or Llama on the real Hub.
 ``LocalStack(local_dir).start()`` returns the environment (Airflow connections, ``TPU_POSTTRAIN_LOCAL_DIR``)
 under which the DAGs of models.yaml marked ``local: true`` run end to end. The SSH connection is made as README
 tells a production user to make it: a login and a private key, no host and no host key (the VMs publish theirs).
-Under ``vm_dir`` (default ``<local_dir>/vm``, emptied at each start): the instances' disks, the checkpoint
-storage every VM sees (standing in for ``gs://``) and the Hub's files. In ``local_dir``, kept: the tiny model,
+Under ``vm_dir`` (default ``<local_dir>/vm``, emptied at each start): the instances' disks, the local GCS
+server's objects (``gcs/``: the checkpoint storage ``gs://local-posttrain/...``, reached by the VMs through the
+storage clients' endpoint settings), a directory every VM sees (for storage a user configures as a directory)
+and the Hub's files. In ``local_dir``, kept: the tiny model,
 the client key, and the package cache the VMs install MaxText from (standing in for a package mirror).
 Stacks with different ``vm_dir`` can run side by side.
 """
@@ -27,8 +29,10 @@ from pathlib import Path
 
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
 from airflow_tpu_posttrain.local.fleet import LocalFleet
+from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
+from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
 from airflow_tpu_posttrain.recipes.install import install_script
 from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
@@ -114,13 +118,15 @@ class LocalStack:
             package_cache=package_cache(self.local_dir),
         )
         self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
+        self.gcs = GcsServer(self.vm_dir / "gcs", buckets=(LOCAL_BUCKET,), project=LOCAL_PROJECT)
         self.hub = HubServer(
             self.vm_dir / "hub", tokens=[self.hf_token], read_only_tokens=[self.hf_read_only_token]
         )
 
     @property
     def storage_dir(self) -> Path:
-        """Checkpoint storage: a directory every local VM sees, as every VM sees a gs:// bucket."""
+        """A directory every local VM sees, for checkpoint storage a user configures as a directory (the local
+        default is the local GCS server's bucket, ``LOCAL_CHECKPOINT_STORAGE``)."""
         return self.vm_dir / "storage"
 
     @property
@@ -130,7 +136,7 @@ class LocalStack:
 
     def start(self) -> dict[str, str]:
         prepare_vm_image(self.local_dir, self.python312)
-        for stale in ("instances", "storage", "published", "hub"):
+        for stale in ("instances", "storage", "published", "hub", "gcs"):
             shutil.rmtree(self.vm_dir / stale, ignore_errors=True)
         for part in (self.storage_dir, self.published_dir, self.vm_dir / "hub"):
             part.mkdir(parents=True)
@@ -141,6 +147,8 @@ class LocalStack:
             subprocess.run(["setfacl", "-d", "-m", "u::rwx,g::rwx,o::rwx", str(shared)], check=True)
         ensure_client_key(self.client_key)
         write_gcloud_stand_in(self.bin_dir)
+        self.gcs.start()
+        self.fleet.vm_environment = client_environment(self.gcs.url)
         self.compute.start()
         self.hub.start()
         self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
@@ -152,7 +160,7 @@ class LocalStack:
         return self.vm_dir / "bin"
 
     def stop(self) -> None:
-        for part in (self.hub, self.compute):
+        for part in (self.hub, self.compute, self.gcs):
             part.stop()
 
     def vms(self) -> list:
@@ -188,6 +196,8 @@ class LocalStack:
             # The iap network path's ProxyCommand: the stand-in gcloud, reading Compute where gcloud would.
             "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             IAP_ENDPOINT_VARIABLE: f"{self.compute.url}/compute/v1/",
+            # The worker's and the tests' storage clients (google-cloud-storage) reach the local GCS server.
+            **client_environment(self.gcs.url),
         }
 
 

@@ -257,8 +257,13 @@ class LocalVm:
         package_cache: Path | None = None,
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        # Set in every session (sshd's SetEnv), as an image's /etc/environment would: the storage clients'
+        # endpoint settings of the local GCS server. No credentials: the local server takes anonymous requests,
+        # as Cloud Storage takes the VM's service account's, fetched from its metadata server.
+        self.environment = dict(environment or {})
         self.disk_dir = Path(disk_dir).absolute()
         self.address = address
         self.port = port
@@ -428,6 +433,7 @@ class LocalVm:
 
     def _write_config(self) -> None:
         env = {name: os.environ[name] for name in _VM_ENV if name in os.environ}
+        env.update(self.environment)
         if self.package_cache is not None:
             env["UV_CACHE_DIR"] = f"/var/tmp/{VM_UV_CACHE}"
         settings = [

@@ -104,7 +104,7 @@ class HfExportOperator(MaxTextJobOperator):
         step's own error)."""
         try:
             with self._vm() as vm:
-                return vm.exists(f"{kept}.complete")
+                return vm.exists(f"{kept}.complete", self.storage_tool)
         except Exception as err:  # noqa: BLE001 - any failure here only loses the hint
             self.log.warning("Could not check the kept export at %s: %s", kept, err)
             return False
@@ -153,9 +153,9 @@ class HfExportOperator(MaxTextJobOperator):
         export_step = [f"  bash -c {shlex.quote(export.script())}"]
         if kept:
             publish += ["--keep-uri", kept]
-            restore = storage.copy_tree_command(kept, spec.layout.export_dir)
+            restore = storage.copy_tree_command(kept, spec.layout.export_dir, self.storage_tool)
             export_step = [
-                f"  if {storage.exists_command(kept + '.complete')}; then",
+                f"  if {storage.exists_command(kept + '.complete', self.storage_tool)}; then",
                 f"    echo {shlex.quote(f'Restoring the export kept at {kept} (checked by an earlier try)')}",
                 f"    {restore}",
                 "  else",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
-from airflow_tpu_posttrain.recipes import install, layout, maxtext, validation
+from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Step
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -46,7 +46,13 @@ class MaxTextInstallOperator(MaxTextJobOperator):
         version = validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version
         cache = f"{spec.layout.storage}/environments" if spec.layout.storage else None
         return Job(
-            install.install_script(spec.runtime, version, cache, save=self.save_environment),
+            install.install_script(
+                spec.runtime,
+                version,
+                cache,
+                save=self.save_environment,
+                storage_tool_script=self.storage_tool.script,
+            ),
             None,
             {"venv": spec.runtime.venv, "maxtext_version": version},
         )
@@ -212,10 +218,11 @@ class _TrainOperator(MaxTextJobOperator):
         """The final checkpoint must be durable (in storage, or on the VM in the seeds' layout) before the task
         succeeds: the TPU VM is deleted right after."""
         checkpoint = job.outputs["checkpoint"]
-        if not vm.exists(checkpoint):
+        committed = storage.committed_checkpoint(checkpoint)  # a half-written step is not a checkpoint
+        if not vm.exists(committed, self.storage_tool):
             raise CheckpointMissingError(
-                f"{self.step_title} finished but its final checkpoint {checkpoint} is missing; "
-                "a retry resumes from the newest checkpoint"
+                f"{self.step_title} finished but its final checkpoint {checkpoint} is missing or incomplete "
+                f"(no {committed}); a retry resumes from the newest checkpoint"
             )
         return {}
 

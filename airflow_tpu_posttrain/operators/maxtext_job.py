@@ -23,6 +23,7 @@ import re
 import shlex
 import time
 from collections.abc import Sequence
+from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -179,6 +180,21 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
     def jobs_dir(self) -> str:
         return f"{self.workdir}/jobs"
 
+    @property
+    def storage_tool(self) -> storage.GcsTool:
+        """How the VM reaches ``gs://`` storage: ``vm_scripts/gcs_tool.py`` (copied by :meth:`ship_storage_tool`)
+        run by the MaxText venv's python, which has google-cloud-storage (a MaxText dependency)."""
+        return storage.GcsTool(
+            script=f"{self.workdir}/vm_scripts/{storage.GCS_TOOL_NAME}",
+            python=f"{self._runtime().venv}/bin/python",
+        )
+
+    def ship_storage_tool(self, vm: VmHook, spec: maxtext.RunSpec) -> None:
+        """Copy ``gcs_tool.py`` to the VM when the run's storage is ``gs://`` (each try: a new VM has none)."""
+        if storage.is_gcs(spec.layout.storage):
+            tool = resources.files("airflow_tpu_posttrain.vm_scripts") / storage.GCS_TOOL_NAME
+            vm.put_bytes(self.storage_tool.script, tool.read_bytes(), 0o644)
+
     # -- what each step defines ------------------------------------------------------------------
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         raise NotImplementedError
@@ -293,6 +309,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
             keep_token_file=job.token_file,
             hub_endpoint=self._hub_endpoint() if job.reads_hub else None,
             done_marker=job.done_marker,
+            storage_tool=self.storage_tool if job.done_marker and storage.is_gcs(job.done_marker) else None,
         )
         return script, token_file
 
@@ -309,9 +326,10 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
         paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
         with self._vm() as vm:
+            self.ship_storage_tool(vm, spec)
             spec = self.resolve(context, vm, spec)
             job = self._job(spec, context)
-            if job.done_marker and vm.exists(job.done_marker):
+            if job.done_marker and vm.exists(job.done_marker, self.storage_tool):
                 self.log.info(
                     "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
                 )
@@ -468,7 +486,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         log = vm.run(remote_job.metric_lines_command(paths.log_file))
         if not log.strip() and job.done_marker:
             # finished on an earlier VM: its log went with that VM's disk; the lines were kept in storage
-            kept = storage.read_command(storage.metrics_uri(job.done_marker))
+            kept = storage.read_command(storage.metrics_uri(job.done_marker), self.storage_tool)
             log = vm.run(f"{kept} 2>/dev/null || true")
         metrics = parse_lines(log.splitlines())
         result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}

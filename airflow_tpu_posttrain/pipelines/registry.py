@@ -119,6 +119,12 @@ class PipelineConfig:
         return f"posttrain_{self.recipe}__{self.model}{suffix}"
 
 
+# The local runs' checkpoint storage: a bucket of the local GCS server (local/gcs_server.py), which each local
+# stack starts on a port of its own and names to its VMs (STORAGE_EMULATOR_HOST...), as a VM on Google Cloud
+# reaches storage.googleapis.com with its service account.
+LOCAL_BUCKET = "local-posttrain"
+LOCAL_CHECKPOINT_STORAGE = f"gs://{LOCAL_BUCKET}/airflow-tpu-posttrain"
+
 # The local VMs' MaxText venv: on each VM's own disk, installed there from the package cache (an absolute path
 # keeps it out of the environment archive, which for a CPU venv would cost more than installing it).
 LOCAL_VENV = "/var/tmp/maxtext-venv"
@@ -153,11 +159,10 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
         if is_local:
             if not local_dir:
                 continue
-            vm_dir = os.environ.get("TPU_POSTTRAIN_VM_DIR", f"{local_dir}/vm")
             merged.update(
                 local=local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
                 timeouts=LOCAL_TIMEOUTS,
-                checkpoint_storage=f"{vm_dir}/storage",  # the directory both local "VMs" see
+                checkpoint_storage=LOCAL_CHECKPOINT_STORAGE,  # the local GCS server's bucket
                 cpu_accelerator_type="cpu",
                 # The local run's pace: steps of a second, so tighter polls, retries and checkpoints.
                 retry_delay_s=5,

@@ -8,7 +8,8 @@ the next run.
 With an environment cache (a ``gs://`` prefix or a directory, in checkpoint storage) a new VM restores the
 environment from an archive keyed by what the marker records instead of installing it (a minute instead of
 the tutorials' install), and the VM told to ``save`` it uploads the archive after a fresh install. Only venvs
-under ``$HOME`` (the tutorials' ``maxtext_venv``) are cached, with uv's interpreters, which they link to.
+under ``$HOME`` (the tutorials' ``maxtext_venv``) are cached, with uv's interpreters, which they link to. A
+``gs://`` cache is read and written through ``vm_scripts/gcs_tool.py`` (google-cloud-storage).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ MARKER_NAME = ".airflow-tpu-posttrain-install"
 # google-tunix 0.1.7 pins safetensors<0.8 while maxtext[tpu] 0.2.5 needs >=0.8; both work with 0.8.
 CPU_OVERRIDES = ("safetensors>=0.8.0",)
 CPU_TUNIX = "google-tunix==0.1.7"
+_GCS_CLIENT = "google-cloud-storage>=2.18"  # what gcs_tool.py needs before MaxText's venv exists
+_ENSURE_UV = "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh"
 
 
 def _tpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
@@ -33,7 +36,7 @@ def _tpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
         f"{apt} update && {apt} upgrade -y --fix-missing",
         f"{apt} install -y build-essential cmake ninja-build",
         'export PATH="$HOME/.local/bin:$PATH"',
-        "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh",
+        _ENSURE_UV,
         f"uv python install {shlex.quote(runtime.base_python)}",
         f'[[ -x "$venv/bin/python" ]] || uv venv --python {shlex.quote(runtime.base_python)} --seed "$venv"',
         'source "$venv/bin/activate"',
@@ -53,16 +56,29 @@ def _cpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
     ]
 
 
-def _restore_lines(archive: str) -> list[str]:
-    fetch = (
-        f"gcloud storage cp {shlex.quote(archive)} -"
-        if storage.is_gcs(archive)
-        else f"cat {shlex.quote(archive)}"
+def restore_tool(script: str) -> storage.GcsTool:
+    """The storage tool before MaxText's venv exists: google-cloud-storage in a uv-made environment (uv's cache
+    keeps it for the next use; the install needs uv and the package index anyway). Not ``gcloud storage``: the
+    Google Cloud CLI is not on every image (nor installable from PyPI or Debian), and one client for every
+    storage step is one behaviour to test."""
+    return storage.GcsTool(
+        script=script, launcher=f"uv run --no-project --quiet --with {shlex.quote(_GCS_CLIENT)} python"
     )
+
+
+def _restore_lines(archive: str, tool_script: str | None) -> list[str]:
+    ensure_uv: list[str] = []
+    tool = None
+    if storage.is_gcs(archive):
+        if not tool_script:
+            raise ValueError("a gs:// environment cache needs the storage tool's path on the VM")
+        tool = restore_tool(tool_script)
+        ensure_uv = ['export PATH="$HOME/.local/bin:$PATH"', _ENSURE_UV]
     return [
-        f"if {storage.exists_command(archive)}; then",
+        *ensure_uv,
+        f"if {storage.exists_command(archive, tool)}; then",
         f"  echo {shlex.quote('Restoring the MaxText environment from ' + archive)}",
-        f'  {fetch} | tar -xz -C "$HOME" || echo "Restoring failed; installing instead"',
+        f'  {storage.read_command(archive, tool)} | tar -xz -C "$HOME" || echo "Restoring failed; installing instead"',
         '  if [[ -f "$marker" && "$(<"$marker")" == "$wanted" ]]; then',
         '    echo "Restored the MaxText environment in $venv"',
         "    exit 0",
@@ -71,11 +87,16 @@ def _restore_lines(archive: str) -> list[str]:
     ]
 
 
-def _save_lines(archive: str, venv: str) -> list[str]:
+def _save_lines(archive: str, venv: str, tool_script: str | None) -> list[str]:
     members = f'{shlex.quote(venv)} $(cd "$HOME" && ls -d .local/share/uv/python 2>/dev/null || true)'
     tar = f'tar -cz -C "$HOME" {members}'
     if storage.is_gcs(archive):
-        save = f"{tar} | gcloud storage cp - {shlex.quote(archive)}"
+        if not tool_script:
+            raise ValueError("a gs:// environment cache needs the storage tool's path on the VM")
+        # After the install: the venv's python has google-cloud-storage (a MaxText dependency). The object
+        # appears only once the whole stream is uploaded (a resumable upload), so no partial archive is read.
+        tool = storage.GcsTool(script=tool_script, python=f"{venv}/bin/python")
+        save = f"{tar} | {storage.write_command(archive, tool)}"
     else:
         partial = shlex.quote(archive + ".partial")
         parent = shlex.quote(archive.rsplit("/", 1)[0])
@@ -87,12 +108,17 @@ def _save_lines(archive: str, venv: str) -> list[str]:
 
 
 def install_script(
-    runtime: Runtime, maxtext_version: str, cache_uri: str | None = None, save: bool = False
+    runtime: Runtime,
+    maxtext_version: str,
+    cache_uri: str | None = None,
+    save: bool = False,
+    storage_tool_script: str | None = None,
 ) -> str:
     """The install script for ``runtime.venv``; ``maxtext_version`` is usually the model profile's.
 
     ``cache_uri``: where environment archives are kept (restored from before installing); ``save``: upload the
-    archive after a fresh install (one VM of a run does, so two do not upload the same archive).
+    archive after a fresh install (one VM of a run does, so two do not upload the same archive);
+    ``storage_tool_script``: where ``vm_scripts/gcs_tool.py`` is on the VM (a ``gs://`` cache).
     """
     version = validation.package_version("maxtext_version", maxtext_version)
     extra = "tpu" if runtime.is_cpu else "tpu-post-train"
@@ -117,12 +143,12 @@ def install_script(
                 "  echo \"Reusing the MaxText environment in $venv (installed: ${wanted//$'\\n'/, })\"",
                 "  exit 0",
                 "fi",
-                *(_restore_lines(archive) if archive else []),
+                *(_restore_lines(archive, storage_tool_script) if archive else []),
                 f'echo {shlex.quote("Installing " + " ".join(wanted[1:]) + " into")} "$venv"',
                 *steps,
                 'printf "%s\\n" "$wanted" >"$marker"',
                 "echo \"Installed MaxText in $venv (${wanted//$'\\n'/, })\"",
-                *(_save_lines(archive, runtime.venv) if archive and save else []),
+                *(_save_lines(archive, runtime.venv, storage_tool_script) if archive and save else []),
             ]
         )
         + "\n"

@@ -70,11 +70,13 @@ def wrapper_script(
     keep_token_file: bool = False,
     hub_endpoint: str | None = None,
     done_marker: str | None = None,
+    storage_tool: storage.GcsTool | None = None,
 ) -> str:
     """The script the detached job runs: the token from its 0600 file into ``HF_TOKEN`` (MaxText's config and
     huggingface_hub read it from the environment, never from argv) and/or named by ``HF_TOKEN_FILE`` until the
     job ends, the file deleted as soon as it is not needed; the step; then, with a ``done_marker``, the log's
-    metric lines kept in storage beside it (a later run on another VM reads them there) and the marker."""
+    metric lines kept in storage beside it (a later run on another VM reads them there) and the marker
+    (``storage_tool``: how the VM writes a ``gs://`` marker)."""
     lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
     if token_file and token_in_env:
         lines.append(f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"')
@@ -89,9 +91,9 @@ def wrapper_script(
         lines.append(f"rm -f {shlex.quote(token_file)}")
     lines.append(f"bash {shlex.quote(step_script)}")
     if done_marker:
-        keep_metrics = storage.write_command(storage.metrics_uri(done_marker))
+        keep_metrics = storage.write_command(storage.metrics_uri(done_marker), storage_tool)
         lines += [
             f"{{ {metric_lines_command(log_file)}; }} | {keep_metrics}",
-            storage.mark_command(done_marker),
+            storage.mark_command(done_marker, storage_tool),
         ]
     return "\n".join(lines) + "\n"

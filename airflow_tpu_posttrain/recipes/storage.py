@@ -1,15 +1,48 @@
-"""Checkpoint storage shared by the run's VMs: a ``gs://`` prefix on Google Cloud, a directory locally.
+"""Checkpoint storage shared by the run's VMs: a ``gs://`` prefix (on Google Cloud, and locally through the local
+GCS server), or a directory when a user configures one.
 
 MaxText reads and writes ``gs://`` paths itself (orbax); what the pipeline adds are small marker files that
-say an output is complete. These helpers render the shell commands that test for and write them on a VM.
+say an output is complete, the metric lines kept beside them, the kept export and the environment archive.
+These helpers render the shell commands that test for, write, read and copy them on a VM. For ``gs://`` they run
+``vm_scripts/gcs_tool.py`` (google-cloud-storage, the VM's own credentials) through a :class:`GcsTool`: the
+same client MaxText's own storage code uses, so nothing depends on the Google Cloud CLI being on the image.
 """
 
 from __future__ import annotations
 
 import posixpath
 import shlex
+from dataclasses import dataclass
 
 from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.recipes.shell import remote_path
+
+GCS_TOOL_NAME = "gcs_tool.py"  # in airflow_tpu_posttrain/vm_scripts, copied to the VM
+# gcs_tool.py's exit status for "no" (``exists``); anything else but 0 is an error (storage unreachable...).
+EXISTS_NO = 1
+ORBAX_COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" on storage without atomic rename
+
+
+@dataclass(frozen=True)
+class GcsTool:
+    """How a VM runs ``gcs_tool.py``: ``python`` (a path on the VM, relative ones under ``$HOME``; an interpreter
+    with google-cloud-storage) and ``script`` (where the tool was copied), or ``launcher`` (a command line
+    fragment that runs a python with google-cloud-storage, e.g. ``uv run --with ...``)."""
+
+    script: str
+    python: str = ""
+    launcher: str = ""
+
+    def __post_init__(self) -> None:
+        validation.safe_absolute_path("gcs_tool", self.script)
+        if bool(self.python) == bool(self.launcher):
+            raise ValueError("GcsTool: give python or launcher, not both")
+        if self.python:
+            validation.safe_path("gcs_tool python", self.python)
+
+    def command(self, *args: str) -> str:
+        runner = remote_path(self.python) if self.python else self.launcher
+        return f"{runner} {shlex.quote(self.script)} {shlex.join(args)}"
 
 
 def checkpoint_uri(field: str, value: str) -> str:
@@ -23,34 +56,53 @@ def is_gcs(uri: str) -> bool:
     return uri.startswith("gs://")
 
 
-def exists_command(uri: str) -> str:
-    """Exit status 0 when ``uri`` (an object, a prefix or a path) exists."""
+def _tool(uri: str, tool: GcsTool | None) -> GcsTool:
+    if tool is None:
+        raise ValueError(f"{uri}: gs:// storage needs the VM's storage tool (GcsTool)")
+    return tool
+
+
+def exists_command(uri: str, tool: GcsTool | None = None) -> str:
+    """Exit status 0 when ``uri`` (an object, a prefix or a path) exists, ``EXISTS_NO`` when it does not; with
+    ``gs://``, any other status when storage could not be asked (the error on stderr)."""
     if is_gcs(uri):
-        return f"gcloud storage ls {shlex.quote(uri)} >/dev/null 2>&1"
+        return _tool(uri, tool).command("exists", uri)
     return f"test -e {shlex.quote(uri)}"
 
 
-def write_command(uri: str) -> str:
+def write_command(uri: str, tool: GcsTool | None = None) -> str:
     """Write standard input to the file ``uri`` (its parent directory is created when local); one command, so
     it can end a pipeline."""
     if is_gcs(uri):
-        return f"gcloud storage cp - {shlex.quote(uri)}"
+        return _tool(uri, tool).command("write", uri)
     return f"{{ mkdir -p {shlex.quote(posixpath.dirname(uri))} && cat > {shlex.quote(uri)}; }}"
 
 
-def read_command(uri: str) -> str:
+def read_command(uri: str, tool: GcsTool | None = None) -> str:
     """Print the file ``uri``."""
     if is_gcs(uri):
-        return f"gcloud storage cat {shlex.quote(uri)}"
+        return _tool(uri, tool).command("cat", uri)
     return f"cat {shlex.quote(uri)}"
 
 
-def copy_tree_command(source: str, destination: str) -> str:
-    """Copy the contents of the directory ``source`` into ``destination`` (either may be ``gs://``)."""
+def copy_tree_command(source: str, destination: str, tool: GcsTool | None = None) -> str:
+    """Copy the contents of the directory ``source`` into ``destination`` (one of them may be ``gs://``)."""
     mkdir = "" if is_gcs(destination) else f"mkdir -p {shlex.quote(destination)} && "
     if is_gcs(source) or is_gcs(destination):
-        return f"{mkdir}gcloud storage rsync --recursive {shlex.quote(source)} {shlex.quote(destination)}"
+        return f"{mkdir}{_tool(source, tool).command('sync', source, destination)}"
     return f"{mkdir}cp -a {shlex.quote(source + '/.')} {shlex.quote(destination + '/')}"
+
+
+def committed_checkpoint(params_uri: str) -> str:
+    """What must exist for the orbax checkpoint item ``<step dir>/<item>`` (``.../checkpoints/5/model_params``)
+    to be complete. In a directory orbax writes a step under a temporary name and renames it into place, so the
+    item's path is enough. On GCS there is no rename: orbax writes the step in place and
+    ``<step dir>/commit_success.txt`` last (orbax-checkpoint 0.12.8: a trainer SIGKILLed while saving step 4 left
+    ``checkpoints/4/model_params/...`` without ``checkpoints/4/commit_success.txt``), so a half-written step
+    already has objects under the item's prefix."""
+    if is_gcs(params_uri):
+        return f"{posixpath.dirname(params_uri)}/{ORBAX_COMMIT_MARKER}"
+    return params_uri
 
 
 def metrics_uri(done_marker: str) -> str:
@@ -59,8 +111,8 @@ def metrics_uri(done_marker: str) -> str:
     return f"{done_marker}.metrics"
 
 
-def mark_command(uri: str) -> str:
+def mark_command(uri: str, tool: GcsTool | None = None) -> str:
     """Write the empty marker ``uri`` (its parent directory is created when local)."""
     if is_gcs(uri):
-        return f"printf '' | gcloud storage cp - {shlex.quote(uri)}"
+        return f"printf '' | {write_command(uri, tool)}"
     return f"mkdir -p {shlex.quote(posixpath.dirname(uri))} && touch {shlex.quote(uri)}"

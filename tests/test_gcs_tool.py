@@ -1,0 +1,135 @@
+"""The storage commands a job script runs on a VM for ``gs://`` storage (``recipes/storage.py`` rendering
+``vm_scripts/gcs_tool.py``), run here with bash against the local GCS server (fake-gcs-server), as a VM's job runs
+them: google-cloud-storage pointed at the server by ``STORAGE_EMULATOR_HOST``, no credentials."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
+from airflow_tpu_posttrain.recipes import storage
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = storage.GcsTool(
+    script=str(REPO / "airflow_tpu_posttrain" / "vm_scripts" / "gcs_tool.py"), python=sys.executable
+)
+BUCKET = "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    with GcsServer(tmp_path_factory.mktemp("gcs") / "objects", buckets=(BUCKET,)) as server:
+        yield server
+
+
+@pytest.fixture
+def env(gcs, monkeypatch):
+    """The VM's environment: the server's URL for the clients (the test's own client reads it too)."""
+    variables = {**client_environment(gcs.url), "GCS_TOOL_RETRY_DEADLINE_S": "5"}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return {**os.environ}
+
+
+def _bash(script: str, env: dict, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{script}"], env=env, input=stdin, capture_output=True, timeout=120
+    )
+
+
+def _objects(prefix: str) -> dict[str, bytes]:
+    from google.cloud import storage as gcs_client
+
+    client = gcs_client.Client()
+    return {b.name: b.download_as_bytes() for b in client.list_blobs(BUCKET, prefix=prefix)}
+
+
+def test_a_done_marker_and_its_metric_lines_are_objects_in_the_bucket(env, tmp_path):
+    marker = f"gs://{BUCKET}/post-train/run-1/.complete-10"
+    log = tmp_path / "stdout.log"
+    log.write_text("noise\ncompleted step: 9, loss: 6.2\n")
+    kept = storage.metrics_uri(marker)
+    # As the job script does (recipes/remote_job.py): the grep's output ends a pipeline into the write.
+    made = _bash(
+        f"{{ grep -a 'completed step' {log} || true; }} | {storage.write_command(kept, TOOL)}\n"
+        f"{storage.mark_command(marker, TOOL)}",
+        env,
+    )
+    assert made.returncode == 0, made.stderr
+    assert _objects("post-train/run-1/") == {
+        "post-train/run-1/.complete-10": b"",
+        "post-train/run-1/.complete-10.metrics": b"completed step: 9, loss: 6.2\n",
+    }
+    assert _bash(storage.exists_command(marker, TOOL), env).returncode == 0
+    assert _bash(storage.read_command(kept, TOOL), env).stdout == b"completed step: 9, loss: 6.2\n"
+
+
+def test_exists_tells_an_object_a_folder_and_nothing_apart(env):
+    assert _bash(f"printf x | {storage.write_command(f'gs://{BUCKET}/ckpt/5/model_params/a', TOOL)}", env).returncode == 0
+    for present in ("ckpt/5/model_params/a", "ckpt/5/model_params", "ckpt/5/model_params/", "ckpt"):
+        assert _bash(storage.exists_command(f"gs://{BUCKET}/{present}", TOOL), env).returncode == 0, present
+    # A prefix of a name is not a folder: ckpt/5/model is neither an object nor has objects under ckpt/5/model/.
+    for absent in ("ckpt/5/model", "ckpt/6", "other"):
+        answer = _bash(storage.exists_command(f"gs://{BUCKET}/{absent}", TOOL), env)
+        assert answer.returncode == storage.EXISTS_NO and answer.stderr == b"", absent
+
+
+def test_storage_unreachable_is_an_error_not_a_no(env):
+    """A job must not take "could not look" for "not there" (that would redo a finished conversion)."""
+    with_dead_server = {**env, **client_environment("http://127.0.0.1:9")}  # discard port: nothing listens
+    started = time.monotonic()
+    answer = _bash(storage.exists_command(f"gs://{BUCKET}/anything", TOOL), with_dead_server)
+    assert answer.returncode not in (0, storage.EXISTS_NO)
+    assert b"gcs_tool exists:" in answer.stderr
+    assert time.monotonic() - started < 90  # bounded by GCS_TOOL_RETRY_DEADLINE_S, not the library's 120 s
+
+
+def test_a_missing_object_cannot_be_read(env):
+    answer = _bash(storage.read_command(f"gs://{BUCKET}/no/such/object", TOOL), env)
+    assert answer.returncode != 0 and b"NotFound" in answer.stderr
+
+
+def test_a_stream_of_several_chunks_arrives_whole(env, monkeypatch):
+    """The environment archive is streamed from tar into the tool: a resumable upload in chunks."""
+    data = os.urandom(40 * 1024 * 1024 + 123)  # more than two 16 MiB chunks
+    uri = f"gs://{BUCKET}/environments/maxtext-env.tar.gz"
+    assert _bash(storage.write_command(uri, TOOL), env, stdin=data).returncode == 0
+    back = _bash(storage.read_command(uri, TOOL), env)
+    assert back.returncode == 0 and back.stdout == data
+
+
+def test_a_tree_goes_to_the_bucket_and_comes_back(env, tmp_path):
+    """The kept export: copied to storage by one VM, restored on another."""
+    source = tmp_path / "export"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "sub" / "model.safetensors").write_bytes(os.urandom(1000))
+    uri = f"gs://{BUCKET}/exports/run-7"
+    up = _bash(storage.copy_tree_command(str(source), uri, TOOL), env)
+    assert up.returncode == 0, up.stderr
+    assert sorted(_objects("exports/run-7/")) == ["exports/run-7/config.json", "exports/run-7/sub/model.safetensors"]
+    again = _bash(storage.copy_tree_command(str(source), uri, TOOL), env)
+    assert b"0 file(s) copied" in again.stderr  # unchanged files are not uploaded again
+
+    restored = tmp_path / "restored"
+    down = _bash(storage.copy_tree_command(uri, str(restored), TOOL), env)
+    assert down.returncode == 0, down.stderr
+    assert sorted(str(p.relative_to(restored)) for p in restored.rglob("*") if p.is_file()) == [
+        "config.json", "sub/model.safetensors"]
+    assert (restored / "sub" / "model.safetensors").read_bytes() == (source / "sub" / "model.safetensors").read_bytes()
+
+
+def test_gs_commands_need_the_tool_and_quote_the_uri():
+    uri = "gs://bucket/run name/.complete-10.metrics"
+    with pytest.raises(ValueError, match="storage tool"):
+        storage.write_command(uri)
+    tool = storage.GcsTool(script="/tmp/w/vm_scripts/gcs_tool.py", python="maxtext_venv/bin/python")
+    assert storage.read_command(uri, tool) == (
+        "\"$HOME\"/maxtext_venv/bin/python /tmp/w/vm_scripts/gcs_tool.py cat 'gs://bucket/run name/.complete-10.metrics'"
+    )
