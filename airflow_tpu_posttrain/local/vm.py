@@ -208,32 +208,20 @@ def _ensure_account(login: str) -> pwd.struct_passwd:
 
 def _own_private_copy(cache: Path, account: pwd.struct_passwd) -> None:
     """Give a VM's copy of the package cache to its login without touching the mirror: the copy's directories
-    are its own inodes, and its lock files are made anew; the packages stay hard links to the mirror's files,
-    readable by every login. (Chowning the mirror itself, as VMs of different logins boot, changed the owner of
-    files another VM's install was reading.)"""
-    for lock in cache.rglob(".lock"):
-        lock.unlink()
-        lock.touch()
+    are its own inodes; the files uv opens for writing (its lock files, and the markers it writes at the top of
+    the cache and of each bucket: ``CACHEDIR.TAG``, ``.gitignore``, ``sdists-v11/.git``) are made anew as the
+    login's; the packages stay hard links to the mirror's files, readable by every login. (Chowning the mirror
+    itself, as VMs of different logins boot, changed the owner of files another VM's install was reading; not
+    chowning it left those markers unwritable by any login but the mirror's owner.)"""
+    written = {*cache.rglob(".lock"), *cache.glob("*"), *cache.glob("*/*")}
+    for path in written:
+        if path.is_file() and not path.is_symlink():
+            private = path.with_name(f".{path.name}.private")
+            shutil.copyfile(path, private)
+            os.chown(private, account.pw_uid, account.pw_gid)
+            os.replace(private, path)
     owner = f"{account.pw_uid}:{account.pw_gid}"
-    subprocess.run(
-        [
-            "find",
-            str(cache),
-            "(",
-            "-type",
-            "d",
-            "-o",
-            "-name",
-            ".lock",
-            ")",
-            "-exec",
-            "chown",
-            owner,
-            "{}",
-            "+",
-        ],
-        check=True,
-    )
+    subprocess.run(["find", str(cache), "-type", "d", "-exec", "chown", owner, "{}", "+"], check=True)
 
 
 def _chown(path: Path, account: pwd.struct_passwd) -> None:
