@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -653,40 +654,78 @@ def _stand_in_tools(bin_dir, calls):
         (bin_dir / name).chmod(0o755)
 
 
-@pytest.mark.parametrize("cache", ["directory", "gs"])
-def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
-    """The tutorials' install once: the VM that saves uploads an archive of the venv (and uv's interpreter) to the
-    cache; a fresh VM (an empty $HOME) restores it instead of running apt/uv; a new version installs again.
-    ``gs``: through vm_scripts/gcs_tool.py against the local GCS server."""
+@contextlib.contextmanager
+def _environment_cache(tmp_path, cache: str):
+    """``(cache URI, storage directory, GCS server or None, the VMs' storage environment)``: a directory, or
+    ``gs``: the local GCS server, reached through vm_scripts/gcs_tool.py."""
     from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    _stand_in_tools(bin_dir, calls)
     storage = tmp_path / "storage"
-    tool_script = str(Path(install.__file__).parents[1] / "vm_scripts" / "gcs_tool.py")
-    server = GcsServer(tmp_path / "gcs", buckets=("bucket",)) if cache == "gs" else None
-    vm_env: dict[str, str] = {}
-    if server is not None:
-        server.start()
+    if cache == "directory":
+        yield str(storage / "environments"), storage, None, {}
+        return
+    with GcsServer(tmp_path / "gcs", buckets=("bucket",)) as server:
         vm_env = client_environment(server.url)
         # The VMs' uv keeps its cache where this machine's is (as the local VMs get a copy of the package mirror).
         vm_env["UV_CACHE_DIR"] = subprocess.run(["uv", "cache", "dir"], capture_output=True, text=True).stdout.strip()
-        cache_uri = "gs://bucket/posttrain/environments"
-    else:
-        cache_uri = str(storage / "environments")
+        yield "gs://bucket/posttrain/environments", storage, server, vm_env
 
-    def new_vm(name: str) -> dict[str, str]:
-        home = tmp_path / name
-        home.mkdir()
-        mark = home / "maxtext_venv" / "lib-installed"
-        return {**os.environ, **vm_env, "HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                "VIRTUAL_ENV_MARK": str(mark)}
 
-    try:
+def _bucket_objects(server, prefix: str) -> list[str]:
+    from unittest import mock
+
+    from google.cloud import storage as gcs_client
+
+    with mock.patch.dict(os.environ, {"STORAGE_EMULATOR_HOST": server.url}):
+        return [b.name for b in gcs_client.Client().list_blobs("bucket", prefix=prefix)]
+
+
+@pytest.mark.parametrize("cache", ["directory", "gs"])
+def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
+    """The tutorials' install once: the VM that saves uploads an archive of the venv (and uv's interpreter) to the
+    cache; a fresh VM (an empty $HOME) restores it instead of running apt/uv; a new version installs again."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    _stand_in_tools(bin_dir, calls)
+    tool_script = str(Path(install.__file__).parents[1] / "vm_scripts" / "gcs_tool.py")
+    with _environment_cache(tmp_path, cache) as (cache_uri, storage, server, vm_env):
+
+        def new_vm(name: str) -> dict[str, str]:
+            home = tmp_path / name
+            home.mkdir()
+            mark = home / "maxtext_venv" / "lib-installed"
+            return {**os.environ, **vm_env, "HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                    "VIRTUAL_ENV_MARK": str(mark)}
+
         _save_and_restore(tmp_path, calls, storage, server, cache_uri, tool_script, new_vm)
-    finally:
-        if server is not None:
-            server.stop()
+
+
+@pytest.mark.parametrize("cache", ["directory", "gs"])
+def test_an_archive_cut_short_is_never_saved(tmp_path, cache):
+    """tar failing midway (a disk error, a file vanishing) after part of the archive went out: the next VM
+    would restore a truncated archive and fail to untar it, every time. Nothing is saved under the archive's
+    name; the install itself succeeds."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    _stand_in_tools(bin_dir, calls)
+    real_tar = shutil.which("tar")
+    (bin_dir / "tar").write_text(
+        f'#!/bin/bash\nif [[ $1 == -cz ]]; then head -c 300000 /dev/urandom; exit 2; fi\nexec {real_tar} "$@"\n'
+    )
+    (bin_dir / "tar").chmod(0o755)
+    tool_script = str(Path(install.__file__).parents[1] / "vm_scripts" / "gcs_tool.py")
+    with _environment_cache(tmp_path, cache) as (cache_uri, storage, server, vm_env):
+        home = tmp_path / "vm"
+        home.mkdir()
+        env = {**os.environ, **vm_env, "HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+               "VIRTUAL_ENV_MARK": str(home / "maxtext_venv" / "lib-installed")}
+        saver = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=True, storage_tool_script=tool_script)
+        run = _bash(saver, env)
+        assert run.returncode == 0, run.stderr
+        assert "Could not save the environment archive; the next VM installs again" in run.stdout
+        if server is None:
+            saved = [p.name for p in storage.rglob("*") if p.is_file()]
+        else:
+            saved = _bucket_objects(server, "posttrain/")
+        assert not [name for name in saved if name.endswith(".tar.gz")], saved
 
 
 def _save_and_restore(tmp_path, calls, storage, server, cache_uri, tool_script, new_vm):
@@ -701,12 +740,7 @@ def _save_and_restore(tmp_path, calls, storage, server, cache_uri, tool_script, 
         [archive] = list(storage.rglob("*.tar.gz"))
         assert archive.name.startswith("maxtext-env-tpu-") and not list(storage.rglob("*.partial"))
     else:
-        from unittest import mock
-
-        from google.cloud import storage as gcs_client
-
-        with mock.patch.dict(os.environ, {"STORAGE_EMULATOR_HOST": server.url}):
-            [name] = [b.name for b in gcs_client.Client().list_blobs("bucket", prefix="posttrain/")]
+        [name] = _bucket_objects(server, "posttrain/")  # the archive, and no partial object left beside it
         assert name.startswith("posttrain/environments/maxtext-env-tpu-") and name.endswith(".tar.gz")
 
     restorer = install.install_script(tpu_runtime(), "0.2.3", cache_uri, save=False, storage_tool_script=tool_script)

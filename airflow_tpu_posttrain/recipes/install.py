@@ -90,17 +90,16 @@ def _restore_lines(archive: str, tool_script: str | None) -> list[str]:
 def _save_lines(archive: str, venv: str, tool_script: str | None) -> list[str]:
     members = f'{shlex.quote(venv)} $(cd "$HOME" && ls -d .local/share/uv/python 2>/dev/null || true)'
     tar = f'tar -cz -C "$HOME" {members}'
+    tool = None
     if storage.is_gcs(archive):
         if not tool_script:
             raise ValueError("a gs:// environment cache needs the storage tool's path on the VM")
-        # After the install: the venv's python has google-cloud-storage (a MaxText dependency). The object
-        # appears only once the whole stream is uploaded (a resumable upload), so no partial archive is read.
+        # After the install: the venv's python has google-cloud-storage (a MaxText dependency).
         tool = storage.GcsTool(script=tool_script, python=f"{venv}/bin/python")
-        save = f"{tar} | {storage.write_command(archive, tool)}"
-    else:
-        partial = shlex.quote(archive + ".partial")
-        parent = shlex.quote(archive.rsplit("/", 1)[0])
-        save = f"mkdir -p {parent} && {tar} >{partial} && mv {partial} {shlex.quote(archive)}"
+    # An upload finalizes whatever the stream held at its end, a tar that failed midway included: the archive is
+    # written under a temporary name and moved into place only when tar succeeded (pipefail).
+    partial = archive + ".partial"
+    save = f"{tar} | {storage.write_command(partial, tool)} && {storage.move_command(partial, archive, tool)}"
     return [
         f"echo {shlex.quote('Saving the MaxText environment to ' + archive)}",
         f"{{ {save}; }} || echo 'Could not save the environment archive; the next VM installs again'",

@@ -78,6 +78,15 @@ def write_command(uri: str, tool: GcsTool | None = None) -> str:
     return f"{{ mkdir -p {shlex.quote(posixpath.dirname(uri))} && cat > {shlex.quote(uri)}; }}"
 
 
+def move_command(source: str, destination: str, tool: GcsTool | None = None) -> str:
+    """Rename the file (object) ``source`` to ``destination``, both in the same storage."""
+    if is_gcs(source) != is_gcs(destination):
+        raise ValueError(f"a move stays in one storage: {source} -> {destination}")
+    if is_gcs(source):
+        return _tool(source, tool).command("move", source, destination)
+    return f"mv {shlex.quote(source)} {shlex.quote(destination)}"
+
+
 def read_command(uri: str, tool: GcsTool | None = None) -> str:
     """Print the file ``uri``."""
     if is_gcs(uri):

@@ -17,6 +17,7 @@ exits 2 with the error on stderr, so "not there" is never mistaken for "could no
     exists URI            an object, or a "folder" (objects under URI/)
     cat URI               the object to standard output
     write URI             standard input to the object (a resumable upload in chunks: any size, bounded memory)
+    move SOURCE DEST      the object SOURCE renamed DEST (a server-side rewrite, then SOURCE deleted)
     sync SOURCE DEST      a tree: every object under gs://.../SOURCE/ into the directory DEST, or every file under
                           the directory SOURCE to gs://.../DEST/ (objects whose MD5 already matches are skipped)
 """
@@ -97,6 +98,20 @@ def write(uri: str) -> None:
         shutil.copyfileobj(sys.stdin.buffer, out, CHUNK_SIZE)
 
 
+def move(source: str, destination: str) -> None:
+    """Rename an object. A stream's upload finalizes whatever arrived before its end of file, a writer that died
+    midway included, so a whole archive is written under a temporary name and moved into place only once its
+    producer succeeded."""
+    (source_bucket, source_name), (bucket_name, name) = split(source), split(destination)
+    client = _client()
+    blob = client.bucket(source_bucket).blob(source_name)
+    target = client.bucket(bucket_name).blob(name)
+    token, _, _ = target.rewrite(blob, retry=_retry())
+    while token is not None:  # large objects are rewritten in several calls
+        token, _, _ = target.rewrite(blob, token=token, retry=_retry())
+    blob.delete(retry=_retry())
+
+
 def _md5(path: Path) -> str:
     digest = hashlib.md5()  # noqa: S324 - GCS's own content hash, not for security
     with path.open("rb") as handle:
@@ -152,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in ("exists", "cat", "write"):
         commands.add_parser(command).add_argument("uri")
-    sync_parser = commands.add_parser("sync")
-    sync_parser.add_argument("source")
-    sync_parser.add_argument("destination")
+    for command in ("sync", "move"):
+        two_uris = commands.add_parser(command)
+        two_uris.add_argument("source")
+        two_uris.add_argument("destination")
     args = parser.parse_args(argv)
     try:
         if args.command == "exists":
@@ -163,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             cat(args.uri)
         elif args.command == "write":
             write(args.uri)
+        elif args.command == "move":
+            move(args.source, args.destination)
         else:
             count = sync(args.source, args.destination)
             print(
