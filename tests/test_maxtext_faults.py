@@ -163,11 +163,48 @@ class _ProcessSampler(threading.Thread):
             self.stop.wait(0.5)
 
 
+def _forge_half_written_step(step: int) -> dict[str, int]:
+    """What a save cut short leaves on GCS, for ``step`` of the run now training: the objects of its newest
+    committed step copied under ``checkpoints/<step>/`` without orbax's ``commit_success.txt`` (orbax writes in
+    place on GCS and the commit file last). Returns ``{object name: generation}`` of the forged objects."""
+    from google.cloud import storage
+
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
+
+    bucket_name, _, root = LOCAL_CHECKPOINT_STORAGE.removeprefix("gs://").partition("/")
+    client = storage.Client()
+    bucket = client.bucket(bucket_name)
+    commits = [
+        blob
+        for blob in client.list_blobs(bucket_name, prefix=f"{root}/")
+        if blob.name.endswith("/commit_success.txt") and "/checkpoints/" in blob.name
+    ]
+    newest = max(commits, key=lambda blob: blob.updated).name.rsplit("/", 1)[0]  # .../checkpoints/<n>
+    target = f"{newest.rsplit('/', 1)[0]}/{step}"
+    forged = {}
+    for blob in client.list_blobs(bucket_name, prefix=f"{newest}/"):
+        if not blob.name.endswith("/commit_success.txt"):
+            copy = bucket.copy_blob(blob, bucket, target + blob.name[len(newest) :])
+            forged[copy.name] = copy.generation
+    return forged
+
+
+def _generations(names: list[str]) -> dict[str, int | None]:
+    """``{object name: generation}`` in the local checkpoint bucket, None for an object that is not there."""
+    from google.cloud import storage
+
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
+
+    bucket = storage.Client().bucket(LOCAL_CHECKPOINT_STORAGE.removeprefix("gs://").partition("/")[0])
+    blobs = {name: bucket.get_blob(name) for name in names}
+    return {name: blob.generation if blob else None for name, blob in blobs.items()}
+
+
 class _TrainFaults(threading.Thread):
     """Watches the train job on the TPU VM (the VM whose jobs directory gets ``job_name``): drops the VM's SSH
     sessions at try 1's first completed step, SIGKILLs the trainer (python processes of the job's session)
-    after step KILL_AFTER_STEP, then drops the sessions again at the first completed step of the retry (a new
-    pid in the re-created job dir)."""
+    after step KILL_AFTER_STEP and leaves a half-written final step in storage, then drops the sessions again at
+    the first completed step of the retry (a new pid in the re-created job dir)."""
 
     def __init__(self, stack, job_name: str):
         super().__init__(daemon=True)
@@ -180,6 +217,7 @@ class _TrainFaults(threading.Thread):
         self.drops: list[tuple[str, list[int]]] = []
         self.killed: list[tuple[int, str]] = []
         self.try1_pid: int | None = None
+        self.forged: dict[str, int] = {}
         self.error: BaseException | None = None
 
     def _find(self) -> None:
@@ -228,6 +266,7 @@ class _TrainFaults(threading.Thread):
                                 os.kill(other, signal.SIGKILL)
                             self.killed.append((other, cmd.replace(b"\0", b" ").decode(errors="replace")[:200]))
                     self.try1_pid = pid
+                    self.forged = _forge_half_written_step(STEPS)
                     phase = "try2"
             elif phase == "try2" and pid and pid != self.try1_pid and steps:
                 self.drops.append(("try2", self.vm.drop_sessions()))
@@ -325,6 +364,7 @@ def _faulted_run(stack, capfd) -> dict:
         "train_dir": train_dir,
         "earlier_train_dirs": sorted(p for p in train_dir.parent.glob(f"{train_name}.*") if p.is_dir()),
         "instance_inserts": _instance_inserts(stack) - inserts_before,
+        "forged_after": _generations(list(faults.forged)),
         "hub_requests": stack.hub.requests[hub_requests_before:],
         "seconds": time.monotonic() - started,
     }
@@ -423,6 +463,35 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fa
         run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"],
         storage_has(run["returns"]["train"]["checkpoint"]),
         log_excerpt(run["logs"], f"SFT: {STEPS} steps (resumed from {restored[0]})"),
+    )
+
+
+def test_half_written_checkpoint_is_not_taken_for_a_finished_one(faulted_run, stack, fault_matrix):
+    """After the kill, storage holds a half-written step STEPS (its objects, no commit_success.txt: what a save cut
+    short leaves on GCS). The retry resumes from a committed step below it, writes step STEPS anew, and the train
+    task counts the final checkpoint only with its commit file."""
+    from airflow_tpu_posttrain.recipes.storage import committed_checkpoint
+
+    run = faulted_run
+    forged = run["faults"].forged
+    assert forged and all(f"/checkpoints/{STEPS}/" in name for name in forged), forged
+    assert run["states"]["train"] == "success", _diagnose(run)
+    try2_log = (run["train_dir"] / "stdout.log").read_bytes()
+    restored = [int(s) for s in re.findall(rb"Restored params from step: (\d+)", try2_log)]
+    assert restored and restored[0] < STEPS, restored
+    # Every forged object was replaced by the retry's own save of step STEPS (a new generation) or removed.
+    rewritten = {name: gen for name, gen in run["forged_after"].items() if gen == forged[name]}
+    assert not rewritten, rewritten
+    checkpoint = run["returns"]["train"]["checkpoint"]
+    assert checkpoint.endswith(f"/checkpoints/{STEPS}/model_params")
+    assert storage_has(committed_checkpoint(checkpoint))
+    _assert_vms_deleted_and_checkpoint_kept(run, stack)
+    fault_matrix.record(
+        f"storage: a half-written step {STEPS} (objects, no commit_success.txt) -> resumed from step "
+        f"{restored[0]}, step {STEPS} written again",
+        run["returns"]["delete_tpu_vm"]["deleted"] is True and stack.compute.instances() == [], run["state"], storage_has(committed_checkpoint(checkpoint)),
+        f"{len(forged)} forged objects, {sum(g is None for g in run['forged_after'].values())} removed and "
+        f"{sum(g is not None for g in run['forged_after'].values())} rewritten by the retry",
     )
 
 
