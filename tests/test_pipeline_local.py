@@ -190,6 +190,15 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert ModelCard.load(model_copy / "README.md").content == card.content
 
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
+    # What each VM cost: its time (Compute's creation to the end of its delete), within the run's, at the price
+    # table's price of its machine type (the local VMs are e2-standard-2, on demand).
+    run_seconds = (dr.end_date - dr.start_date).total_seconds()
+    for kind in ("tpu", "cpu"):
+        spent = xcom(dr, f"delete_{kind}_vm")
+        assert spent["machine_type"] == "e2-standard-2" and spent["usd_per_hour"] == 0.067, spent
+        assert 0 < spent["vm_seconds"] <= run_seconds + 1, (spent, run_seconds)
+        assert abs(spent["cost_usd"] - spent["vm_seconds"] / 3600 * 0.067) < 1e-3, spent
+    assert re.search(r"Cost: \S+ \(e2-standard-2, STANDARD\) ran \d+ min \d+ s: \$0\.\d\d at \$0\.067/h", logs)
     # The token: nowhere in the task logs, XCom, or left on either VM (every file of its own at its end; the
     # token files in the secrets directory removed).
     assert HF_TOKEN not in logs

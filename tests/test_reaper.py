@@ -4,6 +4,7 @@ else, and nothing on doubt."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -180,7 +181,10 @@ def test_reaper_deletes_the_vm_of_a_deleted_run(emulator, run_dag, capfd):
         session.query(DagRun).filter(DagRun.dag_id == "reaper_victim").delete()
     wet = run_dag("reaper_gone", REAPER.format(mode="gone", dry_run=False))
     assert reap_counts(wet)["deleted"] == 1
-    assert "its DAG run no longer exists" in "".join(capfd.readouterr())
+    logs = "".join(capfd.readouterr())
+    assert "its DAG run no longer exists" in logs
+    # What the orphan had cost until now: a v6e-8 reserved VM at the on-demand price.
+    assert re.search(r"cost so far: \S+ \(ct6e-standard-8t, RESERVATION_BOUND\) ran \d+ min \d+ s: \$\d+\.\d\d at \$21\.6/h", logs)
     assert _wait_until(lambda: emulator.instances() == [])
 
 

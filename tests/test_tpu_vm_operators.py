@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 
+import pytest
 from conftest import log_excerpt
 
 
@@ -86,9 +87,15 @@ def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
     assert body["labels"]["airflow-dag"] == "lifecycle_ok".replace("_", "-")
     assert int(body["scheduling"]["maxRunDuration"]["seconds"]) == 12 * 3600
     assert insert["query"].get("requestId")
-    assert xcom(dr, "delete_tpu_vm") == {
-        "deleted": True, "name": created["name"], "zone": "us-east5-b", "firewall_deleted": True,
-    }
+    deleted = xcom(dr, "delete_tpu_vm")
+    cost_keys = ("machine_type", "provisioning_model", "vm_seconds", "usd_per_hour", "cost_usd")
+    spent = {key: deleted.pop(key) for key in cost_keys}
+    assert deleted == {"deleted": True, "name": created["name"], "zone": "us-east5-b", "firewall_deleted": True}
+    # What the VM cost: its time from Compute's creationTimestamp to the delete operation's endTime, at the
+    # price table's on-demand price of a v6e-8 (a reservation's VM is priced as on demand).
+    assert spent["machine_type"] == "ct6e-standard-8t" and spent["provisioning_model"] == "RESERVATION_BOUND"
+    assert spent["usd_per_hour"] == 21.6 and 0 < spent["vm_seconds"] < 120
+    assert spent["cost_usd"] == pytest.approx(spent["vm_seconds"] / 3600 * 21.6, abs=0.001)
     assert emulator.instances() == [] and emulator.firewalls() == []
     fault_matrix.record(
         "compute: no fault, create then teardown", True, dr.state, None, "instance and SSH firewall rule deleted"
@@ -325,8 +332,13 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     deletes = [{"name": "tpu-r", "zone": "us-east5-b", "request_id": "9b0c6f7e-2f1d-4a57-9c3e-0d1f2a3b4c5d"}]
     deleting = ComputeDeleteTrigger(project_id=PROJECT, deletes=deletes, poll_interval=0.1, state={"name": "tpu-r"})
     event = asyncio.run(first_event(revive(deleting)))
-    assert event.payload == {"status": "success", "deleted": [{"name": "tpu-r", "zone": "us-east5-b"}],
-                             "errors": [], "state": {"name": "tpu-r"}}
+    [deleted] = event.payload.pop("deleted")
+    assert event.payload == {"status": "success", "errors": [], "state": {"name": "tpu-r"}}
+    # What its cost needs: the instance as read before the delete (nothing else of it), the delete's end.
+    assert (deleted["name"], deleted["zone"], set(deleted["instance"])) == (
+        "tpu-r", "us-east5-b", {"creationTimestamp", "machineType", "scheduling"}
+    )
+    assert deleted["ended"] >= deleted["instance"]["creationTimestamp"]
     assert emulator.instances() == []
     again = ComputeDeleteTrigger(project_id=PROJECT, deletes=[{**deletes[0], "request_id": str(uuid.uuid4())}],
                                  poll_interval=0.1)

@@ -276,7 +276,21 @@ def _summary(
             if generated[0]
             else f"demo: the model does not generate: {generated[1]}"
         )
+    console.print(f"demo: {_vm_costs(dag_id, run.run_id)}")
     console.print(f"demo: VMs left: {vms_left}")
+
+
+def _vm_costs(dag_id: str, run_id: str) -> str:
+    """The run's VM time and cost, from the teardowns' XCom (what the price table says those VMs cost)."""
+    deleted = [task_result(dag_id, run_id, f"delete_{kind}_vm") for kind in ("tpu", "cpu")]
+    priced = [d for d in deleted if d.get("vm_seconds") is not None]
+    if not priced:
+        return "VM cost: not known (no teardown reported a VM's time)"
+    seconds = sum(d["vm_seconds"] for d in priced)
+    parts = [f"{d['name']} {duration(d['vm_seconds'])} ({d['machine_type']})" for d in priced]
+    usd = [d["cost_usd"] for d in priced]
+    total = f"${sum(usd):.4f}" if None not in usd else "not priced (see the teardown's log)"
+    return f"VM cost: {total} for {duration(seconds)} of VM time: {', '.join(parts)}"
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ firewall rules whose VM is gone."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.operators.tpu_vm import _as_list, _ComputeOperator
-from airflow_tpu_posttrain.recipes import compute, reaper
+from airflow_tpu_posttrain.recipes import compute, cost, reaper
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -39,18 +39,27 @@ class TpuVmReaperOperator(_ComputeOperator):
     :param zones: zones to sweep (a list, or a comma-separated string).
     :param grace_period_s: an instance younger than this, or expired by less than this, is kept.
     :param dry_run: log the decisions, delete nothing.
+    :param prices: USD per hour by machine type and provisioning model, for the log line that says what each
+        deleted orphan had cost; None: ``recipes.cost.DEFAULT_PRICES``.
     """
 
     template_fields: Sequence[str] = ("project_id", "zones", "api_endpoint", "dry_run")
     ui_color = "#f0e4d5"
 
     def __init__(
-        self, *, zones: Sequence[str] | str, grace_period_s: int = 900, dry_run: bool = False, **kwargs: Any
+        self,
+        *,
+        zones: Sequence[str] | str,
+        grace_period_s: int = 900,
+        dry_run: bool = False,
+        prices: Mapping[str, Mapping[str, float]] | None = None,
+        **kwargs: Any,
     ):
         super().__init__(**kwargs)
         self.zones = zones
         self.grace_period_s = grace_period_s
         self.dry_run = dry_run
+        self.prices = prices
 
     def _run_state(self, context: Context, instance: dict) -> str | None:
         """The run's state; ``reaper.RUN_ABSENT`` when Airflow answers 404; None when it cannot be read."""
@@ -92,7 +101,10 @@ class TpuVmReaperOperator(_ComputeOperator):
                 if self.dry_run:
                     self.log.info("WOULD delete %s in %s: %s (dry run)", name, zone, decision.reason)
                     continue
-                self.log.warning("delete %s in %s: %s", name, zone, decision.reason)
+                spent = cost.vm_cost(name, instance, now.isoformat(), self.prices)
+                self.log.warning(
+                    "delete %s in %s: %s; cost so far: %s", name, zone, decision.reason, spent.describe()
+                )
                 self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
                 counts["deleted"] += 1
         for rule in self.hook.list_firewalls(self.project):

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -26,7 +26,7 @@ from airflow_tpu_posttrain.exceptions import (
     VmDeleteError,
     VmNotReadyError,
 )
-from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
+from airflow_tpu_posttrain.recipes import access, capacity, compute, cost, create_phases, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
 from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -815,12 +815,16 @@ class TpuDeleteOperator(_ComputeOperator):
     It finds the VM from the create task's XCom (also the partial record a failed create leaves), in each of the
     create's zones (a recovery may have made it again in another), and, when there is no XCom, by its
     deterministic name in each of ``zones``. A VM that is already gone counts as
-    success. Returns (XCom) ``{"deleted": bool, "name", "zone", "firewall_deleted": bool}``.
+    success. Returns (XCom) ``{"deleted": bool, "name", "zone", "firewall_deleted": bool}``, and for a VM it
+    deleted what the VM cost: ``machine_type``, ``provisioning_model``, ``vm_seconds`` (creation to deletion,
+    Compute's timestamps), ``usd_per_hour`` and ``cost_usd`` (None when ``prices`` has no price for it).
 
     :param create_task_id: the task id of the :class:`TpuVmCreateOperator` whose VM to delete.
     :param zones: where to look when there is no XCom (a list, or a comma-separated string).
     :param instance_name: delete this instance instead of the deterministic name.
     :param firewall: also delete the deterministic SSH firewall rule when there is no XCom.
+    :param prices: USD per hour by machine type and provisioning model (``recipes.cost.price_table``); None:
+        the defaults, ``recipes.cost.DEFAULT_PRICES``.
     """
 
     template_fields: Sequence[str] = ("project_id", "zones", "instance_name", "api_endpoint")
@@ -833,6 +837,7 @@ class TpuDeleteOperator(_ComputeOperator):
         zones: Sequence[str] | str | None = None,
         instance_name: str | None = None,
         firewall: bool = False,
+        prices: Mapping[str, Mapping[str, float]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -840,6 +845,7 @@ class TpuDeleteOperator(_ComputeOperator):
         self.zones = zones
         self.instance_name = instance_name
         self.firewall = firewall
+        self.prices = prices
 
     def _target(self, context: Context) -> tuple[str, list[str], str | None]:
         record = None
@@ -888,20 +894,24 @@ class TpuDeleteOperator(_ComputeOperator):
                 f"Deleting {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
             )
         deleted = event["deleted"]
-        zone = next((d["zone"] for d in deleted if d["zone"]), None)
+        vm = next((d for d in deleted if d["zone"]), None)
         result = {
-            "deleted": zone is not None,
+            "deleted": vm is not None,
             "name": state["name"],
-            "zone": zone,
+            "zone": vm and vm["zone"],
             "firewall_deleted": any(d["zone"] is None for d in deleted),
         }
-        if zone is None:
+        if vm is None:
             self.log.info("Nothing to delete: %s was not found in %s", state["name"], state["zones"])
-        else:
-            self.log.info(
-                "Deleted %s in %s%s",
-                state["name"],
-                zone,
-                " and its firewall rule" if result["firewall_deleted"] else "",
-            )
+            return result
+        self.log.info(
+            "Deleted %s in %s%s",
+            state["name"],
+            vm["zone"],
+            " and its firewall rule" if result["firewall_deleted"] else "",
+        )
+        if vm.get("instance") and vm.get("ended"):  # not when an earlier try's delete already ended
+            spent = cost.vm_cost(state["name"], vm["instance"], vm["ended"], self.prices)
+            self.log.info("Cost: %s", spent.describe())
+            result.update(spent.as_dict())
         return result

@@ -329,6 +329,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             create_task_id=f"create_{kind}_vm",
             name_prefix=kind,
             firewall=bool(cfg.ssh_source_ranges),
+            prices=cfg.prices,
             execution_timeout=t.delete,
             retries=max(cfg.retries, 3),
             **on_compute,

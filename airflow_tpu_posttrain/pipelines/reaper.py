@@ -43,6 +43,7 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
                 project_id=project_id,
                 zones=sorted(zones),
                 dry_run="{{ params.dry_run }}",
+                prices=configs[0].prices if configs else None,
                 retries=1,
                 execution_timeout=timedelta(minutes=every_minutes),
             )

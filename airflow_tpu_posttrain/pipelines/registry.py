@@ -6,11 +6,13 @@ Kept apart from the DAG factory so a DAG file that only needs the registry (the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from airflow_tpu_posttrain.recipes import cost
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
 from airflow_tpu_posttrain.recipes.models import model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -99,6 +101,9 @@ class PipelineConfig:
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
     tags: tuple[str, ...] = ()
+    # USD per hour by machine type and provisioning model: recipes/cost.py's defaults with the registry's
+    # top-level ``prices:`` laid over them (what the teardown and the reaper say each VM cost).
+    prices: Mapping[str, Mapping[str, float]] = field(default_factory=cost.price_table)
 
     def __post_init__(self) -> None:
         try:
@@ -149,6 +154,10 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
 
     data = yaml.safe_load(Path(path).read_text())
     defaults = data.get("defaults", {})
+    try:
+        prices = cost.price_table(data.get("prices"))
+    except SpecError as err:
+        raise ValueError(f"{path}: {err}") from err
     local_dir = os.environ.get("TPU_POSTTRAIN_LOCAL_DIR")
     configs = []
     for entry in data["pipelines"]:
@@ -172,5 +181,5 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
         for key in ("zones", "overrides", "tags", "ssh_source_ranges"):
             if key in merged:
                 merged[key] = tuple(merged[key])
-        configs.append(PipelineConfig(**merged))
+        configs.append(PipelineConfig(**merged, prices=prices))
     return configs

@@ -107,8 +107,9 @@ class _OperationsTrigger(ComputeTrigger):
                 )
                 await asyncio.sleep(min(self.poll_interval * failures, 60))
 
-    async def _operation_errors(self, hook: TpuVmAsyncHook, operations: list[dict[str, str | None]]) -> list:
-        """Wait for each operation to be DONE; the first one's ``error.errors`` that failed, else []."""
+    async def _finished(self, hook: TpuVmAsyncHook, operations: list[dict[str, str | None]]) -> list[dict]:
+        """Wait for each operation to be DONE; the DONE operations, in order."""
+        finished = []
         for op in operations:
             while True:
                 operation = await self._poll(
@@ -117,10 +118,17 @@ class _OperationsTrigger(ComputeTrigger):
                 if operation.get("status") == "DONE":
                     break
                 await asyncio.sleep(self.poll_interval)
+            if not operation.get("error", {}).get("errors"):
+                self.log.info("Operation %s is DONE", op["name"])
+            finished.append(operation)
+        return finished
+
+    async def _operation_errors(self, hook: TpuVmAsyncHook, operations: list[dict[str, str | None]]) -> list:
+        """Wait for each operation to be DONE; the first one's ``error.errors`` that failed, else []."""
+        for operation in await self._finished(hook, operations):
             errors = operation.get("error", {}).get("errors", [])
             if errors:
                 return errors
-            self.log.info("Operation %s is DONE", op["name"])
         return []
 
     @staticmethod
@@ -184,15 +192,26 @@ class ComputeOperationsTrigger(_OperationsTrigger):
             yield self._ended(self._raised(err))
 
 
+def _billed(instance: dict | None) -> dict | None:
+    """What an instance's cost needs, and nothing else of it (its metadata holds keys)."""
+    if not instance:
+        return None
+    scheduling = {"provisioningModel": (instance.get("scheduling") or {}).get("provisioningModel")}
+    return {key: instance.get(key) for key in ("creationTimestamp", "machineType")} | {
+        "scheduling": scheduling
+    }
+
+
 class ComputeDeleteTrigger(_OperationsTrigger):
     """
     Delete instances and firewall rules, then wait for the deletes to be DONE.
 
     Deleting from here keeps ``google-cloud-compute`` (seconds to import) out of the worker that runs the
     teardown: the triggerer has it loaded, so the VM's deletion starts as soon as the teardown is scheduled.
-    Fires once with fixed keys: ``{"status": "success" | "error", "deleted": [{"name", "zone"}] of those that
-    existed, "errors": [{"code", "message"}], "state"}``, never sooner than ``settle.MIN_DEFERRAL_SECONDS``
-    after the deferral.
+    Fires once with fixed keys: ``{"status": "success" | "error", "deleted": [{"name", "zone", "instance",
+    "ended"}] of those that existed (an instance: what its cost needs of it, read before its delete, and the
+    delete operation's ``endTime``), "errors": [{"code", "message"}], "state"}``, never sooner than
+    ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
 
     :param project_id: the project of the instances and rules.
     :param deletes: ``[{"name", "zone", "request_id"}]``; zone None means a firewall rule.
@@ -215,15 +234,27 @@ class ComputeDeleteTrigger(_OperationsTrigger):
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
-        deleted: list[dict[str, str | None]] = []
+        deleted: list[dict[str, Any]] = []
         try:
             operations = []
             for target in self.deletes:
+                instance = None
+                if target.get("zone"):
+                    instance = await self._poll(
+                        lambda target=target: hook.get_instance(
+                            self.project_id, target["zone"], target["name"]
+                        )
+                    )
                 operation = await self._poll(lambda target=target: self._delete(hook, target))
                 if operation:
                     operations.append({"name": operation, "zone": target.get("zone")})
-                    deleted.append({"name": target["name"], "zone": target.get("zone")})
-            errors = await self._operation_errors(hook, operations)
+                    deleted.append(
+                        {"name": target["name"], "zone": target.get("zone"), "instance": _billed(instance)}
+                    )
+            finished = await self._finished(hook, operations)
+            errors = next((op["error"]["errors"] for op in finished if op.get("error", {}).get("errors")), [])
+            for entry, operation in zip(deleted, finished):
+                entry["ended"] = operation.get("endTime")
         except Exception as err:
             errors = self._raised(err)
         status = "error" if errors else "success"
