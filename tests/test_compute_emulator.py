@@ -47,9 +47,9 @@ def gce(emulator):
 
 
 def tpu_instance(name: str, **fields) -> compute_v1.Instance:
+    fields.setdefault("machine_type", f"zones/{ZONE}/machineTypes/ct6e-standard-8t")
     return compute_v1.Instance(
         name=name,
-        machine_type=f"zones/{ZONE}/machineTypes/ct6e-standard-8t",
         labels={"managed-by": "airflow-tpu-posttrain", "dag": "sft"},
         network_interfaces=[
             compute_v1.NetworkInterface(
@@ -127,6 +127,24 @@ def test_same_name_with_a_new_request_id_conflicts(gce):
     message = f"The resource 'projects/{PROJECT}/zones/{ZONE}/instances/vm-1' already exists"
     assert message in raised.value.message
     assert raised.value.errors == [{"message": message, "domain": "global", "reason": "alreadyExists"}]
+
+
+@pytest.mark.parametrize(
+    ("machine_type", "message"),
+    [
+        ("", "Required field 'resource.machineType' not specified"),
+        (
+            f"zones/{ZONE}/machineTypes/ct6e-standard-9t",
+            "Machine type with name 'ct6e-standard-9t' does not exist in zone 'us-east5-b'.",
+        ),
+    ],
+)
+def test_an_instance_needs_a_machine_type_the_zone_has(gce, emulator, machine_type, message):
+    """As Compute: no instance without an existing machine type, and nothing created by the refused insert."""
+    with pytest.raises(exceptions.BadRequest) as raised:
+        insert(gce, tpu_instance("vm-typeless", machine_type=machine_type))
+    assert message in raised.value.message
+    assert emulator.instances() == []
 
 
 def test_missing_instance_is_not_found(gce):
@@ -314,7 +332,7 @@ def test_admin_endpoints(gce, emulator):
 
 
 def test_paths_without_the_compute_v1_prefix(emulator):
-    body = {"name": "vm-1", "labels": {"a": "b"}}
+    body = {"name": "vm-1", "machineType": f"zones/{ZONE}/machineTypes/e2-standard-2", "labels": {"a": "b"}}
     operation = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/instances?requestId=r1", body)
     done = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/operations/{operation['name']}/wait")
 

@@ -111,7 +111,8 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
     client = compute_v1.InstancesClient(
         transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
     )
-    client.insert(project="test-project", zone="us-east5-b", instance_resource=compute_v1.Instance(name="not-ours"))
+    client.insert(project="test-project", zone="us-east5-b", instance_resource=compute_v1.Instance(
+        name="not-ours", machine_type="zones/us-east5-b/machineTypes/e2-standard-2"))
 
     dry = run_dag("reaper_dry", REAPER.format(mode="dry", dry_run=True))
     assert reap_counts(dry) == {"seen": 1, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": True}

@@ -309,7 +309,8 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     client = compute_v1.InstancesClient(
         transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
     )
-    operation = client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(name="tpu-r"))
+    operation = client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(
+        name="tpu-r", machine_type="zones/us-east5-b/machineTypes/ct6e-standard-8t"))
     trigger = ComputeOperationsTrigger(
         project_id=PROJECT, operations=[{"name": operation.name, "zone": "us-east5-b"}],
         instance={"name": "tpu-r", "zone": "us-east5-b"}, poll_interval=0.1, state={"phase": "create"},

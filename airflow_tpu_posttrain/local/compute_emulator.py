@@ -50,6 +50,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from airflow_tpu_posttrain.local import compute_schema
 from airflow_tpu_posttrain.local.oslogin import OsLoginDirectory, OsLoginError
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS
 
 if TYPE_CHECKING:
     from airflow_tpu_posttrain.local.fleet import LocalFleet
@@ -63,6 +64,9 @@ MAX_PENDING_SECONDS = 1.0
 GUEST_OSLOGIN_PATH = "/computeMetadata/v1/oslogin/"
 """Where a local VM's sshd looks up OS Login keys, as a real one asks its metadata server."""
 
+# The machine types this emulator's zones offer: those of the accelerators the pipelines create (any other name
+# is refused as Compute refuses a machine type a zone does not have).
+KNOWN_MACHINE_TYPES = frozenset(acc.machine_type for acc in ACCELERATORS.values())
 TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
 
 
@@ -631,6 +635,7 @@ class ComputeEmulator:
             name = body.get("name")
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+            self._check_machine_type(zone, body.get("machineType"))
             self._check_network_interface(project, body)
             key = (project, zone, name)
             path = _resource_path(project, zone, "instances", name)
@@ -681,6 +686,21 @@ class ComputeEmulator:
                 on_running=on_running,
                 on_done=on_done,
                 queued_s=queued_s,
+            )
+
+    @staticmethod
+    def _check_machine_type(zone: str, machine_type: str | None) -> None:
+        """Compute requires a machine type that exists; the error texts are Compute's (e.g. "Machine type with
+        name 'n2-highcpu-16' does not exist in zone 'us-east4-a'.", servo/community-tc-config#75)."""
+        if not machine_type:
+            raise _ApiError(400, "required", "Required field 'resource.machineType' not specified")
+        name = machine_type.rsplit("/", 1)[-1]
+        if name not in KNOWN_MACHINE_TYPES:
+            raise _ApiError(
+                400,
+                "invalid",
+                f"Invalid value for field 'resource.machineType': '{machine_type}'. "
+                f"Machine type with name '{name}' does not exist in zone '{zone}'.",
             )
 
     def _new_instance(self, project: str, zone: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
