@@ -37,6 +37,11 @@ def test_a_model_without_a_price_has_no_cost_and_says_which_entry_to_add():
     assert "prices: {ct6e-standard-8t: {SPOT: USD/h}}" in spent.describe()
 
 
+def test_a_vm_that_lived_under_a_minute_is_billed_a_minute():
+    spent = cost.vm_cost("tpu-vm", INSTANCE, "2026-12-01T09:00:45+00:00")
+    assert spent.seconds == 45 and spent.usd == 0.36  # 60 s of $21.6/h
+
+
 def test_the_registry_prices_lay_over_the_defaults():
     table = cost.price_table({"ct6e-standard-8t": {"SPOT": 9.5}, "n2-standard-8": {"STANDARD": 0.39}})
     assert table["ct6e-standard-8t"] == {"STANDARD": 21.6, "RESERVATION_BOUND": 21.6, "SPOT": 9.5}

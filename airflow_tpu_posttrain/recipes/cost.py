@@ -20,6 +20,9 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 # CPU machines: Compute Engine's on-demand price list, us-central1 (N2 highmem: $0.031611 per vCPU-hour and
 # $0.004237 per GB-hour; e2-standard-2 $0.067006). A reservation's VM is priced as on demand (a reservation
 # without a committed-use discount). Other regions differ: edit the table in models.yaml.
+# Billing (https://cloud.google.com/compute/vm-instance-pricing, "Billing model"): a minimum of 1 minute, then
+# per second.
+MINIMUM_BILLED_SECONDS = 60
 PRICES_READ_ON = "2026-12-01"
 _ON_DEMAND = ("STANDARD", "RESERVATION_BOUND")
 DEFAULT_PRICES: Mapping[str, Mapping[str, float]] = MappingProxyType(
@@ -65,7 +68,9 @@ class VmCost:
 
     @property
     def usd(self) -> float | None:
-        return None if self.usd_per_hour is None else round(self.seconds / 3600 * self.usd_per_hour, 4)
+        if self.usd_per_hour is None:
+            return None
+        return round(max(self.seconds, MINIMUM_BILLED_SECONDS) / 3600 * self.usd_per_hour, 4)
 
     def as_dict(self) -> dict:
         return {
