@@ -142,8 +142,9 @@ def test_metadata_key_logs_in_to_the_image(make_vm, keys, tmp_path):
             f"{LOGIN}:ssh-ed25519",
         ]
     )
-    (tmp_path / "uv-cache" / "wheels").mkdir(parents=True)
-    (tmp_path / "uv-cache" / "wheels" / "mirrored").write_text("a package from the mirror")
+    package = "archive-v0/k3y/pkg/mirrored"  # where uv keeps an unpacked wheel's files
+    (tmp_path / "uv-cache" / package).parent.mkdir(parents=True)
+    (tmp_path / "uv-cache" / package).write_text("a package from the mirror")
     vm = make_vm("vm-login", metadata, package_cache=tmp_path / "uv-cache")
     assert vm.address.startswith("127.") and vm.address != "127.0.0.1"
     assert set(vm.host_keys) == {"ssh-ed25519", "ecdsa-sha2-nistp256"}
@@ -156,9 +157,14 @@ def test_metadata_key_logs_in_to_the_image(make_vm, keys, tmp_path):
             assert _run(client, f"{PYTHON312} -V").startswith("Python 3.12")
             assert _run(client, "uv --version").startswith("uv ")
             cache = _run(client, 'touch "$UV_CACHE_DIR/written" && echo "$UV_CACHE_DIR"').strip()
+            # uv links a package from its cache into a venv on the same disk. The kernel refuses a link to
+            # another user's file (fs.protected_hardlinks): uv then copies every file.
+            link = f'mkdir -p /var/tmp/venv && ln -f "$UV_CACHE_DIR/{package}" /var/tmp/venv/ && echo ok'
+            assert _run(client, link) == "ok\n"
     # uv's cache is on the VM's disk, warmed from the mirror; what the VM writes there stays on its disk.
-    assert cache == "/var/tmp/uv-cache" and (vm.disk_dir / "var-tmp/uv-cache/wheels/mirrored").exists()
+    assert cache == "/var/tmp/uv-cache" and (vm.disk_dir / "var-tmp/uv-cache" / package).exists()
     assert (vm.disk_dir / "var-tmp/uv-cache/written").exists() and not (tmp_path / "uv-cache/written").exists()
+    assert (tmp_path / "uv-cache" / package).stat().st_uid == 0  # the mirror stays root's
 
 
 def test_only_valid_metadata_keys_and_no_root(make_vm, keys):

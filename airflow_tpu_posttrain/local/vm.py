@@ -11,6 +11,7 @@ boot image. ``destroy()`` kills every process of the VM (detached jobs die with 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pwd
@@ -206,22 +207,44 @@ def _ensure_account(login: str) -> pwd.struct_passwd:
         return pwd.getpwnam(login)
 
 
-def _own_private_copy(cache: Path, account: pwd.struct_passwd) -> None:
-    """Give a VM's copy of the package cache to its login without touching the mirror: the copy's directories
-    are its own inodes; the files uv opens for writing (its lock files, and the markers it writes at the top of
-    the cache and of each bucket: ``CACHEDIR.TAG``, ``.gitignore``, ``sdists-v11/.git``) are made anew as the
-    login's; the packages stay hard links to the mirror's files, readable by every login. (Chowning the mirror
-    itself, as VMs of different logins boot, changed the owner of files another VM's install was reading; not
-    chowning it left those markers unwritable by any login but the mirror's owner.)"""
+def _login_mirror(mirror: Path, account: pwd.struct_passwd) -> Path:
+    """The package mirror as ``account``'s own files: copied at the first boot of a VM with that login, and again
+    once the mirror has changed. A VM's cache is hard-linked from this copy, so uv, running as the login, can
+    hard-link the packages into its venv as on a real VM, whose cache is the login's own. (With
+    ``fs.protected_hardlinks``, Debian's default, a link to another user's file is refused; uv then copied all
+    2.7 GB at every install. Chowning the shared mirror instead changed the owner of files another login's VM
+    was reading.)"""
+    mirror.mkdir(parents=True, exist_ok=True)
+    copies = mirror.with_name(f"{mirror.name}-by-login")
+    copies.mkdir(exist_ok=True)
+    target, stamp = copies / account.pw_name, copies / f"{account.pw_name}.version"
+    version = ";".join(f"{path.name}:{path.stat().st_mtime_ns}" for path in sorted(mirror.iterdir()))
+    with open(copies / f"{account.pw_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # VMs of one login booting at once make the copy once
+        if target.is_dir() and stamp.is_file() and stamp.read_text() == version:
+            return target
+        building = copies / f".{account.pw_name}.building"
+        shutil.rmtree(building, ignore_errors=True)
+        subprocess.run(["cp", "-a", str(mirror), str(building)], check=True)
+        _chown(building, account)
+        shutil.rmtree(target, ignore_errors=True)  # VMs booted from it keep their own links
+        building.rename(target)
+        stamp.write_text(version)
+    return target
+
+
+def _unshare_written_files(cache: Path) -> None:
+    """The files of a VM's cache that uv opens for writing (its lock files, and the markers it writes at the top
+    of the cache and of each bucket: ``CACHEDIR.TAG``, ``.gitignore``, ``sdists-v11/.git``) as the VM's own
+    inodes, not links shared with the other VMs of its login; the packages stay hard links."""
     written = {*cache.rglob(".lock"), *cache.glob("*"), *cache.glob("*/*")}
     for path in written:
         if path.is_file() and not path.is_symlink():
             private = path.with_name(f".{path.name}.private")
-            shutil.copyfile(path, private)
-            os.chown(private, account.pw_uid, account.pw_gid)
+            shutil.copy2(path, private)
+            owner = path.stat()
+            os.chown(private, owner.st_uid, owner.st_gid)
             os.replace(private, path)
-    owner = f"{account.pw_uid}:{account.pw_gid}"
-    subprocess.run(["find", str(cache), "-type", "d", "-exec", "chown", owner, "{}", "+"], check=True)
 
 
 def _chown(path: Path, account: pwd.struct_passwd) -> None:
@@ -404,17 +427,14 @@ class LocalVm:
             shutil.copytree("/etc/skel", home, symlinks=True)
             _chown(home, _ensure_account(login))
         if self.package_cache is not None and logins:
-            self.package_cache.mkdir(parents=True, exist_ok=True)
-            # The mirror's packages, hard-linked onto the VM's disk (seconds, no bytes copied): uv then links
-            # them into the venv, both on /var/tmp's mount (links cannot cross mounts). A copy if they cannot.
-            copy = (
-                ["cp", "-a", "--link"]
-                if _same_filesystem(self.package_cache, self.disk_dir)
-                else ["cp", "-a"]
-            )
+            mirror = _login_mirror(self.package_cache, pwd.getpwnam(logins[0]))
+            # The login's copy of the mirror, hard-linked onto the VM's disk (seconds, no bytes copied): uv then
+            # links the packages into the venv, both on /var/tmp's mount (links cannot cross mounts). A copy if
+            # they cannot.
+            copy = ["cp", "-a", "--link"] if _same_filesystem(mirror, self.disk_dir) else ["cp", "-a"]
             vm_cache = self.disk_dir / "var-tmp" / VM_UV_CACHE
-            subprocess.run([*copy, str(self.package_cache), str(vm_cache)], check=True)
-            _own_private_copy(vm_cache, pwd.getpwnam(logins[0]))
+            subprocess.run([*copy, str(mirror), str(vm_cache)], check=True)
+            _unshare_written_files(vm_cache)
         (self._etc / "ssh-keys").write_text(self.ssh_keys)
         shutil.copy(__file__, self._etc / "vm_agent.py")
         self._write_config()
