@@ -68,6 +68,17 @@ W1130 16:20:53.265758 140686168148864 train_rl.py:768] RL Training Completed Suc
 W1130 16:20:53.476274 140686168148864 train_rl.py:781] Post RL Training: corr=0, total=2, accuracy=0.0%, partial_accuracy=0.0%, format_accuracy=0.0%, mean_reward=0.0000
 """.splitlines()
 
+# The converted checkpoint's load in a real tiny SFT run (gs:// storage on the local GCS server), then the
+# export's load of the trained step; orbax logs its write throughput the same way.
+CHECKPOINT_LOADS_REAL_LOG = """\
+I1201 07:26:40.131751 139680197487488 checkpointer.py:368] Restoring checkpoint from gs://local-posttrain/airflow-tpu-posttrain/conversions/tiny-llama/mt0.2.5-945b0065341078c7/0/items.
+I1201 07:26:40.192218 139680197487488 jax_array_handlers.py:273] [process=0] /jax/orbax/read/worker/io/requested throughput: 16.847 MiB/s (total gbytes: 545.2 KiB) (time elapsed: 0.03160572052001953 s) (per-host)
+I1201 07:26:40.193649 139680197487488 event_tracking.py:184] [process=0] [sync] Finished load in 0.07 seconds @ gs://local-posttrain/airflow-tpu-posttrain/conversions/tiny-llama/mt0.2.5-945b0065341078c7/0/items
+I1201 08:46:03.061812 140295065458368 jax_array_handlers.py:273] [process=0] /jax/orbax/write/worker/io/requested throughput: 2.219 MiB/s (total gbytes: 545.3 KiB) (time elapsed: 0.2400200366973877 s) (per-host)
+I1201 07:27:39.213248 139950501600128 jax_array_handlers.py:273] [process=0] /jax/orbax/read/worker/io/requested throughput: 5.111 MiB/s (total gbytes: 272.7 KiB) (time elapsed: 0.05211067199707031 s) (per-host)
+I1201 07:27:39.215530 139950501600128 event_tracking.py:184] [process=0] [sync] Finished load in 0.10 seconds @ gs://local-posttrain/airflow-tpu-posttrain/post-train/posttrain-sft-tiny-llama-2026-12-01-07-24-39-7da1830bbc/checkpoints/5/model_params
+""".splitlines()
+
 CONVERSION_LOG = """\
 [remote] INFO:absl:Loading HF checkpoint from /dev/shm/x/hf
 [remote] INFO:absl:Conversion complete. Checkpoint saved to /dev/shm/x/mt-format
@@ -213,6 +224,27 @@ def test_rl_run_that_did_not_complete_says_so():
     assert metrics.summary("GRPO") == "GRPO: accuracy 0.0%, mean reward 0.0000, RL training not completed"
 
 
+def test_checkpoint_loads_their_seconds_and_bytes():
+    loads = parse_lines(CHECKPOINT_LOADS_REAL_LOG).checkpoint_loads
+
+    assert loads == [
+        {
+            "bytes": round(545.2 * 1024),
+            "uri": "gs://local-posttrain/airflow-tpu-posttrain/conversions/tiny-llama/mt0.2.5-945b0065341078c7/0/items",
+            "seconds": 0.07,
+        },
+        {
+            "bytes": round(272.7 * 1024),
+            "uri": "gs://local-posttrain/airflow-tpu-posttrain/post-train/posttrain-sft-tiny-llama-2026-12-01-07-24-39"
+            "-7da1830bbc/checkpoints/5/model_params",
+            "seconds": 0.10,
+        },
+    ]
+    assert parse_lines(["[sync] Finished load in 1.5 seconds @ /dev/shm/c/0/items"]).checkpoint_loads == [
+        {"uri": "/dev/shm/c/0/items", "seconds": 1.5}  # no byte count logged before it
+    ]
+
+
 def test_conversion():
     metrics = parse_lines(CONVERSION_LOG)
 
@@ -290,7 +322,9 @@ def test_non_finite_rl_reward_is_json_safe():
     json.dumps(xcom, allow_nan=False)
 
 
-@pytest.mark.parametrize("log", [SFT_RESUMED_LOG, SFT_FRESH_LOG, RL_LOG, CONVERSION_LOG, EXPORT_LOG])
+@pytest.mark.parametrize(
+    "log", [SFT_RESUMED_LOG, SFT_FRESH_LOG, RL_LOG, CONVERSION_LOG, EXPORT_LOG, CHECKPOINT_LOADS_REAL_LOG]
+)
 def test_the_log_filter_keeps_every_line_the_parser_reads(log):
     """Only the lines matching LOG_FILTER are read back from a VM: parsing them alone gives the same metrics."""
     import re

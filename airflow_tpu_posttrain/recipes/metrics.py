@@ -38,6 +38,13 @@ _RL_EVAL = re.compile(r"\b(Pre|Post) RL Training: (.*)")
 _RL_EVAL_FIELD = re.compile(rf"(\w+)=({_NUMBER})%?", re.I)
 _RL_COMPLETED = re.compile(r"RL Training Completed Successfully")
 
+# orbax (0.12) at each checkpoint load: the bytes it read, then the seconds the load took, e.g.
+# "/jax/orbax/read/worker/io/requested throughput: 6.313 MiB/s (total gbytes: 272.6 KiB) (time elapsed: 0.04 s)"
+# "[process=0] [sync] Finished load in 0.07 seconds @ gs://bucket/conversions/tiny-llama/mt0.2.5-2d8e/0/items"
+_LOAD_BYTES = re.compile(rf"read/worker/io/requested throughput: .*?\(total gbytes: ({_NUMBER}) ([KMGTP]i)?B\)")
+_LOAD_FINISHED = re.compile(rf"\] Finished load in ({_NUMBER}) seconds @ (\S+)")
+_BINARY_PREFIXES = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
 _CONVERSION_SAVED = re.compile(r"Conversion complete\. Checkpoint saved to (\S.*)")
 _PEAK_MEMORY = re.compile(rf"Peak Memory: ({_NUMBER}) GB")
 _EXPORT_SAVED = re.compile(r"successfully saved in HuggingFace format at (\S.*)")
@@ -46,7 +53,7 @@ _EXPORT_SAVED = re.compile(r"successfully saved in HuggingFace format at (\S.*)"
 # matching it are read back from the VM's log, and kept in storage with the job's output.
 LOG_FILTER = (
     "Train step|completed step|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|"
-    "Peak Memory|successfully saved"
+    "Peak Memory|successfully saved|Finished load in|read/worker/io/requested"
 )
 
 # (key, label, unit, decimals) of the RL evaluation numbers the summary shows.
@@ -76,6 +83,8 @@ class TrainingMetrics:
     output_path: str | None = None
     peak_memory_gb: float | None = None
     loss_curve: list[tuple[int, float]] | None = None  # (step, that step's loss), for the model card's curve
+    # Each checkpoint load, in order: {"uri", "seconds", "bytes"} (the converted parameters, a resumed step).
+    checkpoint_loads: list[dict[str, object]] | None = None
 
     def as_xcom(self) -> dict[str, object]:
         """The fields that were seen, JSON-safe: a non-finite float becomes the string ``"nan"``/``"inf"``."""
@@ -84,11 +93,7 @@ class TrainingMetrics:
             value = getattr(self, field.name)
             if value is None or value is False:
                 continue
-            if isinstance(value, dict):
-                value = {key: _json_number(number) for key, number in value.items()}
-            elif isinstance(value, list):
-                value = [[step, _json_number(loss)] for step, loss in value]
-            seen[field.name] = _json_number(value)
+            seen[field.name] = _json_safe(value)
         return seen
 
     def summary(self, step_name: str) -> str:
@@ -173,6 +178,14 @@ def _parse_line(line: str, metrics: TrainingMetrics) -> None:
         metrics.output_path = match[1].strip()
     elif match := _PEAK_MEMORY.search(line):
         metrics.peak_memory_gb = max(float(match[1]), metrics.peak_memory_gb or 0.0)
+    elif match := _LOAD_BYTES.search(line):
+        loads = metrics.checkpoint_loads = metrics.checkpoint_loads or []
+        loads.append({"bytes": round(float(match[1]) * _BINARY_PREFIXES[match[2]])})
+    elif match := _LOAD_FINISHED.search(line):
+        loads = metrics.checkpoint_loads = metrics.checkpoint_loads or []
+        if not loads or "uri" in loads[-1]:  # no byte count logged before it
+            loads.append({})
+        loads[-1].update(uri=match[2], seconds=float(match[1]))
 
 
 def _record_step(
@@ -207,6 +220,15 @@ def _search_float(pattern: re.Pattern[str], text: str) -> float | None:
 
 def _int_or_float(text: str) -> int | float:
     return int(text) if text.lstrip("+-").isdigit() else float(text)
+
+
+def _json_safe(value: object) -> object:
+    """``value`` with every non-finite float in it (in dicts, lists, tuples) a string."""
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return _json_number(value)
 
 
 def _json_number(value: object) -> object:
