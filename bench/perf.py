@@ -15,6 +15,11 @@ watched by bench/run_probe.py:
   fault   our DAG with steps=8, trainer SIGKILLed at step 5          P5 (not with --quick)
   fault-sync  the same with synchronous checkpoints (an override)    P5 (not with --quick)
 
+P6, what storage costs a VM: the seconds and bytes to load the converted checkpoint (orbax's own figures, from the
+cold run's train task: its XCom), and to save and restore the MaxText environment archive through the install
+script's own storage commands (tar | gcs_tool.py write, gcs_tool.py cat | tar -x) against a local GCS server,
+with the MaxText venv the local VMs install (.local/maxtext-venv).
+
 --quick also parses each DAG file once instead of 5 times. Everything started is stopped on exit, Ctrl-C or
 SIGTERM included.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -30,6 +36,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +45,9 @@ import parse_time
 from local_airflow import LocalAirflow, stop_group
 from run_probe import RunRecord, TrainerKiller, watch_run
 
+from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.stack import LocalStack
+from airflow_tpu_posttrain.recipes import storage
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / ".local" / "bench"
@@ -103,6 +113,37 @@ def plain_baseline() -> dict[str, float]:
         m["step"]: float(m["s"])
         for m in re.finditer(r"^(?P<step>\S+(?: total)?) +(?P<s>\d+\.\d) s\b", output, re.MULTILINE)
     }
+
+
+def environment_archive(venv: Path = REPO / ".local" / "maxtext-venv", python: Path | None = None) -> dict[str, float]:
+    """Seconds to save ``venv`` as an archive in storage and to restore it into an empty directory, with the
+    install script's commands (the storage tool run by ``python``, default the venv's own); the venv's and the
+    archive's bytes."""
+    tool = storage.GcsTool(
+        script=str(REPO / "airflow_tpu_posttrain" / "vm_scripts" / storage.GCS_TOOL_NAME),
+        python=str(python or venv / "bin" / "python"),
+    )
+    archive = "gs://bench/environments/maxtext-env.tar.gz"
+    work = BENCH / "environment"
+    shutil.rmtree(work, ignore_errors=True)
+    restored = work / "restored"
+    restored.mkdir(parents=True)
+    save = f"tar -cz -C {venv.parent} {venv.name} | {storage.write_command(archive, tool)}"
+    restore = f"{storage.read_command(archive, tool)} | tar -xz -C {restored}"
+    figures: dict[str, float] = {}
+    with GcsServer(work / "gcs", buckets=("bench",)) as server:
+        env = {**os.environ, **client_environment(server.url)}
+        for label, command in (("save_s", save), ("restore_s", restore)):
+            started = time.monotonic()
+            subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], check=True, env=env)
+            figures[label] = time.monotonic() - started
+        name = urllib.parse.quote(archive.removeprefix("gs://bench/"), safe="")
+        with urllib.request.urlopen(f"{server.url}/storage/v1/b/bench/o/{name}", timeout=10) as answer:
+            figures["archive_bytes"] = int(json.load(answer)["size"])
+    files = [path for path in (restored / venv.name).rglob("*") if path.is_file() and not path.is_symlink()]
+    figures["venv_bytes"] = sum(path.stat().st_size for path in files)
+    shutil.rmtree(work, ignore_errors=True)
+    return figures
 
 
 def parse_times(runs: int) -> dict[str, dict]:
@@ -192,13 +233,29 @@ def p5_conversions(record: RunRecord) -> tuple[float, str]:
     return sum(not reused for reused in converts.values()), how or "no conversion task"
 
 
-def print_report(records: dict[str, RunRecord], skipped: dict[str, str], plain: dict, parsed: dict) -> None:
+def converted_checkpoint_load(record: RunRecord) -> tuple[float | None, str]:
+    """The train task's load of the converted checkpoint (orbax's seconds and bytes, from its XCom)."""
+    loads = ((record.xcom.get("train") or {}).get("metrics") or {}).get("checkpoint_loads") or []
+    converted = [load for load in loads if "/conversions/" in str(load.get("uri"))]
+    if not converted:
+        return None, "no load of the converted checkpoint in the train task's XCom"
+    load = converted[0]
+    return load.get("seconds"), f"{_mib(load.get('bytes'))} from {load['uri']}"
+
+
+def _mib(size: float | None) -> str:
+    return "n/a" if size is None else f"{size / 2**20:.2f} MiB"
+
+
+def print_report(
+    records: dict[str, RunRecord], skipped: dict[str, str], plain: dict, parsed: dict, archive: dict[str, float]
+) -> None:
     rows = []
 
-    def row(figure: str, subject: str, result: tuple[float | None, str], target: float, digits: int = 2):
+    def row(figure: str, subject: str, result: tuple[float | None, str], target: float | None, digits: int = 2):
         value, how = result
-        ok = "n/a" if value is None else ("ok" if value <= target else "MISS")
-        rows.append((figure, subject, fmt(value, digits), f"<= {target:g}", ok, how))
+        ok = "n/a" if value is None or target is None else ("ok" if value <= target else "MISS")
+        rows.append((figure, subject, fmt(value, digits), "-" if target is None else f"<= {target:g}", ok, how))
 
     runs = [(label, r) for label, r in records.items() if label in ("cold", "warm", "seeds")]
     for label, r in runs:
@@ -233,6 +290,12 @@ def print_report(records: dict[str, RunRecord], skipped: dict[str, str], plain: 
             TARGETS["conversions"],
             0,
         )
+
+    if "cold" in records:
+        row("P6", "converted checkpoint load on the TPU VM, s", converted_checkpoint_load(records["cold"]), None)
+    sizes = f"venv {_mib(archive['venv_bytes'])}, archive {_mib(archive['archive_bytes'])}"
+    row("P6", "MaxText environment archive: save, s", (archive["save_s"], sizes), None, digits=1)
+    row("P6", "MaxText environment archive: restore, s", (archive["restore_s"], sizes), None, digits=1)
 
     header = ("fig", "subject", "value", "target", "", "how")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
@@ -280,8 +343,10 @@ def main() -> int:
     parsed = parse_times(1 if args.quick else 5)
     print("perf: P4 baseline (plain shell script) ...", file=sys.stderr, flush=True)
     plain = plain_baseline()
+    print("perf: P6 the MaxText environment archive through storage ...", file=sys.stderr, flush=True)
+    archive = environment_archive()
     records, skipped = measure_runs(args.quick)
-    print_report(records, skipped, plain, parsed)
+    print_report(records, skipped, plain, parsed, archive)
     if args.quick:
         print("  --quick: each DAG file parsed in 1 interpreter (not 5); no fault run (P5 training steps)")
     print(
