@@ -1,4 +1,4 @@
-"""The pipeline's performance figures (P1-P5), measured on this machine, printed as one table.
+"""The pipeline's performance figures (P1-P6), measured on this machine, printed as one table.
 
     .venv/bin/python bench/perf.py [--quick]
 
@@ -20,7 +20,8 @@ cold run's train task: its XCom), and to save and restore the MaxText environmen
 script's own storage commands (tar | gcs_tool.py write, gcs_tool.py cat | tar -x) against a local GCS server,
 with the MaxText venv the local VMs install (.local/maxtext-venv).
 
---quick also parses each DAG file once instead of 5 times. Everything started is stopped on exit, Ctrl-C or
+A full run writes the table and its notes to docs/performance.md. --quick also parses each DAG file once instead
+of 5 times, and writes nothing. Everything started is stopped on exit, Ctrl-C or
 SIGTERM included.
 """
 
@@ -247,9 +248,11 @@ def _mib(size: float | None) -> str:
     return "n/a" if size is None else f"{size / 2**20:.2f} MiB"
 
 
-def print_report(
+def report(
     records: dict[str, RunRecord], skipped: dict[str, str], plain: dict, parsed: dict, archive: dict[str, float]
-) -> None:
+) -> str:
+    """The table and its notes, as printed and written to docs/performance.md."""
+    lines: list[str] = []
     rows = []
 
     def row(figure: str, subject: str, result: tuple[float | None, str], target: float | None, digits: int = 2):
@@ -300,42 +303,86 @@ def print_report(
     header = ("fig", "subject", "value", "target", "", "how")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
     for r in [header, *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + "  " + r[5])
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + "  " + r[5])
 
     m = Minutes()
-    print("\nnotes:")
+    lines.append("\nnotes:")
     for label, why in skipped.items():
-        print(f"  {label} run skipped: {why}")
-    print(
+        lines.append(f"  {label} run skipped: {why}")
+    lines.append(
         f"  modelled P1, minutes: convert {m.convert:g} and train {m.train:g} (the tutorials, v6e-8); assumed: VM "
         f"creation {m.create_vm:g}, MaxText install {m.install:g} (tutorials) / {m.install_restored:g} (ours, "
         f"restored), export {m.export:g}, delete {m.delete_vm:g}"
     )
-    print(f"  plain baseline (bench/plain_pipeline.sh --sft-only), seconds: {plain}")
-    print(
+    lines.append(f"  plain baseline (bench/plain_pipeline.sh --sft-only), seconds: {plain}")
+    lines.append(
         "  runs: state, run wall s, queued→start s, train tries, most tasks running+deferred at once, mean load:"
     )
     for label, r in records.items():
         train = r.tasks.get("train")
         held = ", ".join(f"{task} {fmt(r.vm_held(task))} s" for task in r.vms)
-        print(
+        lines.append(
             f"    {label:5} {r.dag_id}: {r.state}, {fmt(r.wall)}, {fmt(r.latency, 1)}, "
             f"{train.try_number if train else 'n/a'}, {r.peak_busy}, {fmt(r.mean_load, 2)}; VMs held: {held}"
         )
         by_task = sorted(
             ((s, task) for (task, state), s in r.seconds_in.items() if state == "running"), reverse=True
         )
-        print(
+        lines.append(
             "          worker seconds (running) by task: "
             + ", ".join(f"{task} {s:.0f}" for s, task in by_task)
         )
         for command in r.killed:
-            print(f"          SIGKILLed: {command}")
+            lines.append(f"          SIGKILLed: {command}")
+    return "\n".join(lines)
+
+
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
+DOC_METHOD = """\
+How each figure is computed: P1, the TPU VM's time from the emulator's instance creation to the first sample
+without the instance, over the `train` task's start to end. P2, the time task instances spend `running` (in a
+worker) over the DAG run's start to end. P3, `bench/parse_time.py` (fresh interpreters, after `import airflow`).
+P4, the DAG run over `bench/plain_pipeline.sh --sft-only` (the same MaxText commands in a shell script). P5, a
+run with more steps whose trainer is SIGKILLed once it logs a chosen step; the retry's resumed step from its
+XCom. P6, orbax's own figures for the converted checkpoint's load (the cold run's train XCom), and the install
+script's storage commands timed on the local venv and GCS server. Modelled P1: `modelled_p1` in bench/perf.py,
+from the tutorials' stated minutes and the assumptions the notes list.
+"""
+
+
+def machine() -> str:
+    """What the figures were measured on, read from this machine."""
+    memory_kib = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
+    versions = {
+        name: subprocess.run(
+            [str(python), "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+            capture_output=True, text=True,
+        ).stdout.strip() or "n/a"
+        for name, python in (
+            ("apache-airflow", Path(sys.executable)),
+            ("maxtext", REPO / ".local" / "maxtext-venv" / "bin" / "python"),
+        )
+    }  # fmt: skip
+    return (
+        f"{os.cpu_count()} CPUs, {memory_kib / 2**20:.0f} GiB RAM, Python {sys.version.split()[0]}, "
+        f"Airflow {versions['apache-airflow']}, MaxText {versions['maxtext']} on the CPU (the tiny model)"
+    )
+
+
+def write_doc(text: str, took_min: float) -> None:
+    PERFORMANCE_DOC.write_text(
+        "# Performance\n\n"
+        "Written by `.venv/bin/python bench/perf.py` (a full run, not `--quick`); do not edit by hand. "
+        f"Measured on {time.strftime('%Y-%m-%d')}: {machine()}; the bench took {took_min:.0f} min.\n\n"
+        f"```text\n{text}\n```\n\n{DOC_METHOD}"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="parse once per file; no fault run")
+    parser.add_argument("--quick", action="store_true", help="parse once per file; no fault run; no doc written")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through every finally: all is stopped
     started = time.monotonic()
@@ -346,12 +393,15 @@ def main() -> int:
     print("perf: P6 the MaxText environment archive through storage ...", file=sys.stderr, flush=True)
     archive = environment_archive()
     records, skipped = measure_runs(args.quick)
-    print_report(records, skipped, plain, parsed, archive)
+    text = report(records, skipped, plain, parsed, archive)
+    print(text)
+    took_min = (time.monotonic() - started) / 60
     if args.quick:
         print("  --quick: each DAG file parsed in 1 interpreter (not 5); no fault run (P5 training steps)")
-    print(
-        f"\n(perf.py took {(time.monotonic() - started) / 60:.0f} min; load average now {os.getloadavg()[0]:.2f})"
-    )
+    else:
+        write_doc(text, took_min)
+        print(f"\nwritten to {PERFORMANCE_DOC.relative_to(REPO)}")
+    print(f"\n(perf.py took {took_min:.0f} min; load average now {os.getloadavg()[0]:.2f})")
     return 0
 
 
