@@ -173,3 +173,46 @@ def test_watch_ends_at_once_when_compute_says_the_vm_is_gone(stack):
         assert event.payload["done"] and event.payload["exit_code"] is None, event.payload
         assert VM_LOST in event.payload["message"], event.payload
         assert "preempted-vm is STOPPING" in event.payload["message"] or "is TERMINATED" in event.payload["message"]
+
+
+def test_a_job_silent_past_its_stall_timeout_is_stopped_and_a_chatty_one_is_not(stack):
+    """A trainer blocked on storage it cannot reach neither exits nor writes: the watch stops it after
+    ``stall_timeout`` s without output (SIGTERM, then SIGKILL for a process that ignores it), so the try fails
+    and a retry resumes, instead of the VM idling until the task's timeout. Output resets the clock."""
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
+    from airflow_tpu_posttrain.recipes import remote_job
+    from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+
+    jobs = {
+        # Hung as the trainer was: no output, and SIGTERM ignored.
+        "silent": "echo started; trap '' TERM; sleep 300 & wait $!; sleep 300",
+        "chatty": "for i in $(seq 8); do echo step $i; sleep 1; done",  # never 3 s without a line
+    }
+    jobs_dir = f"{DEFAULT_WORKDIR}/jobs"
+    paths = {name: RemoteJobPaths(job_id=name, remote_os="posix", base_dir=jobs_dir) for name in jobs}
+    with vm_of_its_own(stack, "stall-vm") as machine:
+
+        def watch(name: str) -> dict:
+            job = paths[name]
+            with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+                vm.run(build_posix_wrapper_command(jobs[name], job))
+            trigger = MaxTextJobTrigger(
+                ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
+                job_id=job.job_id, job_dir=job.job_dir, log_file=job.log_file, exit_code_file=job.exit_code_file,
+                remote_os="posix", poll_interval=1, stall_timeout=3,
+            )
+            _, kwargs = trigger.serialize()  # rebuilt, as the triggerer does
+            return asyncio.run(asyncio.wait_for(until_done(MaxTextJobTrigger(**kwargs)), timeout=60)).payload
+
+        silent = watch("silent")
+        assert silent["done"] and silent["exit_code"] == remote_job.JOB_STALLED, silent
+        with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+            job = paths["silent"]
+            state = vm.run(remote_job.state_command(job.job_dir, job.pid_file, job.exit_code_file, job.log_file))
+            assert remote_job.parse_state(state)[0] == "died", state  # none of its processes is left
+            assert vm.run("pgrep -c -x sleep || true").strip() == "0"
+        chatty = watch("chatty")
+        assert chatty["done"] and chatty["exit_code"] == 0, chatty

@@ -97,6 +97,9 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         finishes without a second trip through a worker. Default: the step's ``quick_job_wait`` (the install,
         usually a reused environment: 5 s; the long steps: 0, they would only hold the worker longer).
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
+    :param stall_timeout_s: seconds without output from the job after which it is taken for hung (e.g. a trainer
+        blocked on unreachable storage never exits): its processes are stopped and the try fails, so a retry
+        resumes from the newest checkpoint instead of the VM idling until ``execution_timeout``. 0: never.
     """
 
     template_fields: Sequence[str] = (
@@ -140,6 +143,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         log_chunk_size: int = 65536,
         command_timeout: float = 30.0,
         max_reconnect_attempts: int = 8,
+        stall_timeout_s: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -164,6 +168,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         self.log_chunk_size = log_chunk_size
         self.command_timeout = command_timeout
         self.max_reconnect_attempts = max_reconnect_attempts
+        self.stall_timeout_s = stall_timeout_s
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
         """Render, then fill what was not given explicitly from the VM's record (``vm``, rendered by now)."""
@@ -430,6 +435,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
                 command_timeout=self.command_timeout,
                 max_reconnect_attempts=self.max_reconnect_attempts,
                 vm=self.vm_watch(context),
+                stall_timeout=self.stall_timeout_s,
             ),
             method_name="execute_complete",
             timeout=self.execution_timeout,
@@ -450,6 +456,12 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
                 f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
                 f"a retry resumes from the newest checkpoint (log: {paths.log_file})"
             )
+        if exit_code == remote_job.JOB_STALLED:
+            raise RemoteJobError(
+                f"{self.step_title}: no output from the job on the VM for {self.stall_timeout_s} s (storage "
+                f"unreachable? a hung process?); it was stopped, and a retry resumes from the newest checkpoint "
+                f"(log: {paths.log_file})"
+            )
         if exit_code is None:
             lost = self.vm_lost(context)
             if lost:
@@ -467,16 +479,14 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
             return self.finish(context, vm, job, paths, reused=False)
 
     def on_kill(self) -> None:
-        """A kill of the running task kills the job's process group on the VM."""
-        from airflow.providers.ssh.utils.remote_job import build_posix_kill_command
-
+        """A kill of the running task stops the job's processes on the VM."""
         ti = getattr(self, "task_instance", None)
         job = ti.xcom_pull(task_ids=self.task_id, key="ssh_remote_job") if ti else None
         if not job:
             return
         self.log.info("Killing job %s on the VM", job["job_id"])
         with self._vm() as vm:
-            vm.run(build_posix_kill_command(job["pid_file"]), check=False)
+            vm.run(remote_job.stop_command(job["pid_file"]), check=False)
 
     def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
         """Parse metrics from the job's log (or those kept in storage), push outputs and metrics, log the

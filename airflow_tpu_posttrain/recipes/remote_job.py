@@ -14,6 +14,8 @@ from airflow_tpu_posttrain.recipes.metrics import LOG_FILTER
 from airflow_tpu_posttrain.recipes.shell import export_line
 
 JOB_DIED = -1  # the exit code reported for a job whose process group is gone without writing one
+JOB_STALLED = -2  # the exit code reported for a job stopped by the watch for writing nothing for too long
+STOP_GRACE_S = 10  # seconds a job's processes have to end on SIGTERM before SIGKILL
 
 
 def state_command(job_dir: str, pid_file: str, exit_code_file: str, log_file: str) -> str:
@@ -54,6 +56,20 @@ def parse_completion(output: str) -> int | None:
     if answer == "died":
         return JOB_DIED
     return int(answer) if answer.lstrip("-").isdigit() else None
+
+
+def stop_command(pid_file: str, grace_s: int = STOP_GRACE_S) -> str:
+    """Ends the job's process group (the job runs under ``setsid``; its pid is the group's): SIGTERM, then SIGKILL
+    to whatever is left after ``grace_s`` (a process blocked in a system call, or whose SIGTERM handler hangs
+    too, e.g. saving a checkpoint to storage it cannot reach). A pid of 0 or 1 is never signalled."""
+    pid = shlex.quote(pid_file)
+    group_alive = 'kill -0 -"$p" 2>/dev/null'
+    return (
+        f'p="$(cat {pid} 2>/dev/null)"; if [ "$p" -gt 1 ] 2>/dev/null; then '
+        f'kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; '
+        f"for _ in $(seq {2 * grace_s}); do {group_alive} || break; sleep 0.5; done; "
+        f'if {group_alive}; then kill -KILL -"$p" 2>/dev/null; fi; fi; true'
+    )
 
 
 def metric_lines_command(log_file: str) -> str:

@@ -1,4 +1,5 @@
-"""providers-ssh's remote-job trigger, plus one case it does not end on: a job that died without an exit code."""
+"""providers-ssh's remote-job trigger, plus what it does not end on: a job that died without an exit code, a VM
+that is gone, and a job that hangs."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         ``impersonation_chain``): when a reconnect fails, Compute is asked whether the VM is gone (preempted,
         TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
         remaining reconnect attempts.
+    :param stall_timeout: seconds without a new byte in the job's log after which the job is taken for hung (a
+        trainer blocked on storage it cannot reach does not exit): its processes are stopped and the watch ends
+        with the exit code ``remote_job.JOB_STALLED``. 0 or None: never. The clock starts with the watch.
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         login: str | None = None,
         proxy_command: str | None = None,
         vm: dict[str, Any] | None = None,
+        stall_timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -53,6 +58,8 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         self.login = login
         self.proxy_command = proxy_command
         self.vm = vm
+        self.stall_timeout = stall_timeout
+        self._progress: tuple[int, float] | None = None  # (log offset, when it last grew)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in not_before_settled(super().run(), time.monotonic()):
@@ -66,6 +73,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             "login": self.login,
             "proxy_command": self.proxy_command,
             "vm": self.vm,
+            "stall_timeout": self.stall_timeout,
         }
 
     def _get_hook(self) -> VmHookAsync:
@@ -112,6 +120,20 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         return None
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:
-        command = remote_job.completion_command(posixpath.join(self.job_dir, "pid"), self.exit_code_file)
-        _, stdout, _ = await self._run_command(conn, command)
-        return remote_job.parse_completion(stdout)
+        pid_file = posixpath.join(self.job_dir, "pid")
+        _, stdout, _ = await self._run_command(conn, remote_job.completion_command(pid_file, self.exit_code_file))
+        exit_code = remote_job.parse_completion(stdout)
+        if exit_code is None and self._stalled():
+            self.log.warning("No output from job %s for %.0f s: stopping it", self.job_id, self.stall_timeout)
+            await self._run_command(conn, remote_job.stop_command(pid_file))
+            return remote_job.JOB_STALLED
+        return exit_code
+
+    def _stalled(self) -> bool:
+        """Whether the log has not grown for ``stall_timeout`` s (the base trigger advances ``log_offset`` as it
+        reads each new chunk)."""
+        now = time.monotonic()
+        if self._progress is None or self._progress[0] != self.log_offset:
+            self._progress = (self.log_offset, now)
+            return False
+        return bool(self.stall_timeout) and now - self._progress[1] >= self.stall_timeout
