@@ -300,6 +300,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "hf_conn_id": cfg.hf_conn_id,
         "model": "{{ params.model }}",
         "checkpoint_storage": storage,
+        "stall_timeout_s": cfg.stall_timeout_s,
         **(cfg.local or {}),
     }
     on_compute = {

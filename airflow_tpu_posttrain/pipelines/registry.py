@@ -98,6 +98,9 @@ class PipelineConfig:
     retry_delay_s: int = 60  # the first retry's delay (then exponential backoff, at most 20 minutes)
     poll_interval_s: int | None = None  # between the triggers' polls; None: each step's own (10 to 30 s)
     checkpoint_period: int = 200  # SFT steps between checkpoints: what a retry or a recovery may repeat
+    # A MaxText job silent this long is taken for hung and stopped, failing the try (a retry resumes): longer
+    # than its quietest healthy stretch (compiling, a checkpoint save), far shorter than the step's timeout.
+    stall_timeout_s: int = 1800
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
     tags: tuple[str, ...] = ()
@@ -177,6 +180,7 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
                 retry_delay_s=5,
                 poll_interval_s=2,
                 checkpoint_period=2,
+                stall_timeout_s=180,
             )
         for key in ("zones", "overrides", "tags", "ssh_source_ranges"):
             if key in merged:
