@@ -1,0 +1,139 @@
+"""Checkpoint storage unreachable in the middle of training, in real Airflow (dag.test) against the local stack.
+
+MaxText's trainer neither fails nor exits when its checkpoint storage goes away: the save's clients give up
+(gcsfs after about 30 s of retries) and the training loop waits for that save for good (measured with the tiny
+model: no step and no line for 20 minutes, until killed). So the job watch stops a job whose log has not grown
+for ``stall_timeout_s`` (180 s locally), the try fails, and the retry, with storage back, resumes from the newest
+checkpoint that was committed (orbax's ``commit_success.txt``) before the outage.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import datetime, timezone
+
+import pytest
+from conftest import log_excerpt, storage_has, storage_objects
+from test_maxtext_faults import _COMPLETED, JOBS, _dag, _fixed_run_id, _return_value, _tis, _vm_session
+
+DAG_ID = "posttrain_sft__tiny-llama"
+RUN_ID = "manual__storage-outage"
+LOGICAL_DATE = datetime(2026, 4, 5, 6, 7, 8, tzinfo=timezone.utc)
+STEPS = 20  # room for the outage to land while training still runs
+OUTAGE_AFTER_STEP = 3
+STALL_TIMEOUT_S = 180  # the local entries' stall_timeout_s (pipelines/registry.py)
+
+pytestmark = pytest.mark.maxtext
+
+
+def _committed_steps() -> list[int]:
+    """The training steps in the local checkpoint storage whose save orbax committed (``commit_success.txt``):
+    this module's stack holds one run."""
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
+
+    names = storage_objects(LOCAL_CHECKPOINT_STORAGE)
+    return sorted({int(m[1]) for name in names if (m := re.search(r"/checkpoints/(\d+)/commit_success\.txt$", name))})
+
+
+class _Outage(threading.Thread):
+    """Stops the local GCS server once the train job on the TPU VM has logged step OUTAGE_AFTER_STEP and a step is
+    committed in storage, and starts it again once none of the job's processes is left (the job watch stopped
+    them)."""
+
+    def __init__(self, stack, job_name: str) -> None:
+        super().__init__(daemon=True)
+        self.stack = stack
+        self.job_name = job_name
+        self.stop = threading.Event()
+        self.down_at: float | None = None
+        self.up_at: float | None = None
+        self.try1_steps: list[int] = []
+        self.committed_at_restart: list[int] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # reported by the test
+            self.error = err
+            if self.down_at is not None and self.up_at is None:
+                self.stack.gcs.start()
+
+    def _job(self):
+        for vm in self.stack.vms():
+            try:
+                job_dir = vm.guest_path(JOBS) / self.job_name
+                if job_dir.is_dir():
+                    return vm, job_dir
+            except Exception:  # noqa: BLE001 - a VM not booted yet, or ending
+                continue
+        return None, None
+
+    def _run(self) -> None:
+        vm = job_dir = leader = None
+        while not self.stop.is_set() and self.down_at is None:
+            if job_dir is None:
+                vm, job_dir = self._job()
+            else:
+                log = (job_dir / "stdout.log").read_bytes() if (job_dir / "stdout.log").exists() else b""
+                steps = [int(s) for s in _COMPLETED.findall(log)]
+                if steps and max(steps) >= OUTAGE_AFTER_STEP and _committed_steps():
+                    leader = int((job_dir / "pid").read_text())
+                    self.stack.gcs.stop()
+                    self.down_at = time.monotonic()
+                    self.try1_steps = steps
+            time.sleep(0.05)
+        while not self.stop.is_set() and self.up_at is None:
+            if not _vm_session(vm, leader):
+                self.stack.gcs.start()
+                self.up_at = time.monotonic()
+                self.committed_at_restart = _committed_steps()  # before the retry writes any
+            time.sleep(0.5)
+
+
+@pytest.mark.timeout(1800)
+def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, capfd, fault_matrix):
+    from airflow_tpu_posttrain.recipes.compute import run_hash
+
+    outage = _Outage(stack, f"train-{run_hash(DAG_ID, RUN_ID)}")
+    capfd.readouterr()
+    outage.start()
+    try:
+        with _fixed_run_id(RUN_ID):
+            dag_run = _dag().test(run_conf={"steps": STEPS}, logical_date=LOGICAL_DATE)
+    finally:
+        outage.stop.set()
+        outage.join(30)
+    logs = "".join(capfd.readouterr())
+    assert outage.error is None, outage.error
+    assert outage.down_at is not None, "training ended before the outage"
+    assert outage.up_at is not None, "the trainer's processes outlived the run"
+    tis = _tis(dag_run)
+    assert dag_run.state == "success", {task_id: ti.state for task_id, ti in tis.items()}
+    assert tis["train"].try_number == 2
+    assert max(outage.try1_steps) < STEPS, outage.try1_steps
+
+    # Try 1 was stopped by the watch for its silence, not by an error of its own.
+    assert f"no output from the job on the VM for {STALL_TIMEOUT_S} s" in logs
+    silent_s = outage.up_at - outage.down_at
+    assert STALL_TIMEOUT_S <= silent_s < STALL_TIMEOUT_S + 120, silent_s
+
+    # The retry resumed from the newest step committed before the outage and trained to the end.
+    train = _return_value(dag_run, "train")
+    resumed = train["metrics"].get("resumed_from_step")
+    committed = outage.committed_at_restart
+    assert committed and resumed == max(committed), (resumed, committed, outage.try1_steps)
+    assert train["metrics"]["steps_completed"] == STEPS
+    assert train["checkpoint"].endswith(f"/checkpoints/{STEPS}/model_params") and storage_has(train["checkpoint"])
+    assert _return_value(dag_run, "delete_tpu_vm")["deleted"] is True
+    assert stack.compute.instances() == []
+    fault_matrix.record(
+        f"storage: GCS unreachable after step {max(outage.try1_steps)} (the trainer hangs) -> stopped after "
+        f"{STALL_TIMEOUT_S} s silent, retry resumes from step {resumed}",
+        stack.compute.instances() == [],
+        dag_run.state,
+        storage_has(train["checkpoint"]),
+        log_excerpt(logs, "no output from the job on the VM"),
+    )
