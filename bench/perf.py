@@ -303,7 +303,7 @@ def report(
     header = ("fig", "subject", "value", "target", "", "how")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
     for r in [header, *rows]:
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + "  " + r[5])
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=False)) + "  " + r[5])
 
     m = Minutes()
     lines.append("\nnotes:")

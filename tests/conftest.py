@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -82,7 +82,7 @@ def run_dag(airflow_db, monkeypatch):
         if run_id:
             # dag.test() replaces the run that has the same logical date: same date + same run_id = a re-run.
             monkeypatch.setattr(DagRun, "generate_run_id", staticmethod(lambda **_: run_id))
-            kwargs["logical_date"] = datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(
+            kwargs["logical_date"] = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(
                 seconds=int(hashlib.sha256(run_id.encode()).hexdigest()[:6], 16)
             )
 

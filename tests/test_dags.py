@@ -7,6 +7,7 @@ local CPU DAGs appear too) and everything is checked on the parsed objects.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -157,7 +158,7 @@ def test_setup_teardown_pair(dags, dag_id):
 def test_seeds_layout_chain(dags, dag_id):
     dag = dags[dag_id]
     chain = (CREATE, *BODY, DELETE)
-    for up, down in zip(chain, chain[1:]):
+    for up, down in itertools.pairwise(chain):
         assert up in dag.get_task(down).upstream_task_ids, f"{up} >> {down} is missing"
     assert dag.get_task(CREATE).upstream_task_ids == set()
     assert dag.get_task(BODY[0]).upstream_task_ids == {CREATE}

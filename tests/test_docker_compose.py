@@ -69,7 +69,7 @@ def raw() -> dict[str, Any]:
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
-    """target → (source, read-only), from the short (docker-compose 1.x) or long (Compose v2) syntax."""
+    """Target → (source, read-only), from the short (docker-compose 1.x) or long (Compose v2) syntax."""
     mounts = {}
     for volume in service.get("volumes", []):
         if isinstance(volume, str):

@@ -27,7 +27,7 @@ import signal
 import tempfile
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -39,7 +39,7 @@ from airflow_tpu_posttrain.local.hub_server import REDACTED
 
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__faults-sft"
-LOGICAL_DATE = datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+LOGICAL_DATE = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
 STEPS = 10  # a few more than the kill point, so the kill lands while training still runs
 KILL_AFTER_STEP = 4
 CHECKPOINT_PERIOD = 2  # what the local DAGs use (registry.py: the local entries' checkpoint_period)
@@ -122,7 +122,7 @@ def _pids() -> list[int]:
 
 
 def _vm_session(vm, leader: int) -> list[int]:
-    """This machine's pids of the VM's processes in session ``leader`` (a pid as the VM sees it: a job's pid
+    """The pids, on this machine, of the VM's processes in session ``leader`` (a pid as the VM sees it: a job's pid
     file). The VM has a pid namespace of its own; /proc/PID/status lists a process's session id in each
     namespace it belongs to (NSsid), the VM's last."""
     namespace = os.readlink(vm.guest_path("/").parent / "ns" / "pid")

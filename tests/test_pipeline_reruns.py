@@ -85,13 +85,13 @@ def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_ma
     dates = [datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 12, tzinfo=UTC)]
     run_ids = [f"manual__{d.isoformat()}" for d in dates]  # dag.test makes manual runs
     runs = []
-    for d, r in zip(dates, run_ids):
+    for d, r in zip(dates, run_ids, strict=True):
         runs.append(run_pipeline(logical_date=d, run_id=r))
         assert runs[-1].state == "success", states(runs[-1])
         assert_vms_gone(vm_ends, runs[-1])
         vm_ends.forget()
     capfd.readouterr()
-    for dr, run_id in zip(runs, run_ids):
+    for dr, run_id in zip(runs, run_ids, strict=True):
         assert dr.state == "success", states(dr)
         assert dr.run_id == run_id
         assert states(dr)[WATCHER] == "skipped"

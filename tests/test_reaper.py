@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from conftest import log_excerpt
 
 from airflow_tpu_posttrain.recipes import reaper
 
-NOW = datetime(2026, 6, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
 
 def instance(age_s=3600, expires_in_s=3600, ours=True):

@@ -369,7 +369,7 @@ def test_split_layout_puts_checkpoints_in_storage_and_keys_the_conversion():
     assert keyed.sft_params(1000) == "gs://bucket/prefix/post-train/run-1/checkpoints/1000/model_params"
     assert keyed.export_dir == "/dev/shm/gemma3-4b/hf-trained/run-1"  # the export stays on the exporting VM
     with pytest.raises(SpecError) as err:
-        RunLayout("gemma3-4b", "run-1", storage=storage).converted_dir
+        _ = RunLayout("gemma3-4b", "run-1", storage=storage).converted_dir
     assert err.value.field == "conversion_key"
     assert RunLayout("m", "r", storage="file:///shared/ckpt").post_train_dir == "/shared/ckpt/post-train"
     for hostile in ("gs://bucket/$(id)", "relative/dir", "/a/../b", "gs://b/x;rm"):
@@ -701,7 +701,7 @@ def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
 
 @pytest.mark.parametrize("cache", ["directory", "gs"])
 def test_an_archive_cut_short_is_never_saved(tmp_path, cache):
-    """tar failing midway (a disk error, a file vanishing) after part of the archive went out: the next VM
+    """Tar failing midway (a disk error, a file vanishing) after part of the archive went out: the next VM
     would restore a truncated archive and fail to untar it, every time. Nothing is saved under the archive's
     name; the install itself succeeds."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"

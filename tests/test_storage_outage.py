@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from conftest import log_excerpt, storage_has, storage_objects
@@ -20,7 +20,7 @@ from test_maxtext_faults import _COMPLETED, JOBS, _dag, _fixed_run_id, _return_v
 
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__storage-outage"
-LOGICAL_DATE = datetime(2026, 4, 5, 6, 7, 8, tzinfo=timezone.utc)
+LOGICAL_DATE = datetime(2026, 4, 5, 6, 7, 8, tzinfo=UTC)
 STEPS = 20  # room for the outage to land while training still runs
 OUTAGE_AFTER_STEP = 3
 STALL_TIMEOUT_S = 180  # the local entries' stall_timeout_s (pipelines/registry.py)

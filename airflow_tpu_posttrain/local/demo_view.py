@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console, Group
@@ -56,7 +56,7 @@ class TaskView:
         """Its duration; so far, while it runs."""
         if self.start is None:
             return None
-        return ((self.end or datetime.now(timezone.utc)) - self.start).total_seconds()
+        return ((self.end or datetime.now(UTC)) - self.start).total_seconds()
 
 
 @dataclass(frozen=True)

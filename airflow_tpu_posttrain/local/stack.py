@@ -64,7 +64,7 @@ CLIENT_KEY = Path("ssh") / "id_ed25519"
 
 
 def package_cache(local_dir: Path) -> Path:
-    """uv's cache the local VMs install from: filled once here, as a package mirror would be."""
+    """Uv's cache the local VMs install from: filled once here, as a package mirror would be."""
     return local_dir / "vm-packages"
 
 

@@ -33,8 +33,7 @@ class PublishedModelLink(BaseOperatorLink):
 
 
 class HfExportOperator(MaxTextJobOperator):
-    """
-    Export the trained checkpoint to Hugging Face format (``to_huggingface``), check it, and publish it durably
+    """Export the trained checkpoint to Hugging Face format (``to_huggingface``), check it, and publish it durably
     BEFORE the VM can go: to a Hub repo (private by default, one branch per DAG run, commit message naming dag
     and run) and/or a copy to a storage URI (``gs://``, ``file://`` or a local directory on the VM).
 

@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 
 
 class MaxTextInstallOperator(MaxTextJobOperator):
-    """
-    Install MaxText on the VM, as the tutorials do (or the CPU recipe locally). Cached: a marker in the venv keyed
+    """Install MaxText on the VM, as the tutorials do (or the CPU recipe locally). Cached: a marker in the venv keyed
     by version and extras makes a re-run a no-op in seconds; with ``checkpoint_storage`` a new VM restores the
     environment from an archive in ``<checkpoint_storage>/environments`` (see recipes/install.py).
 
@@ -67,8 +66,7 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 
 
 class MaxTextConvertOperator(MaxTextJobOperator):
-    """
-    Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``). Skipped when a complete conversion
+    """Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``). Skipped when a complete conversion
     exists. XCom: ``converted_params`` (the path the trainers load), and with checkpoint storage
     ``conversion_key`` and ``source_revision``.
 
@@ -234,8 +232,7 @@ class _TrainOperator(MaxTextJobOperator):
 
 
 class SftTrainOperator(_TrainOperator):
-    """
-    Supervised fine-tuning (``train_sft``) from the converted checkpoint (``conversion``, the convert task's
+    """Supervised fine-tuning (``train_sft``) from the converted checkpoint (``conversion``, the convert task's
     XComArg, or ``converted_params``). The run name is deterministic per DAG run, so a retry resumes from the newest checkpoint; a finished run is not retrained. XCom: ``checkpoint``
     (the final ``model_params``), ``run_name``, ``metrics``.
 
@@ -309,8 +306,7 @@ class SftTrainOperator(_TrainOperator):
 
 
 class GrpoTrainOperator(_TrainOperator):
-    """
-    GRPO reinforcement learning (``train_rl``) from the converted checkpoint; resumable like SFT. XCom:
+    """GRPO reinforcement learning (``train_rl``) from the converted checkpoint; resumable like SFT. XCom:
     ``checkpoint`` (the actor's final ``model_params``), ``run_name``, ``metrics`` (pre/post accuracy, reward).
 
     :param num_batches: (tutorial: 50). :param num_test_batches: (tutorial: 10).

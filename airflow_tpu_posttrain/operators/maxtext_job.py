@@ -65,8 +65,7 @@ class Job:
 
 
 class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
-    """
-    Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM. When the VM is
+    """Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM. When the VM is
     gone (Compute says so, not merely an SSH error) the step fails with :class:`VmLostError`; training recovers
     (``operators/recovery.py``).
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.operators.tpu_vm import _as_list, _ComputeOperator
@@ -29,8 +29,7 @@ def _status_code(err: Exception) -> int | None:
 
 
 class TpuVmReaperOperator(_ComputeOperator):
-    """
-    List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones`` and delete those whose expiry
+    """List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones`` and delete those whose expiry
     label has passed or whose DAG run Airflow's API says is over or absent, after a grace period; a run state
     that cannot be read keeps the VM (until it expires). Then delete the project's SSH firewall rules made by
     this provider whose instance is gone from every zone. Nothing without our label or description is touched.
@@ -85,7 +84,7 @@ class TpuVmReaperOperator(_ComputeOperator):
             return None
 
     def execute(self, context: Context) -> dict:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         counts = {"seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": self.dry_run}
         for zone in _as_list(self.zones):
             for instance in self.hook.list_instances(self.project, zone, reaper.LABEL_FILTER):

@@ -178,8 +178,7 @@ class _ComputeOperator(BaseOperator):
 
 
 class TpuVmCreateOperator(_ComputeOperator):
-    """
-    Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
+    """Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
 
     The instance name is deterministic per (dag_id, run_id), so a retry or a re-run finds the instance of an
     earlier try: a live one is reused, a TERMINATED/STOPPED one is replaced, and no second one is created.
@@ -808,8 +807,7 @@ class TpuVmCreateOperator(_ComputeOperator):
 
 
 class TpuDeleteOperator(_ComputeOperator):
-    """
-    Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer. Built to be the
+    """Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer. Built to be the
     teardown: the worker only works out what to delete and defers at once.
 
     It finds the VM from the create task's XCom (also the partial record a failed create leaves), in each of the

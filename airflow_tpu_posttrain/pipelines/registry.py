@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
 from airflow_tpu_posttrain.recipes.models import model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
-START_DATE = datetime(2026, 1, 1, tzinfo=timezone.utc)
+START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ from airflow_tpu_posttrain.triggers.compute import ComputeTrigger
 
 
 class TpuCapacityTrigger(ComputeTrigger):
-    """
-    Poll the capacity group's live TPU VMs (by label, in ``zones``) until fewer than ``cap`` are held by others,
+    """Poll the capacity group's live TPU VMs (by label, in ``zones``) until fewer than ``cap`` are held by others,
     or until ``deadline`` (Unix time). With ``cap`` None, only wait ``retry_after`` seconds (a reservation that
     was full: the insert is simply tried again).
 

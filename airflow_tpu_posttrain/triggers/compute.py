@@ -18,8 +18,7 @@ from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 
 class ComputeTrigger(BaseTrigger):
-    """
-    What the Compute triggers share: the connection, the poll interval, and the deferring operator's ``state``,
+    """What the Compute triggers share: the connection, the poll interval, and the deferring operator's ``state``,
     returned unchanged in every event; no event comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
     deferral. Subclasses yield from ``_events`` and add their own arguments to ``_kwargs``.
 
@@ -137,8 +136,7 @@ class _OperationsTrigger(ComputeTrigger):
 
 
 class ComputeOperationsTrigger(_OperationsTrigger):
-    """
-    Poll operations until DONE, reading ``operation.error``; then, if ``instance`` is given, poll it to RUNNING.
+    """Poll operations until DONE, reading ``operation.error``; then, if ``instance`` is given, poll it to RUNNING.
 
     Fires once with fixed keys: ``{"status": "success" | "error", "instance": the RUNNING instance or None,
     "errors": [{"code", "message"}], "state"}``, never sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
@@ -203,8 +201,7 @@ def _billed(instance: dict | None) -> dict | None:
 
 
 class ComputeDeleteTrigger(_OperationsTrigger):
-    """
-    Delete instances and firewall rules, then wait for the deletes to be DONE.
+    """Delete instances and firewall rules, then wait for the deletes to be DONE.
 
     Deleting from here keeps ``google-cloud-compute`` (seconds to import) out of the worker that runs the
     teardown: the triggerer has it loaded, so the VM's deletion starts as soon as the teardown is scheduled.
@@ -253,7 +250,7 @@ class ComputeDeleteTrigger(_OperationsTrigger):
                     )
             finished = await self._finished(hook, operations)
             errors = next((op["error"]["errors"] for op in finished if op.get("error", {}).get("errors")), [])
-            for entry, operation in zip(deleted, finished):
+            for entry, operation in zip(deleted, finished, strict=False):
                 entry["ended"] = operation.get("endTime")
         except Exception as err:
             errors = self._raised(err)
@@ -296,8 +293,7 @@ async def ssh_port_open(
 
 
 class VmReadyTrigger(ComputeTrigger):
-    """
-    Wait until a RUNNING VM can be logged into: its guest environment published its host keys (``hostkeys/``
+    """Wait until a RUNNING VM can be logged into: its guest environment published its host keys (``hostkeys/``
     guest attributes) and its sshd answers on ``address:port`` (through ``proxy_command``, for IAP).
 
     Fires once with fixed keys: ``{"status": "ready", "host_keys": {type: base64}, "state"}`` or

@@ -26,8 +26,7 @@ class _VmGone(Exception):
 
 
 class MaxTextJobTrigger(SSHRemoteJobTrigger):
-    """
-    Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code (its whole
+    """Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code (its whole
     process group was killed, e.g. by the OOM killer): otherwise the task would stay deferred until its timeout.
     Its event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
 
