@@ -32,7 +32,7 @@ from airflow_tpu_posttrain.local.fleet import LocalFleet
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
-from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
+from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
 from airflow_tpu_posttrain.recipes.install import install_script
 from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
@@ -70,7 +70,9 @@ def package_cache(local_dir: Path) -> Path:
 
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
     """A MaxText venv on this machine (the same idempotent script the install step runs; it builds the tiny model
-    and data) — installing it also fills the package cache the VMs install from."""
+    and data) — installing it also fills the package cache the VMs install from — and the cpu runtime's launcher
+    scripts where the local settings name them (``launcher_source_dir``)."""
+    shutil.copytree(Path(__file__).with_name("vm_launchers"), local_dir / LOCAL_LAUNCHERS, dirs_exist_ok=True)
     venv = local_dir / "maxtext-venv"
     runtime = cpu_runtime(str(local_dir / "launchers"), str(venv), python312)
     script = install_script(runtime, model_profile("tiny-llama").maxtext_version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 from collections.abc import Sequence
-from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
@@ -59,10 +59,13 @@ class MaxTextInstallOperator(MaxTextJobOperator):
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         if not spec.runtime.is_cpu:
             return
-        launchers = resources.files("airflow_tpu_posttrain.local") / "vm_launchers"
-        for launcher in launchers.iterdir():
-            if launcher.name.endswith(".py"):
-                vm.put_bytes(f"{spec.runtime.launcher_dir}/{launcher.name}", launcher.read_bytes(), 0o644)
+        if not self.launcher_source_dir:
+            problem = SpecError(
+                "launcher_source_dir", None, "is required on the cpu runtime", "give the launchers' directory"
+            )
+            raise InvalidInputError.of(self.task_id, problem)
+        for launcher in sorted(Path(self.launcher_source_dir).glob("*.py")):
+            vm.put_bytes(f"{spec.runtime.launcher_dir}/{launcher.name}", launcher.read_bytes(), 0o644)
 
 
 class MaxTextConvertOperator(MaxTextJobOperator):

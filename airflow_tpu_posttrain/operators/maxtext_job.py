@@ -85,6 +85,8 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
     :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
     :param base_python: the interpreter uv builds the venv from (``3.12`` on TPU, a path on cpu).
     :param model_source_dir: cpu runtime: where the local model and its data live on the VM.
+    :param launcher_source_dir: cpu runtime: the directory, on the worker, of the launcher scripts the install
+        step copies to the VM (recipes/runtime.py; the local settings name the local stack's copy).
     :param root_dir: where the run's files go on the VM (default ``/dev/shm/<model>``, as in the tutorials).
     :param checkpoint_storage: ``gs://bucket/prefix`` (or, locally, a directory every VM sees) for the converted
         and trained checkpoints (the split layout); empty: everything under ``root_dir`` (the tutorials').
@@ -133,6 +135,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         maxtext_venv: str | None = None,
         base_python: str | None = None,
         model_source_dir: str | None = None,
+        launcher_source_dir: str | None = None,
         root_dir: str | None = None,
         checkpoint_storage: str | None = None,
         workdir: str = DEFAULT_WORKDIR,
@@ -158,6 +161,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         self.maxtext_venv = maxtext_venv
         self.base_python = base_python
         self.model_source_dir = model_source_dir
+        self.launcher_source_dir = launcher_source_dir
         self.root_dir = root_dir
         self.checkpoint_storage = checkpoint_storage
         self.workdir = workdir

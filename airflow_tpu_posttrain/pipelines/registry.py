@@ -138,14 +138,20 @@ LOCAL_CHECKPOINT_STORAGE = f"gs://{LOCAL_BUCKET}/airflow-tpu-posttrain"
 LOCAL_VENV = "/var/tmp/maxtext-venv"
 
 
+# Where the local stack puts the cpu runtime's launcher scripts, under its local directory.
+LOCAL_LAUNCHERS = "vm-launchers"
+
+
 def local_settings(local_dir: str, python312: str) -> dict[str, str]:
-    """How the local CPU "VM" differs from a TPU VM: the CPU runtime, its venv, the tiny model's directory.
-    The jobs' files go where production puts them (``/tmp``, ``/dev/shm``), on each VM's own disk."""
+    """How the local CPU "VM" differs from a TPU VM: the CPU runtime, its venv, the tiny model's directory, its
+    launcher scripts. The jobs' files go where production puts them (``/tmp``, ``/dev/shm``), on each VM's own
+    disk."""
     return {
         "runtime": "cpu",
         "maxtext_venv": LOCAL_VENV,
         "base_python": python312,
         "model_source_dir": f"{local_dir}/tiny",
+        "launcher_source_dir": f"{local_dir}/{LOCAL_LAUNCHERS}",
     }
 
 
