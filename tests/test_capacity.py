@@ -15,7 +15,8 @@ from airflow_tpu_posttrain.recipes import capacity
 CAP_DAG = """
 from datetime import datetime, timedelta
 from airflow.sdk import DAG
-from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
     create = TpuVmCreateOperator(
@@ -183,7 +184,8 @@ PROBE_DAGS = """
 from datetime import datetime
 from airflow.sdk import DAG
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
-from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 
 class UseVm(MaxTextJobOperator):

@@ -22,7 +22,8 @@ PROJECT = "test-project"
 LIFECYCLE_DAG = """
 from datetime import datetime
 from airflow.sdk import DAG
-from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
     if "create" in {tasks!r}:
@@ -351,7 +352,7 @@ _TEARDOWN_PROBE = """
 import json, sys
 from types import SimpleNamespace
 from airflow.sdk.exceptions import TaskDeferred
-from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
 
 op = TpuDeleteOperator(task_id="delete_tpu_vm", project_id="test-project", zones=["us-east5-b"], firewall=True)
 ti = SimpleNamespace(id="0190-ti", xcom_pull=lambda **_: None)

@@ -18,7 +18,8 @@ STEP_DAG = """
 from datetime import datetime
 from airflow.sdk import DAG
 from airflow_tpu_posttrain.operators.maxtext import MaxTextInstallOperator
-from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
          render_template_as_native_obj=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from functools import cached_property
 from typing import Any
 
@@ -197,6 +198,33 @@ class TpuVmHook(GoogleBaseHook):
         else:
             message = self.global_operations.get(project=project, operation=operation, retry=self.retry)
         return _message_to_dict(message)
+
+    def settle_within(
+        self, project: str, operations: list[dict], instance: dict | None, seconds: float
+    ) -> dict | None:
+        """What ``ComputeOperationsTrigger`` would report (``status``, ``instance``, ``errors``) when the
+        ``operations`` (``{"name", "zone"}``) end and ``instance`` (``{"name", "zone"}``) is RUNNING within
+        ``seconds``; None when they do not (then the wait is deferred to the triggerer)."""
+        deadline = time.monotonic() + seconds
+        pending = list(operations)
+        while True:
+            while pending:
+                operation = self.get_operation(project, pending[0]["name"], pending[0].get("zone"))
+                if operation.get("status") != "DONE":
+                    break
+                errors = operation.get("error", {}).get("errors", [])
+                if errors:
+                    return {"status": "error", "instance": None, "errors": errors}
+                pending.pop(0)
+            if not pending:
+                if not instance:
+                    return {"status": "success", "instance": None, "errors": []}
+                found = self.get_instance(project, instance["zone"], instance["name"])
+                if found and found.get("status") == "RUNNING":
+                    return {"status": "success", "instance": found, "errors": []}
+            if time.monotonic() + 0.5 > deadline:
+                return None
+            time.sleep(0.5)
 
     def insert_firewall(self, project: str, body: dict, request_id: str) -> str | None:
         from google.api_core.exceptions import Conflict

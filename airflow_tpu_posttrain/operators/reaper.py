@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.operators.tpu_vm import _as_list, _ComputeOperator
+from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, as_list
 from airflow_tpu_posttrain.recipes import compute, cost, reaper
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def _status_code(err: Exception) -> int | None:
     return None
 
 
-class TpuVmReaperOperator(_ComputeOperator):
+class TpuVmReaperOperator(ComputeOperator):
     """List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones`` and delete those whose expiry
     label has passed or whose DAG run Airflow's API says is over or absent, after a grace period; a run state
     that cannot be read keeps the VM (until it expires). Then delete the project's SSH firewall rules made by
@@ -86,7 +86,7 @@ class TpuVmReaperOperator(_ComputeOperator):
     def execute(self, context: Context) -> dict:
         now = datetime.now(UTC)
         counts = {"seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": self.dry_run}
-        for zone in _as_list(self.zones):
+        for zone in as_list(self.zones):
             for instance in self.hook.list_instances(self.project, zone, reaper.LABEL_FILTER):
                 counts["seen"] += 1
                 decision = reaper.decide(

@@ -1,183 +1,42 @@
-"""Create and delete the TPU VM (a Compute Engine instance) of one DAG run, deferrably and idempotently."""
+"""Create the TPU VM (a Compute Engine instance) of one DAG run, deferrably and idempotently."""
 
 from __future__ import annotations
 
-import os
-import select
-import socket
-import subprocess
-import time
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-from airflow.sdk import BaseOperator
+from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import (
-    CapacityTimeoutError,
     CapacityUnavailableError,
     InvalidInputError,
     QuotaExceededError,
     ReservationError,
-    VmAccessError,
     VmCreateError,
-    VmDeleteError,
     VmNotReadyError,
 )
-from airflow_tpu_posttrain.recipes import access, capacity, compute, cost, create_phases, validation
+from airflow_tpu_posttrain.operators.capacity_cap import CapacityCapMixin
+from airflow_tpu_posttrain.operators.compute_base import (
+    DEFAULT_MAX_RUN_DURATION,
+    ComputeOperator,
+    as_list,
+    seconds,
+    vm_expires_at,
+)
+from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
+from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
-from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
+from airflow_tpu_posttrain.recipes.create_phases import Action, Phase, Progress
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from airflow_tpu_posttrain.hooks.compute import TpuVmHook
 
-# Without a DAG-level timeout to derive it from, the cloud-side backstop deletes the VM after this long.
-DEFAULT_MAX_RUN_DURATION = timedelta(hours=12)
 # Added to the DAG's dagrun_timeout so teardown normally wins the race against the backstop.
 BACKSTOP_MARGIN = timedelta(minutes=30)
-_REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 
 
-def _expires_at(spec: compute.TpuVmSpec) -> int:
-    """When the VM (and the key that lets Airflow in) expires."""
-    return compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))
-
-
-def _request_id(context: Context, *parts: object) -> str:
-    """A requestId stable within one try of one task instance (the same call repeated by the client's retries,
-    or after a deferral, is recognised by Compute as a repeat) and new for every try and every re-run: the task
-    instance's id changes with each try, so a re-run never replays an earlier run's finished operations."""
-    return str(uuid.uuid5(_REQUEST_NAMESPACE, "/".join(str(p) for p in (context["ti"].id, *parts))))
-
-
-def _as_list(value: Sequence[str] | str | None) -> list[str]:
-    """Zones from Python, a rendered template or a Param: a list, or a comma-separated string."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [
-            part.strip()
-            for part in value.strip("[]").replace("'", "").replace('"', "").split(",")
-            if part.strip()
-        ]
-    return list(value)
-
-
-class _Progress(NamedTuple):
-    """Where a create stands across deferrals (the triggers echo it back as their event's ``state``)."""
-
-    zone_index: int = 0
-    stockouts: tuple[str, ...] = ()
-    attempt: int = 0  # a new insert requestId after each replacement or yielded place
-    deadline: float | None = None  # Unix time the wait for capacity ends
-    without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model
-
-
-def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
-    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command`` (an IAP
-    tunnel); its banner read, not only the TCP handshake."""
-    if proxy_command:
-        with subprocess.Popen(
-            proxy_command,
-            shell=True,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        ) as tunnel:
-            try:
-                readable, _, _ = select.select([tunnel.stdout], [], [], 5)
-                return bool(readable) and os.read(tunnel.stdout.fileno(), 4).startswith(b"SSH-")
-            finally:
-                tunnel.kill()
-    if not address:
-        return False
-    try:
-        with socket.create_connection((address, port), timeout=2) as conn:
-            conn.settimeout(2)
-            return conn.recv(4).startswith(b"SSH-")
-    except OSError:
-        return False
-
-
-def _seconds(value: timedelta | int | float | str | None) -> int | None:
-    """Seconds from a timedelta, a number, or a rendered template (a string when not rendered natively)."""
-    if value is None:
-        return None
-    return int(value.total_seconds() if isinstance(value, timedelta) else float(value))
-
-
-class _ComputeOperator(BaseOperator):
-    """What create and delete share: the connection, the endpoint and how they build the hook."""
-
-    request_id_salt = ""  # set when the task's work runs again within one try (a VM recovery)
-
-    def __init__(
-        self,
-        *,
-        project_id: str | None = None,
-        gcp_conn_id: str = "google_cloud_default",
-        api_endpoint: str | None = None,
-        impersonation_chain: str | list[str] | None = None,
-        poll_interval: float = 10.0,
-        inline_wait: float = 5.0,
-        name_prefix: str = "tpu",
-        wait_timeout: timedelta = timedelta(hours=3),
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.wait_timeout = wait_timeout
-        self.project_id = project_id
-        self.gcp_conn_id = gcp_conn_id
-        self.api_endpoint = api_endpoint
-        self.impersonation_chain = impersonation_chain
-        self.poll_interval = poll_interval
-        self.inline_wait = inline_wait
-        self.name_prefix = name_prefix
-
-    def _request_id(self, context: Context, *parts: object) -> str:
-        return _request_id(context, *([self.request_id_salt] if self.request_id_salt else []), *parts)
-
-    @cached_property
-    def hook(self) -> TpuVmHook:
-        from airflow_tpu_posttrain.hooks.compute import TpuVmHook
-
-        return TpuVmHook(
-            gcp_conn_id=self.gcp_conn_id,
-            api_endpoint=self.api_endpoint,
-            impersonation_chain=self.impersonation_chain,
-        )
-
-    @property
-    def project(self) -> str:
-        project = self.project_id or self.hook.project_id
-        if not project:
-            raise InvalidInputError.of(
-                self.task_id,
-                SpecError(
-                    "project_id",
-                    None,
-                    "is not set",
-                    "pass project_id or set 'project' in the Google Cloud connection",
-                ),
-            )
-        return project
-
-    def _trigger_arguments(self) -> dict[str, Any]:
-        return {
-            "project_id": self.project,
-            "gcp_conn_id": self.gcp_conn_id,
-            "api_endpoint": self.api_endpoint,
-            "impersonation_chain": self.impersonation_chain,
-            "poll_interval": self.poll_interval,
-        }
-
-
-class TpuVmCreateOperator(_ComputeOperator):
+class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
     """Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
 
     The instance name is deterministic per (dag_id, run_id), so a retry or a re-run finds the instance of an
@@ -314,7 +173,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         self.metadata = metadata
 
     def _max_run_duration_s(self, context: Context) -> int:
-        explicit = _seconds(self.max_run_duration)
+        explicit = seconds(self.max_run_duration)
         if explicit is not None:
             return explicit
         dagrun_timeout = getattr(context["dag"], "dagrun_timeout", None)
@@ -327,22 +186,22 @@ class TpuVmCreateOperator(_ComputeOperator):
         try:
             spec = compute.TpuVmSpec(
                 project_id=self.project,
-                zones=tuple(_as_list(self.zones)),
+                zones=tuple(as_list(self.zones)),
                 accelerator_type=self.accelerator_type,
                 provisioning_model=self.provisioning_model,
                 reservation=self.reservation or None,
                 network=self.network,
                 subnetwork=self.subnetwork or None,
                 network_path=self.network_path,
-                ssh_source_ranges=tuple(_as_list(self.ssh_source_ranges)),
+                ssh_source_ranges=tuple(as_list(self.ssh_source_ranges)),
                 ssh_key_mode=self.ssh_key_mode,
-                tags=tuple(_as_list(self.tags)),
+                tags=tuple(as_list(self.tags)),
                 boot_disk_size_gb=self.boot_disk_size_gb,
                 image_project=self.image_project,
                 image_family=self.image_family,
                 max_run_duration_s=self._max_run_duration_s(context),
                 capacity_wait_s=(
-                    _seconds(self.max_wait_for_capacity) if self.provisioning_model == "FLEX_START" else None
+                    seconds(self.max_wait_for_capacity) if self.provisioning_model == "FLEX_START" else None
                 ),
                 service_account=self.service_account,
                 service_account_scopes=tuple(self.service_account_scopes),
@@ -412,7 +271,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             if existing is None:
                 continue
             status = existing.get("status")
-            progress = _Progress(zone_index=spec.zones.index(zone))
+            progress = Progress(zone_index=spec.zones.index(zone))
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
                 self._record(context, spec, name, zone, status=status)
@@ -427,73 +286,11 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
             if operation:
                 return self._complete_or_defer(
-                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, _Progress(attempt=1)
+                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, Progress(attempt=1)
                 )
-        return self._insert_when_capacity(context, spec, name, _Progress())
+        return self._insert_when_capacity(context, spec, name, Progress())
 
-    def _capacity_group(self, spec: compute.TpuVmSpec) -> list[dict]:
-        """The live instances of this VM's capacity group, from Compute (the group's label, in its zones)."""
-        label_filter = f"labels.{capacity.GROUP_LABEL} = {self._group(spec)}"
-        return [
-            i for zone in spec.zones for i in self.hook.list_instances(spec.project_id, zone, label_filter)
-        ]
-
-    def _group(self, spec: compute.TpuVmSpec) -> str:
-        return capacity.group_label(
-            spec.project_id, spec.reservation, spec.zones, spec.machine_type, self.name_prefix
-        )
-
-    def _insert_when_capacity(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress
-    ) -> Any:
-        """Insert now if the capacity group has room (``max_tpu_vms``), else wait for it in the triggerer."""
-        if self.max_tpu_vms is None:
-            return self._insert(context, spec, name, progress)
-        others = [i for i in self._capacity_group(spec) if i.get("name") != name]
-        if len(capacity.holders(others)) < self.max_tpu_vms:
-            return self._insert(context, spec, name, progress)
-        return self._wait_for_capacity(
-            context, spec, name, progress, capacity.describe(others, self.max_tpu_vms)
-        )
-
-    def _wait_for_capacity(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, in_use: str
-    ) -> None:
-        """Defer until the group has room (or, ``in_use`` empty, a full reservation is worth trying again)."""
-        from airflow_tpu_posttrain.triggers.capacity import TpuCapacityTrigger
-
-        deadline = progress.deadline or time.time() + _seconds(self.max_wait_for_capacity)
-        progress = progress._replace(deadline=deadline)
-        if time.time() >= deadline:
-            raise self._no_capacity(spec, name, in_use)
-        self.log.info(
-            "Waiting for TPU capacity (up to %s s): %s",
-            int(deadline - time.time()),
-            in_use or f"reservation {spec.reservation} is fully used",
-        )
-        self.defer(
-            trigger=TpuCapacityTrigger(
-                zones=list(spec.zones),
-                group=self._group(spec),
-                cap=self.max_tpu_vms if in_use else None,
-                own_name=name,
-                deadline=deadline,
-                retry_after=max(3 * self.poll_interval, 1.0),
-                state={"phase": Phase.CAPACITY.value, **progress._asdict()},
-                **self._trigger_arguments(),
-            ),
-            method_name="execute_complete",
-            timeout=timedelta(seconds=max(0.0, deadline - time.time()) + 300),
-        )
-
-    def _no_capacity(self, spec: compute.TpuVmSpec, name: str, in_use: str) -> CapacityTimeoutError:
-        held = in_use or f"reservation {spec.reservation} fully used"
-        return CapacityTimeoutError(
-            f"No TPU capacity for {name} within {_seconds(self.max_wait_for_capacity)} s ({held}). Nothing was "
-            "created. Raise max_wait_for_capacity or max_tpu_vms, or trigger the run later."
-        )
-
-    def _insert(self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress) -> Any:
+    def _insert(self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress) -> Any:
         """Insert in ``zones[zone_index]`` and defer. The requestId is stable for this try and this attempt, so
         the client's own retries never create twice; a later attempt (after a replacement, or after yielding
         capacity) gets a new one, or Compute would answer with the old, finished insert."""
@@ -512,7 +309,7 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
-        expires_at = _expires_at(spec)
+        expires_at = vm_expires_at(spec)
         labels = compute.ownership_labels(context["dag"].dag_id, context["run_id"], self.task_id, expires_at)
         labels[capacity.GROUP_LABEL] = self._group(spec)
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
@@ -549,62 +346,19 @@ class TpuVmCreateOperator(_ComputeOperator):
             context, operations, {"name": name, "zone": zone}, Phase.CREATE, progress
         )
 
-    def _lost_the_race(self, spec: compute.TpuVmSpec, name: str) -> bool:
-        """Right after the insert, before the VM runs: whether another create took the last place first (both
-        saw room and inserted; the later by creation time yields). Checked again once RUNNING, in case Compute
-        listed the new instance late."""
-        return self.max_tpu_vms is not None and capacity.over_cap(
-            name, self._capacity_group(spec), self.max_tpu_vms
-        )
-
-    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, str]:
-        """Let the SSH connection's key in until the VM expires: the ``ssh-keys`` line to put in the metadata
-        (None in ``oslogin`` mode, where the key goes into the OS Login profile now), and the login to use."""
-        from airflow_tpu_posttrain.hooks.vm import client_identity
-
-        try:
-            client = client_identity(self.ssh_conn_id)
-            if spec.ssh_key_mode == "metadata":
-                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), client.login
-            public_key = access.public_key("ssh public key", client.public_key)
-        except SpecError as err:
-            raise InvalidInputError.of(self.task_id, err) from err
-        return None, self._import_oslogin_key(spec, public_key, expires_at)
-
-    def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
-        from google.api_core.exceptions import PermissionDenied, Unauthenticated
-
-        from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyHook
-
-        hook = OsLoginKeyHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
-        user = self.oslogin_user or hook.account_email()
-        try:
-            login = hook.import_key(
-                access.oslogin_user("oslogin_user", user), public_key, expires_at, spec.project_id
-            )
-        except SpecError as err:
-            raise InvalidInputError.of(self.task_id, err) from err
-        except (PermissionDenied, Unauthenticated) as err:
-            raise VmAccessError(
-                f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
-                "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
-            ) from err
-        self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
-        return login
-
     def _complete_or_defer(
         self,
         context: Context,
         operations: list[dict],
         instance: dict | None,
         phase: Phase,
-        progress: _Progress,
+        progress: Progress,
     ) -> Any:
         """Wait up to ``inline_wait`` seconds here (a reused VM, a quick operation), else in the triggerer."""
         from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
 
         state = {"phase": phase.value, **progress._asdict()}
-        event = self._wait_briefly(operations, instance)
+        event = self.hook.settle_within(self.project, operations, instance, self.inline_wait)
         if event is None:
             self.defer(
                 trigger=ComputeOperationsTrigger(
@@ -615,35 +369,11 @@ class TpuVmCreateOperator(_ComputeOperator):
             )
         return self.execute_complete(context, {**event, "state": state})
 
-    def _wait_briefly(self, operations: list[dict], instance: dict | None) -> dict | None:
-        """``ComputeOperationsTrigger``'s event, when the operations and the instance settle within
-        ``inline_wait``; else None."""
-        deadline = time.monotonic() + self.inline_wait
-        pending = list(operations)
-        while True:
-            while pending:
-                operation = self.hook.get_operation(self.project, pending[0]["name"], pending[0].get("zone"))
-                if operation.get("status") != "DONE":
-                    break
-                errors = operation.get("error", {}).get("errors", [])
-                if errors:
-                    return {"status": "error", "instance": None, "errors": errors}
-                pending.pop(0)
-            if not pending:
-                if not instance:
-                    return {"status": "success", "instance": None, "errors": []}
-                found = self.hook.get_instance(self.project, instance["zone"], instance["name"])
-                if found and found.get("status") == "RUNNING":
-                    return {"status": "success", "instance": found, "errors": []}
-            if time.monotonic() + 0.5 > deadline:
-                return None
-            time.sleep(0.5)
-
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         """Where the wait of one phase (``create_phases``) ended: take the next action."""
         state = dict(event["state"])
         phase, vm = Phase(state.pop("phase")), state.pop("vm", None)
-        progress = _Progress(**{**state, "stockouts": tuple(state.get("stockouts") or ())})
+        progress = Progress(**{**state, "stockouts": tuple(state.get("stockouts") or ())})
         spec = self._spec(context)
         name = self._name(context)
         errors = event.get("errors") or []
@@ -701,7 +431,7 @@ class TpuVmCreateOperator(_ComputeOperator):
         raise VmCreateError(f"{phase} of {name} in {zone} failed: {detail}")
 
     def _next_zone(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, detail: str
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress, detail: str
     ) -> Any:
         """A stock-out: delete what the zone left behind (if anything), then insert in the next zone."""
         zone = spec.zones[progress.zone_index]
@@ -718,74 +448,6 @@ class TpuVmCreateOperator(_ComputeOperator):
                     context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, progress
                 )
         return self._insert(context, spec, name, progress)
-
-    def _yield_capacity(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress
-    ) -> Any:
-        """Another run's VM of the group was created first and the group is over its cap: delete ours, wait."""
-        zone = spec.zones[progress.zone_index]
-        self.log.warning(
-            "%s is over the cap of %s TPU VMs (another run created its VM first): deleting it and waiting",
-            name,
-            self.max_tpu_vms,
-        )
-        operation = self.hook.delete_instance(
-            spec.project_id, zone, name, self._request_id(context, name, zone, "yield", progress.attempt)
-        )
-        progress = progress._replace(attempt=progress.attempt + 1)
-        operations = [{"name": operation, "zone": zone}] if operation else []
-        return self._complete_or_defer(context, operations, None, Phase.YIELD, progress)
-
-    def _ready_or_defer(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: _Progress, instance: dict
-    ) -> Any:
-        """Wait until the RUNNING VM can be logged into: briefly here, else in the triggerer."""
-        from airflow_tpu_posttrain.hooks.vm import client_identity
-
-        zone = spec.zones[progress.zone_index]
-        interface = (instance.get("networkInterfaces") or [{}])[0]
-        vm = {
-            "status": instance.get("status"),
-            "internal_ip": interface.get("networkIP"),
-            "external_ip": ((interface.get("accessConfigs") or [{}])[0]).get("natIP"),
-            "ssh_address": access.ssh_address(instance, spec.network_path),
-            "ssh_port": client_identity(self.ssh_conn_id).port,
-            "ssh_login": self._authorize_key(spec, _expires_at(spec))[1],
-            "ssh_proxy_command": (
-                access.iap_proxy_command(spec.project_id, zone, name) if spec.network_path == "iap" else None
-            ),
-            "network_path": spec.network_path,
-            "self_link": instance.get("selfLink"),
-            # The cloud-side backstop the VM has (None: Compute refused it; the reaper is the backstop).
-            "max_run_duration_s": None if progress.without_max_run_duration else spec.max_run_duration_s,
-        }
-        self.log.info("VM %s is RUNNING in %s; waiting for its host keys and its SSH port", name, zone)
-        self._record(context, spec, name, zone, **vm)
-        deadline = time.monotonic() + self.inline_wait
-        while time.monotonic() < deadline:
-            host_keys = self.hook.get_host_keys(spec.project_id, zone, name)
-            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], vm["ssh_proxy_command"]):
-                event = {"status": "ready", "host_keys": host_keys}
-                return self.execute_complete(
-                    context, {**event, "state": {"phase": Phase.READY.value, **progress._asdict(), "vm": vm}}
-                )
-            time.sleep(0.5)
-        from airflow_tpu_posttrain.triggers.compute import VmReadyTrigger
-
-        self.defer(
-            trigger=VmReadyTrigger(
-                zone=zone,
-                name=name,
-                address=vm["ssh_address"],
-                port=vm["ssh_port"],
-                proxy_command=vm["ssh_proxy_command"],
-                timeout=self.ready_timeout.total_seconds(),
-                state={"phase": Phase.READY.value, **progress._asdict(), "vm": vm},
-                **{**self._trigger_arguments(), "poll_interval": min(self.poll_interval, 5.0)},
-            ),
-            method_name="execute_complete",
-            timeout=self.ready_timeout + timedelta(minutes=1),
-        )
 
     def _delete_leftover(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str) -> None:
         """Delete-on-error: a teardown does not run when its setup failed, so a failing create cleans up (its
@@ -804,112 +466,3 @@ class TpuVmCreateOperator(_ComputeOperator):
         self.hook.delete_instance(
             spec.project_id, zone, name, self._request_id(context, name, zone, "on-error")
         )
-
-
-class TpuDeleteOperator(_ComputeOperator):
-    """Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer. Built to be the
-    teardown: the worker only works out what to delete and defers at once.
-
-    It finds the VM from the create task's XCom (also the partial record a failed create leaves), in each of the
-    create's zones (a recovery may have made it again in another), and, when there is no XCom, by its
-    deterministic name in each of ``zones``. A VM that is already gone counts as
-    success. Returns (XCom) ``{"deleted": bool, "name", "zone", "firewall_deleted": bool}``, and for a VM it
-    deleted what the VM cost: ``machine_type``, ``provisioning_model``, ``vm_seconds`` (creation to deletion,
-    Compute's timestamps), ``usd_per_hour`` and ``cost_usd`` (None when ``prices`` has no price for it).
-
-    :param create_task_id: the task id of the :class:`TpuVmCreateOperator` whose VM to delete.
-    :param zones: where to look when there is no XCom (a list, or a comma-separated string).
-    :param instance_name: delete this instance instead of the deterministic name.
-    :param firewall: also delete the deterministic SSH firewall rule when there is no XCom.
-    :param prices: USD per hour by machine type and provisioning model (``recipes.cost.price_table``); None:
-        the defaults, ``recipes.cost.DEFAULT_PRICES``.
-    """
-
-    template_fields: Sequence[str] = ("project_id", "zones", "instance_name", "api_endpoint")
-    ui_color = "#f7d5d5"
-
-    def __init__(
-        self,
-        *,
-        create_task_id: str | None = "create_tpu_vm",
-        zones: Sequence[str] | str | None = None,
-        instance_name: str | None = None,
-        firewall: bool = False,
-        prices: Mapping[str, Mapping[str, float]] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.create_task_id = create_task_id
-        self.zones = zones
-        self.instance_name = instance_name
-        self.firewall = firewall
-        self.prices = prices
-
-    def _target(self, context: Context) -> tuple[str, list[str], str | None]:
-        record = None
-        if self.create_task_id:
-            record = context["ti"].xcom_pull(task_ids=self.create_task_id)
-        if record and record.get("name"):
-            self.project_id = self.project_id or record.get("project")
-            # The recorded zone first, then the others: a recovery may have created the VM again elsewhere.
-            zones = list(dict.fromkeys(filter(None, [record.get("zone"), *(record.get("zones") or [])])))
-            return record["name"], zones or _as_list(self.zones), record.get("firewall")
-        name = self.instance_name or compute.instance_name(
-            context["dag"].dag_id, context["run_id"], self.name_prefix
-        )
-        self.log.info("No XCom from %s: looking for %s by its deterministic name", self.create_task_id, name)
-        return name, _as_list(self.zones), compute.firewall_name(name) if self.firewall else None
-
-    def execute(self, context: Context) -> Any:
-        name, zones, firewall = self._target(context)
-        deletes = [
-            {"name": name, "zone": zone, "request_id": self._request_id(context, name, zone, "delete")}
-            for zone in zones
-        ]
-        if firewall:
-            deletes.append(
-                {"name": firewall, "zone": None, "request_id": self._request_id(context, firewall, "delete")}
-            )
-        self.log.info(
-            "Deleting %s (looking in %s)%s", name, zones, f" and firewall rule {firewall}" if firewall else ""
-        )
-        from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger
-
-        self.defer(
-            trigger=ComputeDeleteTrigger(
-                deletes=deletes,
-                state={"name": name, "zones": zones, "firewall": firewall},
-                **self._trigger_arguments(),
-            ),
-            method_name="execute_complete",
-            timeout=self.wait_timeout,
-        )
-
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
-        state = event["state"]
-        if event["status"] != "success":
-            raise VmDeleteError(
-                f"Deleting {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
-            )
-        deleted = event["deleted"]
-        vm = next((d for d in deleted if d["zone"]), None)
-        result = {
-            "deleted": vm is not None,
-            "name": state["name"],
-            "zone": vm and vm["zone"],
-            "firewall_deleted": any(d["zone"] is None for d in deleted),
-        }
-        if vm is None:
-            self.log.info("Nothing to delete: %s was not found in %s", state["name"], state["zones"])
-            return result
-        self.log.info(
-            "Deleted %s in %s%s",
-            state["name"],
-            vm["zone"],
-            " and its firewall rule" if result["firewall_deleted"] else "",
-        )
-        if vm.get("instance") and vm.get("ended"):  # not when an earlier try's delete already ended
-            spent = cost.vm_cost(state["name"], vm["instance"], vm["ended"], self.prices)
-            self.log.info("Cost: %s", spent.describe())
-            result.update(spent.as_dict())
-        return result

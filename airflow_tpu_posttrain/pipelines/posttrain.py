@@ -22,7 +22,8 @@ from airflow_tpu_posttrain.operators.maxtext import (
     MaxTextInstallOperator,
     SftTrainOperator,
 )
-from airflow_tpu_posttrain.operators.tpu_vm import TpuDeleteOperator, TpuVmCreateOperator
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 from airflow_tpu_posttrain.recipes import compute, validation
 from airflow_tpu_posttrain.recipes.accelerators import TPU_ACCELERATORS

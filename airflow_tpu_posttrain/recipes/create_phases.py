@@ -10,6 +10,7 @@ group's last place deletes ours (``YIELD``) and waits for room again.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import NamedTuple
 
 from airflow_tpu_posttrain.recipes.compute import ErrorKind
 
@@ -76,3 +77,13 @@ def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_r
     if error_kind == ErrorKind.RESERVATION:
         return Action.FAIL_RESERVATION
     return Action.FAIL
+
+
+class Progress(NamedTuple):
+    """Where a create stands across deferrals (the triggers echo it back as their event's ``state``)."""
+
+    zone_index: int = 0
+    stockouts: tuple[str, ...] = ()
+    attempt: int = 0  # a new insert requestId after each replacement or yielded place
+    deadline: float | None = None  # Unix time the wait for capacity ends
+    without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model

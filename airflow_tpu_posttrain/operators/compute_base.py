@@ -1,0 +1,123 @@
+"""What the Compute operators (create, delete, the reaper) share: the connection, the endpoint, the hook, and
+requestIds that make a repeated call a repeat for Compute."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+
+from airflow_tpu_posttrain.exceptions import InvalidInputError
+from airflow_tpu_posttrain.recipes import compute
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from airflow_tpu_posttrain.hooks.compute import TpuVmHook
+
+# Without a DAG-level timeout to derive it from, the cloud-side backstop deletes the VM after this long.
+DEFAULT_MAX_RUN_DURATION = timedelta(hours=12)
+_REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
+
+
+def vm_expires_at(spec: compute.TpuVmSpec) -> int:
+    """When the VM (and the key that lets Airflow in) expires."""
+    return compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))
+
+
+def request_id(context: Context, *parts: object) -> str:
+    """A requestId stable within one try of one task instance (the same call repeated by the client's retries,
+    or after a deferral, is recognised by Compute as a repeat) and new for every try and every re-run: the task
+    instance's id changes with each try, so a re-run never replays an earlier run's finished operations."""
+    return str(uuid.uuid5(_REQUEST_NAMESPACE, "/".join(str(p) for p in (context["ti"].id, *parts))))
+
+
+def as_list(value: Sequence[str] | str | None) -> list[str]:
+    """Zones from Python, a rendered template or a Param: a list, or a comma-separated string."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [
+            part.strip()
+            for part in value.strip("[]").replace("'", "").replace('"', "").split(",")
+            if part.strip()
+        ]
+    return list(value)
+
+
+def seconds(value: timedelta | int | float | str | None) -> int | None:
+    """Seconds from a timedelta, a number, or a rendered template (a string when not rendered natively)."""
+    if value is None:
+        return None
+    return int(value.total_seconds() if isinstance(value, timedelta) else float(value))
+
+
+class ComputeOperator(BaseOperator):
+    """What create and delete share: the connection, the endpoint and how they build the hook."""
+
+    request_id_salt = ""  # set when the task's work runs again within one try (a VM recovery)
+
+    def __init__(
+        self,
+        *,
+        project_id: str | None = None,
+        gcp_conn_id: str = "google_cloud_default",
+        api_endpoint: str | None = None,
+        impersonation_chain: str | list[str] | None = None,
+        poll_interval: float = 10.0,
+        inline_wait: float = 5.0,
+        name_prefix: str = "tpu",
+        wait_timeout: timedelta = timedelta(hours=3),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.wait_timeout = wait_timeout
+        self.project_id = project_id
+        self.gcp_conn_id = gcp_conn_id
+        self.api_endpoint = api_endpoint
+        self.impersonation_chain = impersonation_chain
+        self.poll_interval = poll_interval
+        self.inline_wait = inline_wait
+        self.name_prefix = name_prefix
+
+    def _request_id(self, context: Context, *parts: object) -> str:
+        return request_id(context, *([self.request_id_salt] if self.request_id_salt else []), *parts)
+
+    @cached_property
+    def hook(self) -> TpuVmHook:
+        from airflow_tpu_posttrain.hooks.compute import TpuVmHook
+
+        return TpuVmHook(
+            gcp_conn_id=self.gcp_conn_id,
+            api_endpoint=self.api_endpoint,
+            impersonation_chain=self.impersonation_chain,
+        )
+
+    @property
+    def project(self) -> str:
+        project = self.project_id or self.hook.project_id
+        if not project:
+            raise InvalidInputError.of(
+                self.task_id,
+                SpecError(
+                    "project_id",
+                    None,
+                    "is not set",
+                    "pass project_id or set 'project' in the Google Cloud connection",
+                ),
+            )
+        return project
+
+    def _trigger_arguments(self) -> dict[str, Any]:
+        return {
+            "project_id": self.project,
+            "gcp_conn_id": self.gcp_conn_id,
+            "api_endpoint": self.api_endpoint,
+            "impersonation_chain": self.impersonation_chain,
+            "poll_interval": self.poll_interval,
+        }

@@ -1,0 +1,137 @@
+"""Letting Airflow into a new VM: its SSH key authorized (instance metadata or OS Login) and the wait until the
+RUNNING VM has published its host keys and its sshd answers."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow_tpu_posttrain.exceptions import InvalidInputError, VmAccessError
+from airflow_tpu_posttrain.operators.compute_base import vm_expires_at
+from airflow_tpu_posttrain.recipes import access, compute
+from airflow_tpu_posttrain.recipes.create_phases import Phase, Progress
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+
+def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
+    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command`` (an IAP
+    tunnel); its banner read, not only the TCP handshake."""
+    if proxy_command:
+        with subprocess.Popen(
+            proxy_command,
+            shell=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        ) as tunnel:
+            try:
+                readable, _, _ = select.select([tunnel.stdout], [], [], 5)
+                return bool(readable) and os.read(tunnel.stdout.fileno(), 4).startswith(b"SSH-")
+            finally:
+                tunnel.kill()
+    if not address:
+        return False
+    try:
+        with socket.create_connection((address, port), timeout=2) as conn:
+            conn.settimeout(2)
+            return conn.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+class VmLoginMixin:
+    """The create operator's key authorization and readiness wait."""
+
+    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, str]:
+        """Let the SSH connection's key in until the VM expires: the ``ssh-keys`` line to put in the metadata
+        (None in ``oslogin`` mode, where the key goes into the OS Login profile now), and the login to use."""
+        from airflow_tpu_posttrain.hooks.vm import client_identity
+
+        try:
+            client = client_identity(self.ssh_conn_id)
+            if spec.ssh_key_mode == "metadata":
+                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), client.login
+            public_key = access.public_key("ssh public key", client.public_key)
+        except SpecError as err:
+            raise InvalidInputError.of(self.task_id, err) from err
+        return None, self._import_oslogin_key(spec, public_key, expires_at)
+
+    def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
+        from google.api_core.exceptions import PermissionDenied, Unauthenticated
+
+        from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyHook
+
+        hook = OsLoginKeyHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        user = self.oslogin_user or hook.account_email()
+        try:
+            login = hook.import_key(
+                access.oslogin_user("oslogin_user", user), public_key, expires_at, spec.project_id
+            )
+        except SpecError as err:
+            raise InvalidInputError.of(self.task_id, err) from err
+        except (PermissionDenied, Unauthenticated) as err:
+            raise VmAccessError(
+                f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
+                "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
+            ) from err
+        self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
+        return login
+
+    def _ready_or_defer(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress, instance: dict
+    ) -> Any:
+        """Wait until the RUNNING VM can be logged into: briefly here, else in the triggerer."""
+        from airflow_tpu_posttrain.hooks.vm import client_identity
+
+        zone = spec.zones[progress.zone_index]
+        interface = (instance.get("networkInterfaces") or [{}])[0]
+        vm = {
+            "status": instance.get("status"),
+            "internal_ip": interface.get("networkIP"),
+            "external_ip": ((interface.get("accessConfigs") or [{}])[0]).get("natIP"),
+            "ssh_address": access.ssh_address(instance, spec.network_path),
+            "ssh_port": client_identity(self.ssh_conn_id).port,
+            "ssh_login": self._authorize_key(spec, vm_expires_at(spec))[1],
+            "ssh_proxy_command": (
+                access.iap_proxy_command(spec.project_id, zone, name) if spec.network_path == "iap" else None
+            ),
+            "network_path": spec.network_path,
+            "self_link": instance.get("selfLink"),
+            # The cloud-side backstop the VM has (None: Compute refused it; the reaper is the backstop).
+            "max_run_duration_s": None if progress.without_max_run_duration else spec.max_run_duration_s,
+        }
+        self.log.info("VM %s is RUNNING in %s; waiting for its host keys and its SSH port", name, zone)
+        self._record(context, spec, name, zone, **vm)
+        deadline = time.monotonic() + self.inline_wait
+        while time.monotonic() < deadline:
+            host_keys = self.hook.get_host_keys(spec.project_id, zone, name)
+            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], vm["ssh_proxy_command"]):
+                event = {"status": "ready", "host_keys": host_keys}
+                return self.execute_complete(
+                    context, {**event, "state": {"phase": Phase.READY.value, **progress._asdict(), "vm": vm}}
+                )
+            time.sleep(0.5)
+        from airflow_tpu_posttrain.triggers.compute import VmReadyTrigger
+
+        self.defer(
+            trigger=VmReadyTrigger(
+                zone=zone,
+                name=name,
+                address=vm["ssh_address"],
+                port=vm["ssh_port"],
+                proxy_command=vm["ssh_proxy_command"],
+                timeout=self.ready_timeout.total_seconds(),
+                state={"phase": Phase.READY.value, **progress._asdict(), "vm": vm},
+                **{**self._trigger_arguments(), "poll_interval": min(self.poll_interval, 5.0)},
+            ),
+            method_name="execute_complete",
+            timeout=self.ready_timeout + timedelta(minutes=1),
+        )
