@@ -98,9 +98,9 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         finishes without a second trip through a worker. Default: the step's ``quick_job_wait`` (the install,
         usually a reused environment: 5 s; the long steps: 0, they would only hold the worker longer).
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
-    :param stall_timeout_s: seconds without output from the job after which it is taken for hung (e.g. a trainer
-        blocked on unreachable storage never exits): its processes are stopped and the try fails, so a retry
-        resumes from the newest checkpoint instead of the VM idling until ``execution_timeout``. 0: never.
+    :param stall_timeout_s: seconds without output from the job after which it is taken for hung (a trainer whose
+        storage is unreachable is silent for minutes before it fails): its processes are stopped and the try
+        fails, so a retry resumes from the newest checkpoint instead of the VM idling. 0: never.
     """
 
     template_fields: Sequence[str] = (

@@ -61,7 +61,7 @@ def parse_completion(output: str) -> int | None:
 def stop_command(pid_file: str, grace_s: int = STOP_GRACE_S) -> str:
     """Ends the job's process group (the job runs under ``setsid``; its pid is the group's): SIGTERM, then SIGKILL
     to whatever is left after ``grace_s`` (a process blocked in a system call, or whose SIGTERM handler hangs
-    too, e.g. saving a checkpoint to storage it cannot reach). A pid of 0 or 1 is never signalled."""
+    too). A pid of 0 or 1 is never signalled."""
     pid = shlex.quote(pid_file)
     group_alive = 'kill -0 -"$p" 2>/dev/null'
     return (

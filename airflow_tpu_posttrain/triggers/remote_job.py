@@ -38,7 +38,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
         remaining reconnect attempts.
     :param stall_timeout: seconds without a new byte in the job's log after which the job is taken for hung (a
-        trainer blocked on storage it cannot reach does not exit): its processes are stopped and the watch ends
+        trainer whose storage is unreachable is silent for minutes): its processes are stopped and the watch ends
         with the exit code ``remote_job.JOB_STALLED``. 0 or None: never. The clock starts with the watch.
     """
 
