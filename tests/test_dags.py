@@ -610,12 +610,13 @@ def test_the_readme_wiring_example_builds_the_dag_it_describes():
 
     import airflow_tpu_posttrain.operators.export as export_module
     import airflow_tpu_posttrain.operators.maxtext as maxtext_module
+    import airflow_tpu_posttrain.operators.tpu_delete as tpu_delete_module
     import airflow_tpu_posttrain.operators.tpu_vm as tpu_vm_module
 
     readme = (REPO / "README.md").read_text()
     example = readme.split("Steps are wired to each other by XComArgs", 1)[1].split("```python\n", 1)[1]
     example = example.split("```", 1)[0]
-    names = {**vars(tpu_vm_module), **vars(maxtext_module), **vars(export_module)}
+    names = {**vars(tpu_vm_module), **vars(tpu_delete_module), **vars(maxtext_module), **vars(export_module)}
     with DAG("readme_example", schedule=None, start_date=datetime(2026, 1, 1)) as dag:
         exec(example, dict(names))
     assert [create_task_id(dag.get_task(t)) for t in BODY] == [CREATE] * 4
