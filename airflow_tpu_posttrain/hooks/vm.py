@@ -11,14 +11,18 @@ import base64
 import io
 import posixpath
 import shlex
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 
 from airflow_tpu_posttrain.exceptions import StorageError, VmHostKeyMismatchError
+from airflow_tpu_posttrain.recipes import remote_job
 from airflow_tpu_posttrain.recipes.access import HOST_KEY_TYPES, SSH_PORT, known_hosts
 
 if TYPE_CHECKING:
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
+
     from airflow_tpu_posttrain.recipes.storage import GcsTool
 
 
@@ -130,6 +134,25 @@ class VmHook(SSHHook):
             except FileNotFoundError:
                 return None
             return buffer.getvalue().decode(errors="replace")
+
+    def job_state(self, paths: RemoteJobPaths) -> tuple[str, int]:
+        """A detached job's state (``succeeded``, ``failed with exit code N``, ``running``, ``died``, ``absent``)
+        and its log's size."""
+        command = remote_job.state_command(paths.job_dir, paths.pid_file, paths.exit_code_file, paths.log_file)
+        return remote_job.parse_state(self.run(command))
+
+    def job_ended_within(self, paths: RemoteJobPaths, seconds: float) -> dict | None:
+        """The job trigger's completion event when the job ends within ``seconds``; else None."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            exit_code = remote_job.parse_completion(
+                self.run(remote_job.completion_command(paths.pid_file, paths.exit_code_file))
+            )
+            if exit_code is not None:
+                log = self.get_text(paths.log_file) or ""
+                return {"job_id": paths.job_id, "done": True, "exit_code": exit_code, "log_chunk": log}
+        return None
 
     def exists(self, uri: str, tool: GcsTool | None = None, timeout: int = 300) -> bool:
         """Whether a path on the VM, or a ``gs://`` object or prefix (read with the VM's credentials through

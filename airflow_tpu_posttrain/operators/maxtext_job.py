@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-import time
 from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -342,7 +341,7 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
                     "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
                 )
                 return self.finish(context, vm, job, paths, reused=True)
-            state, log_offset = self._job_state(vm, paths)
+            state, log_offset = vm.job_state(paths)
             if state == "running":
                 self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
             else:
@@ -358,7 +357,8 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
                     vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
                 self._start(vm, spec, job, paths)
                 log_offset = 0
-            ended = self._wait_briefly(vm, paths)
+            wait = self.quick_job_wait if self.inline_wait is None else self.inline_wait
+            ended = vm.job_ended_within(paths, wait)
         if ended is not None:
             return self.execute_complete(context, ended)
         return self._watch(context, paths, log_offset=log_offset, first=True)
@@ -375,20 +375,6 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         vm.run(build_posix_wrapper_command(f"bash {shlex.quote(paths.job_dir + '.sh')}", paths))
         self.log.info("Started job %s on the VM (log: %s)", paths.job_id, paths.log_file)
 
-    def _wait_briefly(self, vm: VmHook, paths: RemoteJobPaths) -> dict | None:
-        """The trigger's completion event, if the job ends within ``inline_wait`` seconds; else None."""
-        wait = self.quick_job_wait if self.inline_wait is None else self.inline_wait
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            exit_code = remote_job.parse_completion(
-                vm.run(remote_job.completion_command(paths.pid_file, paths.exit_code_file))
-            )
-            if exit_code is not None:
-                log = vm.get_text(paths.log_file) or ""
-                return {"job_id": paths.job_id, "done": True, "exit_code": exit_code, "log_chunk": log}
-        return None
-
     def validate(self, spec: maxtext.RunSpec, context: Context) -> None:
         """Bad input fails here, before the VM is touched."""
         self._job(spec, context)
@@ -403,13 +389,6 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         """Upload what the step needs besides its script (launchers, helper scripts)."""
-
-    @staticmethod
-    def _job_state(vm: VmHook, paths: RemoteJobPaths) -> tuple[str, int]:
-        command = remote_job.state_command(
-            paths.job_dir, paths.pid_file, paths.exit_code_file, paths.log_file
-        )
-        return remote_job.parse_state(vm.run(command))
 
     def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
         """Defer to the remote-job trigger; before the first deferral, record the job for ``on_kill``."""
