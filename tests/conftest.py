@@ -172,6 +172,7 @@ _LONGEST_FIRST = (
     "test_pipeline_failures.py",
     "test_pipeline_local.py",
     "test_preemption.py",
+    "test_storage_outage.py",
     "test_demo.py",
     "test_capacity.py",
     "test_reattach.py",
