@@ -117,8 +117,8 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
 
     # Try 1 was stopped by the watch for its silence, not by an error of its own.
     assert f"no output from the job on the VM for {STALL_TIMEOUT_S} s" in logs
-    silent_s = outage.up_at - outage.down_at
-    assert STALL_TIMEOUT_S <= silent_s < STALL_TIMEOUT_S + 120, silent_s
+    # The clock ran from the trainer's last line (its clients' errors came after the outage began), not before.
+    assert outage.up_at - outage.down_at >= STALL_TIMEOUT_S
 
     # The retry resumed from the newest step committed before the outage and trained to the end.
     train = _return_value(dag_run, "train")
@@ -135,5 +135,6 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
         stack.compute.instances() == [],
         dag_run.state,
         storage_has(train["checkpoint"]),
-        log_excerpt(logs, "no output from the job on the VM"),
+        f"storage down {outage.up_at - outage.down_at:.0f} s, until the trainer was stopped; "
+        + log_excerpt(logs, "no output from the job on the VM", width=60),
     )
