@@ -8,8 +8,9 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 
 
 class InvalidInputError(AirflowFailException):
-    """Bad input (a Param, an operator argument): the task fails at once, without retries (a retry would fail
-    the same way), naming the field and the fix; nothing was created."""
+    """Bad input (a Param, an operator argument): the task fails at once, without retries.
+
+    A retry would fail the same way. The error names the field and the fix; nothing was created."""
 
     @classmethod
     def of(cls, task_id: str, err: SpecError) -> InvalidInputError:
@@ -33,8 +34,9 @@ class RemoteJobError(AirflowException):
 
 
 class StorageError(AirflowException):
-    """Checkpoint storage could not be asked from the VM (unreachable, refused): retryable. Never taken for
-    "not there", which would redo a finished step or fail a finished training."""
+    """Checkpoint storage could not be asked from the VM (unreachable, refused): retryable.
+
+    Never taken for "not there", which would redo a finished step or fail a finished training."""
 
 
 class CheckpointMissingError(AirflowException):
@@ -47,6 +49,7 @@ class StepFailedError(AirflowFailException):
 
 class VmNotReadyError(AirflowException):
     """The VM turned RUNNING but could not be logged into in time (no host keys published, SSH port closed).
+
     Retryable: the create deleted the VM, and a retry makes a new one."""
 
 
@@ -55,13 +58,16 @@ class VmHostKeyMismatchError(AirflowFailException):
 
 
 class QuotaExceededError(AirflowFailException):
-    """Compute refused the VM for a quota (e.g. TPU chips in the region); the VM was deleted. Not retried: it
-    takes a quota increase or another region."""
+    """Compute refused the VM for a quota (e.g. TPU chips in the region); the VM was deleted.
+
+    Not retried: it takes a quota increase or another region."""
 
 
 class ReservationError(AirflowFailException):
-    """The reservation to consume is missing, of another machine type, in another zone or not shared with the
-    project; the VM was deleted. Not retried: the reservation or the provisioning model must change."""
+    """The reservation to consume cannot serve the VM; the VM was deleted.
+
+    The reservation is missing, of another machine type, in another zone or not shared with the project. Not
+    retried: the reservation or the provisioning model must change."""
 
 
 class VmAccessError(AirflowFailException):
@@ -69,11 +75,14 @@ class VmAccessError(AirflowFailException):
 
 
 class CapacityTimeoutError(AirflowFailException):
-    """No place under the TPU cap (or in a fully used reservation) came free within ``max_wait_for_capacity``;
-    nothing was created."""
+    """No place under the TPU cap came free within ``max_wait_for_capacity``; nothing was created.
+
+    The same for a place in a fully used reservation."""
 
 
 class VmLostError(AirflowException):
-    """The step's VM is gone: Compute lists it TERMINATED, STOPPING, STOPPED or SUSPENDED (a preemption, a host
-    error), or not at all; not merely an SSH error. Training recovers from it (see ``operators/recovery.py``)
-    up to ``max_recoveries`` times; other steps fail with it and the teardown deletes what is left."""
+    """The step's VM is gone: Compute lists it TERMINATED, STOPPING, STOPPED or SUSPENDED, or not at all.
+
+    The cause is a preemption or a host error; not merely an SSH error. Training recovers from it (see
+    ``operators/recovery.py``) up to ``max_recoveries`` times; other steps fail with it and the teardown
+    deletes what is left."""

@@ -1,5 +1,7 @@
-"""Airflow's real components on this machine, for the benchmarks: api-server, scheduler (LocalExecutor),
-triggerer and dag-processor, on SQLite, in a private AIRFLOW_HOME that starts empty each time.
+"""Airflow's real components on this machine, for the benchmarks.
+
+The api-server, scheduler (LocalExecutor), triggerer and dag-processor, on SQLite, in a private AIRFLOW_HOME
+that starts empty each time.
 
 ``dag.test()`` runs one task at a time and runs triggers inline; these components run tasks in parallel in
 worker processes and wait in the triggerer, as a deployment does. Airflow 3.3 accepts LocalExecutor on SQLite
@@ -58,9 +60,10 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
 
 
 class LocalAirflow:
-    """``with LocalAirflow(home, env) as airflow:`` starts the components (``env``: the local stack's
-    connections and settings; ``dags_folder``: the repository's DAGs unless given) and waits until they are
-    healthy; leaving the block stops them all."""
+    """``with LocalAirflow(home, env) as airflow:`` starts the components and waits until they are healthy.
+
+    ``env``: the local stack's connections and settings; ``dags_folder``: the repository's DAGs unless given.
+    Leaving the block stops them all."""
 
     def __init__(self, home: Path, env: dict[str, str], dags_folder: Path = REPO / "dags") -> None:
         self.home = Path(home).absolute()
@@ -177,8 +180,10 @@ class LocalAirflow:
         return response
 
     def wait_for_dags(self, dag_ids: list[str], present: str, timeout: float = 180) -> dict[str, bool]:
-        """Wait until the dag-processor has stored ``present`` (so the file that defines the DAGs has been
-        parsed); then say which of ``dag_ids`` exist (a DAG still being written may not)."""
+        """Wait until the dag-processor has stored ``present``; then say which of ``dag_ids`` exist.
+
+        Once ``present`` is stored, the file that defines the DAGs has been parsed; a DAG still being written
+        may not exist."""
         deadline = time.monotonic() + timeout
         while self.client.get(f"/dags/{present}").status_code != 200:
             if time.monotonic() > deadline:

@@ -65,8 +65,9 @@ TARGETS = {"P1": 1.15, "P2": 0.05, "P3": 100.0, "P4": 1.10, "P5": CHECKPOINT_PER
 
 @dataclass(frozen=True)
 class Minutes:
-    """Step durations on Google Cloud. Stated by the tutorials: convert (on the VM) and train (v6e-8).
-    The rest are assumptions."""
+    """Step durations on Google Cloud.
+
+    Stated by the tutorials: convert (on the VM) and train (v6e-8). The rest are assumptions."""
 
     convert: float = 5.0
     train: float = 10.0
@@ -78,9 +79,11 @@ class Minutes:
 
 
 def modelled_p1(m: Minutes) -> dict[str, float]:
-    """TPU-held ÷ training time. The tutorials hold the TPU VM through every step. Ours holds it from its
-    creation through training; a CPU VM, created at the same time, converts (training waits for it) and exports
-    off the TPU's clock; a later run finds the conversion cached."""
+    """TPU-held ÷ training time.
+
+    The tutorials hold the TPU VM through every step. Ours holds it from its creation through training; a CPU
+    VM, created at the same time, converts (training waits for it) and exports off the TPU's clock; a later
+    run finds the conversion cached."""
     tpu_ready = m.create_vm + m.install_restored
     converted = m.create_vm + m.install_restored + m.convert  # on the CPU VM, first run
     return {
@@ -117,9 +120,10 @@ def plain_baseline() -> dict[str, float]:
 
 
 def environment_archive(venv: Path = REPO / ".local" / "maxtext-venv", python: Path | None = None) -> dict[str, float]:
-    """Seconds to save ``venv`` as an archive in storage and to restore it into an empty directory, with the
-    install script's commands (the storage tool run by ``python``, default the venv's own); the venv's and the
-    archive's bytes."""
+    """Seconds to save ``venv`` as an archive in storage and to restore it into an empty directory.
+
+    Both with the install script's commands (the storage tool run by ``python``, default the venv's own); also
+    the venv's and the archive's bytes."""
     tool = storage.GcsTool(
         script=str(REPO / "airflow_tpu_posttrain" / "vm_scripts" / storage.GCS_TOOL_NAME),
         python=str(python or venv / "bin" / "python"),

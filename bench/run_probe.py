@@ -1,6 +1,8 @@
-"""One DAG run in the local Airflow, watched: task-instance states sampled from the metadata DB, the VMs'
-lives read from the Compute emulator, and optionally the trainer SIGKILLed at a given step (P5) on the run's
-TPU VM (a machine of the local stack's fleet).
+"""One DAG run in the local Airflow, watched.
+
+Task-instance states sampled from the metadata DB, the VMs' lives read from the Compute emulator, and
+optionally the trainer SIGKILLed at a given step (P5) on the run's TPU VM (a machine of the local stack's
+fleet).
 
 ``watch_run(...)`` triggers the run, samples every ``SAMPLE_S`` until it ends and returns a ``RunRecord``.
 """
@@ -132,8 +134,10 @@ class _Sampler(threading.Thread):
             self.error = err
 
     def _observe_vms(self) -> None:
-        """A VM's life: from the emulator's ``creationTimestamp`` (the insert) to the first sample that no
-        longer finds it (the emulator removes it when its delete operation is done; within SAMPLE_S)."""
+        """A VM's life: from the emulator's ``creationTimestamp`` to the first sample that no longer finds it.
+
+        ``creationTimestamp`` is the insert; the emulator removes the VM when its delete operation is done (so
+        within SAMPLE_S)."""
         now = time.time()
         live = {}
         for instance in self.compute.instances():
@@ -207,8 +211,9 @@ class TrainerKiller(threading.Thread):
             self._vm_ended.set()
 
     def killed_at_step(self) -> int | None:
-        """The last step the killed try logged (the retry set its job dir aside as ``<dir>.<time>``), once the
-        VM's end was seen (bounded); the stack's ``before_end`` is released."""
+        """The last step the killed try logged, once the VM's end was seen (bounded).
+
+        The retry set its job dir aside as ``<dir>.<time>``. The stack's ``before_end`` is released."""
         try:
             if self.killed:
                 self._vm_ended.wait(VM_END_WAIT_S)
@@ -220,8 +225,10 @@ class TrainerKiller(threading.Thread):
 
 
 def _vm_processes(vm) -> dict[int, int]:
-    """``{pid on this machine: session id as the VM sees it}`` of the VM's processes (its pid namespace; the
-    ``NSsid`` line of /proc/PID/status lists the session id in each nested namespace, the VM's last)."""
+    """``{pid on this machine: session id as the VM sees it}`` of the VM's processes.
+
+    The session id is the one in its pid namespace: the ``NSsid`` line of /proc/PID/status lists the session
+    id in each nested namespace, the VM's last."""
     namespace = os.readlink(vm.guest_path("/").parent / "ns" / "pid")
     processes = {}
     for entry in Path("/proc").iterdir():
@@ -239,8 +246,9 @@ def _vm_processes(vm) -> dict[int, int]:
 
 
 def kill_session(vm, leader: int, needle: bytes = b"") -> list[str]:
-    """SIGKILL the VM's processes of session ``leader`` (a pid as the VM sees it) whose command line holds
-    ``needle``; their command lines."""
+    """SIGKILL the VM's processes of session ``leader`` whose command line holds ``needle``.
+
+    ``leader`` is a pid as the VM sees it. Returns their command lines."""
     killed = []
     for pid, session in _vm_processes(vm).items():
         if session != leader:

@@ -1,5 +1,7 @@
-"""Post-training DAGs on Google Cloud, one per (recipe, model) of models.yaml. Cheap to parse: no cloud client
-is imported. The local entries are in local_dags.py, so each file parses its own DAGs only."""
+"""Post-training DAGs on Google Cloud, one per (recipe, model) of models.yaml.
+
+Cheap to parse: no cloud client is imported. The local entries are in local_dags.py, so each file parses its
+own DAGs only."""
 
 from pathlib import Path
 

@@ -49,8 +49,10 @@ def client_key(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def emulator(monkeypatch, tmp_path, client_key):
-    """A Compute emulator whose instances are local machines (fleet.py), the default Google connection pointed at
-    it with anonymous credentials, and the ``tpu_vm_ssh`` connection as README makes it (login and key only)."""
+    """A Compute emulator whose instances are local machines (fleet.py), and the connections to use it.
+
+    The default Google connection is pointed at it with anonymous credentials, and the ``tpu_vm_ssh``
+    connection is made as README makes it (login and key only)."""
     from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
     from airflow_tpu_posttrain.local.fleet import LocalFleet
 
@@ -98,11 +100,12 @@ def run_dag(airflow_db, monkeypatch):
 
 @pytest.fixture(scope="module")
 def stack(airflow_db, tmp_path_factory):
-    """The local stack (Compute emulator whose every instance is a machine of its own, Hub server) with its
-    VMs' disks, checkpoint storage and published copies in a fresh temp dir, its connections in the
-    environment, the repository's DAGs in the dags folder and the TPU pool. Tests that set
-    ``stack.fleet.before_end`` reset it; it is reset here too before the stack stops, so that no test's hook
-    runs on the VMs ended at shutdown."""
+    """The local stack (Compute emulator, Hub server) with its connections and the repository's DAGs.
+
+    The Compute emulator's every instance is a machine of its own. Its VMs' disks, checkpoint storage and
+    published copies are in a fresh temp dir, its connections in the environment, the repository's DAGs in the
+    dags folder and the TPU pool. Tests that set ``stack.fleet.before_end`` reset it; it is reset here too
+    before the stack stops, so that no test's hook runs on the VMs ended at shutdown."""
     from airflow.models.pool import Pool
 
     from airflow_tpu_posttrain.local.stack import LocalStack
@@ -121,8 +124,10 @@ def stack(airflow_db, tmp_path_factory):
 
 
 def storage_objects(uri: str) -> list[str]:
-    """The object names under a ``gs://bucket/prefix`` of the local GCS server (the stack's environment names it
-    in STORAGE_EMULATOR_HOST), relative to the prefix, listed through google-cloud-storage."""
+    """The object names under a ``gs://bucket/prefix`` of the local GCS server, relative to the prefix.
+
+    The stack's environment names the server in STORAGE_EMULATOR_HOST; the names are listed through
+    google-cloud-storage."""
     from google.cloud import storage
 
     bucket, _, prefix = uri.removeprefix("gs://").partition("/")

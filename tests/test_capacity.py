@@ -1,5 +1,7 @@
-"""The TPU cap counts VMs, not tasks: a create waits in the triggerer, holding no VM, until its capacity group has
-room; a fully used reservation is waited for too; a wait that times out fails having created nothing."""
+"""The TPU cap counts VMs, not tasks: a create waits in the triggerer, holding no VM.
+
+It waits until its capacity group has room; a fully used reservation is waited for too; a wait that times out
+fails having created nothing."""
 
 from __future__ import annotations
 
@@ -60,8 +62,10 @@ def hold_place(emulator, name: str, reservation: str = "my-reservation") -> None
 
 
 def release_when_waiting(emulator, name: str, seconds: float, waiting_sign: str) -> threading.Thread:
-    """Delete the other run's VM (its run ended) ``seconds`` after the create started waiting, which it shows by
-    the requests it makes: ``waiting_sign`` in a request's path or query (bounded wait for it)."""
+    """Delete the other run's VM (its run ended) ``seconds`` after the create started waiting.
+
+    The create shows it waits by the requests it makes: ``waiting_sign`` in a request's path or query (bounded
+    wait for it)."""
 
     def release() -> None:
         deadline = time.monotonic() + 180
@@ -234,9 +238,10 @@ def _trigger_and_sample(airflow, emulator, dag_id: str, runs: int, timeline: lis
 
 
 def test_three_runs_at_once_never_hold_more_vms_than_the_cap(emulator, tmp_path, fault_matrix):
-    """Airflow's scheduler, triggerer and LocalExecutor (bench/local_airflow.py): three runs triggered at once
-    under a cap of 1 run one after another, never two VMs alive; then, with the cap removed, a reservation of one
-    VM does the same for two runs."""
+    """Three runs triggered at once under a cap of 1 run one after another, never two VMs alive.
+
+    With Airflow's scheduler, triggerer and LocalExecutor (bench/local_airflow.py). Then, with the cap
+    removed, a reservation of one VM does the same for two runs."""
     from bench.local_airflow import LocalAirflow
 
     emulator.add_reservation("one-v6e", "us-east5-b", vm_count=1)

@@ -1,5 +1,7 @@
-"""The conversion cache's key for a Hub model: the source revision is the Hub's current commit of the model,
-asked through ``huggingface_hub`` with the token of the ``hf_conn_id`` connection (here the local Hub server).
+"""The conversion cache's key for a Hub model: the source revision is the Hub's current commit.
+
+The commit of the model is asked through ``huggingface_hub`` with the token of the ``hf_conn_id`` connection
+(here the local Hub server).
 
 The local model is keyed the same way (its gated repo on the local Hub); the cache's reuse across runs is
 exercised end to end by test_pipeline_reruns (backfill) and test_pipeline_local.

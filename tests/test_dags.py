@@ -397,8 +397,10 @@ def test_every_param_is_documented_and_defaults_validate(dags, dag_id):
 
 @pytest.mark.parametrize("dag_id", [*ALL_DAGS, "tpu_vm_reaper"])
 def test_a_form_left_as_it_opens_can_be_triggered(dags, dag_id):
-    """Airflow's UI marks a Param required unless its type includes "null", and then refuses an empty value
-    (None, ""): every required field must open filled in, every optional one must accept None."""
+    """Every required field must open filled in, every optional one must accept None.
+
+    Airflow's UI marks a Param required unless its type includes "null", and then refuses an empty value
+    (None, "")."""
     for key, param in dags[dag_id].params.items():
         types = param.schema["type"] if isinstance(param.schema["type"], list) else [param.schema["type"]]
         if "null" not in types:
@@ -575,8 +577,9 @@ _PARSE_PROBE = textwrap.dedent(
 
 @pytest.fixture(scope="module", params=[("posttrain_dags.py", CLOUD_DAGS), ("local_dags.py", LOCAL_DAGS)])
 def parse_probe(request, tmp_path_factory):
-    """Parse a DAG file in a fresh interpreter (after ``import airflow``), as the DAG processor does; each file
-    builds its own DAGs only."""
+    """Parse a DAG file in a fresh interpreter (after ``import airflow``), as the DAG processor does.
+
+    Each file builds its own DAGs only."""
     name, expected = request.param
     env = {**os.environ, "TPU_POSTTRAIN_LOCAL_DIR": str(tmp_path_factory.mktemp("probe"))}
     proc = subprocess.run(
@@ -596,8 +599,9 @@ def test_parsing_imports_no_heavy_cloud_client(parse_probe):
 
 
 def test_parsing_imports_no_ssh_library(parse_probe):
-    """providers-ssh's operator/trigger modules import paramiko and asyncssh at their top: the operators must
-    only import them when they run."""
+    """The operators must only import paramiko and asyncssh when they run.
+
+    providers-ssh's operator/trigger modules import them at their top."""
     ssh = sorted({m.split(".")[0] for m in parse_probe["modules"]} & {"paramiko", "asyncssh"})
     assert not ssh, f"parsing the DAG file imports {ssh}"
 

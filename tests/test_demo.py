@@ -214,8 +214,10 @@ def test_ui_serves_the_running_run_and_ctrl_c_ends_everything_the_demo_started()
 
 
 def test_the_live_view_counts_each_trainer_line_once(tmp_path):
-    """The demo's log holds each trainer line twice, as the trigger streamed it and as the step read it back
-    when it ended (lines from a real tiny GRPO run): the training loop's time is not counted twice."""
+    """The demo's log holds each trainer line twice: the training loop's time is not counted twice.
+
+    Once as the trigger streamed it, once as the step read it back when it ended (lines from a real tiny GRPO
+    run)."""
     import io
 
     from rich.console import Console

@@ -1,5 +1,7 @@
-"""The docker-compose deployment: the file validates with docker-compose, and the resolved configuration has
-the official Airflow 3 layout running this provider's image, with no secret written into the file."""
+"""The docker-compose deployment: the file validates with docker-compose.
+
+The resolved configuration has the official Airflow 3 layout running this provider's image, with no secret
+written into the file."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The storage commands a job script runs on a VM for ``gs://`` storage (``recipes/storage.py`` rendering
-``vm_scripts/gcs_tool.py``), run here with bash against the local GCS server (fake-gcs-server), as a VM's job runs
-them: google-cloud-storage pointed at the server by ``STORAGE_EMULATOR_HOST``, no credentials."""
+"""The storage commands a job script runs on a VM for ``gs://`` storage, run here with bash.
+
+The commands are ``recipes/storage.py`` rendering ``vm_scripts/gcs_tool.py``, run against the local GCS server
+(fake-gcs-server), as a VM's job runs them: google-cloud-storage pointed at the server by
+``STORAGE_EMULATOR_HOST``, no credentials."""
 
 from __future__ import annotations
 

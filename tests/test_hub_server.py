@@ -1,6 +1,7 @@
-"""The local Hub answers as the real Hub does, through the real ``huggingface_hub`` client: a gated repo's info and
-file list are public, its files need an accepted token, and only a token holder may gate a repo; a model card's
-metadata is checked before it is committed."""
+"""The local Hub answers as the real Hub does, through the real ``huggingface_hub`` client.
+
+A gated repo's info and file list are public, its files need an accepted token, and only a token holder may
+gate a repo; a model card's metadata is checked before it is committed."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def test_only_a_token_holder_gates_a_repo(hub):
 
 
 def test_a_model_card_must_name_a_base_model_of_the_hub(hub):
-    """huggingface_hub validates a README.md's metadata with the Hub before committing it: a base model that is
-    not a model of the Hub (a local path) is refused with the Hub's errors, a real one is accepted."""
+    """huggingface_hub validates a README.md's metadata with the Hub before committing it.
+
+    A base model that is not a model of the Hub (a local path) is refused with the Hub's errors, a real one is
+    accepted."""
     api = HfApi(endpoint=hub.url, token=TOKEN)
     api.create_repo("org/tuned")
 

@@ -193,8 +193,10 @@ def test_expiry_is_checked_at_login(make_vm, keys):
 
 
 def test_oslogin_vm_takes_only_the_oslogin_profiles_current_keys(make_vm, keys):
-    """With OS Login on, the VM's sshd asks the metadata server for the login's keys: keys imported through the
-    real OS Login client log in as the POSIX name it answered, until they expire; metadata keys do not."""
+    """With OS Login on, the VM's sshd asks the metadata server for the login's keys.
+
+    Keys imported through the real OS Login client log in as the POSIX name it answered, until they expire;
+    metadata keys do not."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud.oslogin_v1 import OsLoginServiceClient
 
@@ -350,9 +352,11 @@ def test_allocate_address_skips_taken_addresses():
 
 
 def test_sessions_reach_the_local_gcs_server_without_credentials(make_vm, keys, tmp_path):
-    """The image's environment names the local GCS server to the storage clients (as a VM on Google Cloud reaches
-    storage.googleapis.com with its service account); nothing is copied onto the VM: the pipeline's storage tool
-    writes into the bucket from a session, and this machine reads it back."""
+    """The image's environment names the local GCS server to the storage clients.
+
+    A VM on Google Cloud reaches storage.googleapis.com the same way, with its service account. Nothing is
+    copied onto the VM: the pipeline's storage tool writes into the bucket from a session, and this machine
+    reads it back."""
     from google.cloud import storage as gcs_client
 
     from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment

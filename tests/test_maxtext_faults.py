@@ -1,5 +1,7 @@
-"""Faults around the MaxText remote jobs, in real Airflow (dag.test) against the local stack: Compute emulator
-whose every instance is a machine of its own, real MaxText on CPU with the tiny model, the local Hub server.
+"""Faults around the MaxText remote jobs, in real Airflow (dag.test) against the local stack.
+
+The stack: Compute emulator whose every instance is a machine of its own, real MaxText on CPU with the tiny
+model, the local Hub server.
 
 One DAG run of the tiny SFT DAG carries the faults (slow: real training), and the tests read what it left:
 
@@ -122,9 +124,10 @@ def _pids() -> list[int]:
 
 
 def _vm_session(vm, leader: int) -> list[int]:
-    """The pids, on this machine, of the VM's processes in session ``leader`` (a pid as the VM sees it: a job's pid
-    file). The VM has a pid namespace of its own; /proc/PID/status lists a process's session id in each
-    namespace it belongs to (NSsid), the VM's last."""
+    """The pids, on this machine, of the VM's processes in session ``leader``.
+
+    ``leader`` is a pid as the VM sees it: a job's pid file. The VM has a pid namespace of its own;
+    /proc/PID/status lists a process's session id in each namespace it belongs to (NSsid), the VM's last."""
     namespace = os.readlink(vm.guest_path("/").parent / "ns" / "pid")
     members = []
     for pid in _pids():
@@ -164,9 +167,11 @@ class _ProcessSampler(threading.Thread):
 
 
 def _forge_half_written_step(step: int) -> dict[str, int]:
-    """What a save cut short leaves on GCS, for ``step`` of the run now training: the objects of its newest
-    committed step copied under ``checkpoints/<step>/`` without orbax's ``commit_success.txt`` (orbax writes in
-    place on GCS and the commit file last). Returns ``{object name: generation}`` of the forged objects."""
+    """What a save cut short leaves on GCS, for ``step`` of the run now training.
+
+    The objects of its newest committed step copied under ``checkpoints/<step>/`` without orbax's
+    ``commit_success.txt`` (orbax writes in place on GCS and the commit file last). Returns
+    ``{object name: generation}`` of the forged objects."""
     from google.cloud import storage
 
     from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
@@ -201,10 +206,12 @@ def _generations(names: list[str]) -> dict[str, int | None]:
 
 
 class _TrainFaults(threading.Thread):
-    """Watches the train job on the TPU VM (the VM whose jobs directory gets ``job_name``): drops the VM's SSH
-    sessions at try 1's first completed step, SIGKILLs the trainer (python processes of the job's session)
-    after step KILL_AFTER_STEP and leaves a half-written final step in storage, then drops the sessions again at
-    the first completed step of the retry (a new pid in the re-created job dir)."""
+    """Watches the train job on the TPU VM, dropping its SSH sessions and killing its trainer.
+
+    The TPU VM is the one whose jobs directory gets ``job_name``. It drops the VM's SSH sessions at try 1's
+    first completed step, SIGKILLs the trainer (python processes of the job's session) after step
+    KILL_AFTER_STEP and leaves a half-written final step in storage, then drops the sessions again at the
+    first completed step of the retry (a new pid in the re-created job dir)."""
 
     def __init__(self, stack, job_name: str):
         super().__init__(daemon=True)
@@ -275,8 +282,9 @@ class _TrainFaults(threading.Thread):
 
 
 def _vm_end_probe(stack, copies: Path):
-    """Before each VM's end: what ``token_probe`` sees, the VM's train job dirs (copied to
-    ``copies/<VM name>``) and whether the run's root was on it."""
+    """Before each VM's end: what ``token_probe`` sees and the VM's train job dirs.
+
+    The job dirs are copied to ``copies/<VM name>``; also whether the run's root was on it."""
     tokens = token_probe(stack)
 
     def probe(vm) -> dict:
@@ -290,8 +298,10 @@ def _vm_end_probe(stack, copies: Path):
 
 
 def _checkpoint_files(checkpoint: str) -> dict[str, int]:
-    """``{object name: generation}`` of every object of a run's checkpoints (``.../checkpoints/<step>/model_params``)
-    in the local GCS server: a rewritten object gets a new generation, as on Cloud Storage."""
+    """``{object name: generation}`` of every object of a run's checkpoints in the local GCS server.
+
+    The checkpoints are ``.../checkpoints/<step>/model_params``. A rewritten object gets a new generation, as
+    on Cloud Storage."""
     from google.cloud import storage
 
     bucket, _, name = checkpoint.removeprefix("gs://").partition("/")
@@ -307,9 +317,11 @@ _FAULTED_RUN: dict = {}
 
 @pytest.fixture
 def faulted_run(stack, capfd):
-    """The tiny SFT DAG with STEPS steps, hub publish on (the DAG's default hub_repo_id), faults injected into
-    ``train``. Run once, by the first test that asks (under its ``capfd``: dag.test prints the task logs);
-    everything the tests need is collected at once, before test 5 re-runs the same run_id."""
+    """The tiny SFT DAG with STEPS steps, hub publish on, faults injected into ``train``.
+
+    Hub publish goes to the DAG's default hub_repo_id. Run once, by the first test that asks (under its
+    ``capfd``: dag.test prints the task logs); everything the tests need is collected at once, before test 5
+    re-runs the same run_id."""
     if not _FAULTED_RUN:
         _FAULTED_RUN.update(_faulted_run(stack, capfd))
     return _FAULTED_RUN
@@ -371,8 +383,9 @@ def _faulted_run(stack, capfd) -> dict:
 
 
 def _wait_gone(ends, vms: dict[str, str | None]) -> str | None:
-    """Why the run's VMs were not both probed at their end and their disks deleted, or None (the tests assert
-    it: an assertion here would make each test run the DAG again)."""
+    """Why the run's VMs were not both probed at their end and their disks deleted, or None.
+
+    The tests assert it: an assertion here would make each test run the DAG again."""
     try:
         assert all(vms.values()), f"a create task gave no VM name: {vms}"
         ends.wait_gone(list(vms.values()))
@@ -467,9 +480,10 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fa
 
 
 def test_half_written_checkpoint_is_not_taken_for_a_finished_one(faulted_run, stack, fault_matrix):
-    """After the kill, storage holds a half-written step STEPS (its objects, no commit_success.txt: what a save cut
-    short leaves on GCS). The retry resumes from a committed step below it, writes step STEPS anew, and the train
-    task counts the final checkpoint only with its commit file."""
+    """After the kill, storage holds a half-written step STEPS: its objects, no commit_success.txt.
+
+    That is what a save cut short leaves on GCS. The retry resumes from a committed step below it, writes step
+    STEPS anew, and the train task counts the final checkpoint only with its commit file."""
     from airflow_tpu_posttrain.recipes.storage import committed_checkpoint
 
     run = faulted_run
@@ -540,9 +554,10 @@ def test_hf_token_leaks_nowhere(faulted_run, stack, fault_matrix):
 
 
 def test_gated_base_model_is_read_with_the_token(faulted_run, stack, fault_matrix):
-    """The tiny model is a gated repo on the local Hub, as Gemma and Llama are on the real one: the conversion
-    (weights), training and export (tokenizer) download it on the VMs with the token, which a download without
-    it lacks."""
+    """The tiny model is a gated repo on the local Hub, as Gemma and Llama are on the real one.
+
+    The conversion (weights), training and export (tokenizer) download it on the VMs with the token, which a
+    download without it lacks."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import GatedRepoError
 

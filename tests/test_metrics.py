@@ -105,8 +105,10 @@ GARBAGE = [
 
 
 def test_real_sft_log_every_field():
-    """Each field against the real lines: the loss and perplexity of the last step are that step's own
-    (exp(6.223117) = 504.27), not the running geometric mean the "completed step" line carries (520.539)."""
+    """Each field against the real lines: the last step's loss and perplexity are that step's own.
+
+    The perplexity is exp(6.223117) = 504.27, not the running geometric mean the "completed step" line carries
+    (520.539)."""
     metrics = parse_lines(SFT_TINY_REAL_LOG)
 
     assert metrics == TrainingMetrics(
@@ -123,8 +125,9 @@ def test_real_sft_log_every_field():
 
 
 def test_real_grpo_log_every_field():
-    """The RL learner runs the trainer's loop once per batch: the training loop's time is the sum of both calls,
-    not the last one (which read "train loop 0.0 s")."""
+    """The training loop's time is the sum of both calls of the trainer's loop, not the last one.
+
+    The RL learner runs the trainer's loop once per batch; the last call read "train loop 0.0 s"."""
     metrics = parse_lines(GRPO_TINY_REAL_LOG)
     evaluation = {
         "corr": 0, "total": 2, "accuracy": 0.0, "partial_accuracy": 0.0, "format_accuracy": 0.0, "mean_reward": 0.0

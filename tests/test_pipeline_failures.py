@@ -1,6 +1,7 @@
-"""Failures of each step of the tiny SFT DAG end to end in real Airflow (dag.test)
-against the local stack: Compute emulator whose every instance is a machine of its own, real MaxText on CPU,
-the local Hub server.
+"""Failures of each step of the tiny SFT DAG end to end in real Airflow (dag.test) against the local stack.
+
+The stack: Compute emulator whose every instance is a machine of its own, real MaxText on CPU, the local Hub
+server.
 
 Every fault is injected through the environment the pipeline runs in, never by patching its code:
 
@@ -59,8 +60,10 @@ def _dag():
 
 
 def run_pipeline(conf: dict | None = None, logical_date: datetime | None = None, run_id: str | None = None):
-    """One run of the SFT DAG with ``steps`` = STEPS; a ``run_id`` pins it, as conftest.run_dag does, so the
-    same logical date and run_id is a re-run of that DAG run."""
+    """One run of the SFT DAG with ``steps`` = STEPS.
+
+    A ``run_id`` pins it, as conftest.run_dag does, so the same logical date and run_id is a re-run of that
+    DAG run."""
     from airflow.models.dagrun import DagRun
 
     kwargs: dict = {"run_conf": {"steps": STEPS, **(conf or {})}}
@@ -106,8 +109,9 @@ def checkpoint_storage(stack) -> str:
 
 
 def _vm_end_probe(vm) -> dict:
-    """What the module needs of each VM's disk, read just before the VM is destroyed: its jobs' exit codes and
-    the exports under the root (``{export dir: its file names}``)."""
+    """What the module needs of each VM's disk, read just before the VM is destroyed.
+
+    Its jobs' exit codes and the exports under the root (``{export dir: its file names}``)."""
     jobs = vm.guest_path(f"{WORKDIR}/jobs")
     exit_codes = {f.parent.name: f.read_text().strip() for f in jobs.glob("*/exit_code")}
     exports_parent = vm.guest_path(str(root() / "hf-trained"))
@@ -164,9 +168,10 @@ def assert_vms_gone(vm_ends, dr) -> None:
 
 @contextlib.contextmanager
 def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
-    """As soon as the run's CPU VM is up, a regular file (the VM login's) where ``guest_path`` (a directory
-    the pipeline writes on that VM) goes. Yields the names of the VMs it was put on (one, once the run is
-    over)."""
+    """As soon as the run's CPU VM is up, a regular file where ``guest_path`` goes.
+
+    The file is the VM login's; ``guest_path`` is a directory the pipeline writes on that VM. Yields the names
+    of the VMs it was put on (one, once the run is over)."""
     placed: list[str] = []
     stop = threading.Event()
 
@@ -200,9 +205,10 @@ def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
 
 @contextlib.contextmanager
 def bucket_missing(stack):
-    """The checkpoint storage's bucket deleted for the run (as a user's typo in its name, or a deleted bucket,
-    would leave it), made again afterwards. Its objects (here: none, the steps before the convert write none) are
-    deleted with it."""
+    """The checkpoint storage's bucket deleted for the run, made again afterwards.
+
+    The state a user's typo in its name, or a deleted bucket, would leave. Its objects (here: none, the steps
+    before the convert write none) are deleted with it."""
     from google.cloud import storage
 
     from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
@@ -218,8 +224,10 @@ def bucket_missing(stack):
 
 
 def assert_failed_cleanly(stack, vm_ends, dr, failed_step: str) -> None:
-    """The run failed at ``failed_step``: the steps after it did not run, the watcher failed the run, the
-    teardowns deleted both VMs, the emulator holds nothing and nothing of the VMs is left on this machine."""
+    """The run failed at ``failed_step``, and cleanly.
+
+    The steps after it did not run, the watcher failed the run, the teardowns deleted both VMs, the emulator
+    holds nothing and nothing of the VMs is left on this machine."""
     st = states(dr)
     assert dr.state == "failed", st
     assert st[failed_step] == "failed", st
@@ -235,8 +243,9 @@ def assert_failed_cleanly(stack, vm_ends, dr, failed_step: str) -> None:
 
 
 def successful_conversions(vm_ends) -> int:
-    """Conversion jobs that finished with exit code 0 on a VM, over the whole module (every VM's jobs, read
-    just before the VM's end)."""
+    """Conversion jobs that finished with exit code 0 on a VM, over the whole module.
+
+    Every VM's jobs, read just before the VM's end."""
     return sum(
         1
         for _, seen in vm_ends.history

@@ -1,5 +1,7 @@
-"""The tiny SFT and RL DAGs end to end in real Airflow, against the local stack: Compute emulator whose every
-instance is a machine of its own, real MaxText on CPU, the local Hub server. Slow (minutes): the real thing.
+"""The tiny SFT and RL DAGs end to end in real Airflow, against the local stack.
+
+The stack: Compute emulator whose every instance is a machine of its own, real MaxText on CPU, the local Hub
+server. Slow (minutes): the real thing.
 
 What is on a VM's disk is looked at just before the VM is destroyed (``stack.fleet.before_end``); after the
 run, nothing of a deleted VM is left."""
@@ -58,8 +60,9 @@ def loads_and_generates(model_dir: Path) -> str:
 
 
 def vm_files(vm, stack, places=VM_PLACES) -> dict[str, Path]:
-    """``{path on the VM: host path}`` of the regular files in ``places`` of a running VM, without
-    NOT_SCANNED and the host directories every VM shares (checkpoint storage, published copies)."""
+    """``{path on the VM: host path}`` of the regular files in ``places`` of a running VM.
+
+    Without NOT_SCANNED and the host directories every VM shares (checkpoint storage, published copies)."""
     root = vm.guest_path("/")  # /proc/<the VM's init>/root: found once, it scans /proc
     skip = {root / p.lstrip("/") for p in (*NOT_SCANNED, str(stack.storage_dir), str(stack.published_dir))}
     files = {}
@@ -113,8 +116,9 @@ def before_vm_end(stack, probe: Callable) -> Iterator[VmEnds]:
 
 
 def token_probe(stack):
-    """Each VM's files at its end: which the pipeline wrote (under WORKDIR), which hold the token, what is
-    left in the secrets directory."""
+    """Each VM's files at its end: which the pipeline wrote and which hold the token.
+
+    The pipeline's are under WORKDIR; also what is left in the secrets directory."""
 
     def probe(vm) -> dict:
         files = vm_files(vm, stack)

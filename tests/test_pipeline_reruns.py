@@ -1,7 +1,9 @@
-"""The tiny SFT DAG run again: a publish the Hub refuses to a read-only token (the checked export kept in storage,
-a re-run publishes it without exporting again), and a per-model backfill of two logical dates whose first date
-is then run again under its own run_id. End to end in real Airflow (dag.test) against the local stack, with the
-helpers and VM probes of ``test_pipeline_failures.py``. Slow (minutes).
+"""The tiny SFT DAG run again, after a refused publish and after a per-model backfill.
+
+A publish the Hub refuses to a read-only token: the checked export is kept in storage, and a re-run publishes
+it without exporting again. A per-model backfill of two logical dates whose first date is then run again under
+its own run_id. End to end in real Airflow (dag.test) against the local stack, with the helpers and VM probes
+of ``test_pipeline_failures.py``. Slow (minutes).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""A SPOT TPU VM preempted mid-training, in real Airflow (dag.test) against the local stack: the emulator preempts
-the instance (STOPPING, its machine and every process on it gone, then TERMINATED) once the trainer has logged
-step PREEMPT_AT_STEP. The training task tells the loss from an SSH error by asking Compute, creates the VM again
-through the DAG's own create and install tasks, and training resumes from the newest checkpoint in storage, in
-the same try. Slow: real MaxText on CPU."""
+"""A SPOT TPU VM preempted mid-training, in real Airflow (dag.test) against the local stack.
+
+The emulator preempts the instance (STOPPING, its machine and every process on it gone, then TERMINATED) once
+the trainer has logged step PREEMPT_AT_STEP. The training task tells the loss from an SSH error by asking
+Compute, creates the VM again through the DAG's own create and install tasks, and training resumes from the
+newest checkpoint in storage, in the same try. Slow: real MaxText on CPU."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ _RESTORED = re.compile(rb"Restored params from step: (\d+)")
 
 
 class _Preempter(threading.Thread):
-    """Preempts the TPU VM when its train job has logged PREEMPT_AT_STEP; then waits for training on the VM made
-    again, and keeps both VMs' train logs."""
+    """Preempts the TPU VM when its train job has logged PREEMPT_AT_STEP.
+
+    Then waits for training on the VM made again, and keeps both VMs' train logs."""
 
     def __init__(self, stack) -> None:
         super().__init__(daemon=True)

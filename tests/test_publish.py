@@ -104,8 +104,10 @@ def hub_args(hub: HubServer) -> list[str]:
 
 @pytest.fixture(scope="session")
 def bytecode_cache(tmp_path_factory) -> str:
-    """Shared by all script runs: with PYTHONDONTWRITEBYTECODE set, each run would otherwise recompile
-    huggingface_hub (~1 s). Kept outside the venv, which stays untouched."""
+    """A bytecode cache shared by all script runs.
+
+    With PYTHONDONTWRITEBYTECODE set, each run would otherwise recompile huggingface_hub (~1 s). Kept outside
+    the venv, which stays untouched."""
     return str(tmp_path_factory.mktemp("pycache"))
 
 
@@ -406,9 +408,10 @@ GRPO_CARD = {
 
 
 def test_publishes_a_model_card_with_its_training_curve(tmp_path, hub, token, token_file, export):
-    """The card is huggingface_hub's (its metadata reads back as ModelCardData), names the base model at its
-    revision, the dataset, the run and the numbers, and shows the curve the Hub serves beside it; a re-run
-    draws the same picture, so it commits nothing new."""
+    """The card is huggingface_hub's (its metadata reads back as ModelCardData).
+
+    It names the base model at its revision, the dataset, the run and the numbers, and shows the curve the Hub
+    serves beside it; a re-run draws the same picture, so it commits nothing new."""
     from huggingface_hub import HfApi, ModelCard, hf_hub_download
 
     HfApi(endpoint=hub.url, token=token).create_repo(GRPO_CARD["base_model"])  # the Hub checks it exists

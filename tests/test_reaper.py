@@ -1,5 +1,6 @@
-"""The reaper deletes our VMs whose run is over or expired, and our SSH firewall rules whose VM is gone; nothing
-else, and nothing on doubt."""
+"""The reaper deletes our VMs whose run is over or expired, and our SSH firewall rules whose VM is gone.
+
+Nothing else, and nothing on doubt."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The worker running a step dies right after starting its job (SIGKILL, lost node): the job keeps running on
-the VM, and the next try re-attaches to it instead of starting a second one."""
+"""The worker running a step dies right after starting its job (SIGKILL, lost node).
+
+The job keeps running on the VM, and the next try re-attaches to it instead of starting a second one."""
 
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def _compute(method: str, url: str, body: dict | None = None) -> dict:
 
 @contextlib.contextmanager
 def vm_of_its_own(stack, name: str, zone: str = VM_ZONE) -> Iterator[SimpleNamespace]:
-    """A VM of the stack's Compute emulator made as the create task makes one (the ``local_vm`` connection's
-    public key in its ``ssh-keys`` metadata, no external IP), for steps run outside a DAG. Yields its machine
-    (``vm``), ``address`` and the ``host_keys`` it published; deleted on exit, its disk with it."""
+    """A VM of the stack's Compute emulator made as the create task makes one, for steps run outside a DAG.
+
+    The ``local_vm`` connection's public key is in its ``ssh-keys`` metadata, no external IP. Yields its
+    machine (``vm``), ``address`` and the ``host_keys`` it published; deleted on exit, its disk with it."""
     from airflow_tpu_posttrain.hooks.vm import client_identity
     from airflow_tpu_posttrain.local.stack import LOCAL_PROJECT
     from airflow_tpu_posttrain.recipes import access, compute
@@ -146,8 +148,10 @@ def test_next_try_reattaches_to_the_running_job(stack, capfd):
 
 
 def test_watch_ends_at_once_when_compute_says_the_vm_is_gone(stack):
-    """A preempted VM is not an SSH hiccup: the trigger asks Compute when it cannot reconnect, and ends the watch
-    with VM_LOST instead of riding out its reconnect budget (minutes of backoff)."""
+    """A preempted VM is not an SSH hiccup.
+
+    The trigger asks Compute when it cannot reconnect, and ends the watch with VM_LOST instead of riding out
+    its reconnect budget (minutes of backoff)."""
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
@@ -176,9 +180,11 @@ def test_watch_ends_at_once_when_compute_says_the_vm_is_gone(stack):
 
 
 def test_a_job_silent_past_its_stall_timeout_is_stopped_and_a_chatty_one_is_not(stack):
-    """A trainer blocked on storage it cannot reach neither exits nor writes: the watch stops it after
-    ``stall_timeout`` s without output (SIGTERM, then SIGKILL for a process that ignores it), so the try fails
-    and a retry resumes, instead of the VM idling until the task's timeout. Output resets the clock."""
+    """A trainer blocked on storage it cannot reach neither exits nor writes: the watch stops it.
+
+    It is stopped after ``stall_timeout`` s without output (SIGTERM, then SIGKILL for a process that ignores
+    it), so the try fails and a retry resumes, instead of the VM idling until the task's timeout. Output
+    resets the clock."""
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
 
     from airflow_tpu_posttrain.hooks.vm import VmHook

@@ -629,10 +629,11 @@ def test_install_reruns_are_noops(tmp_path):
 
 
 def _stand_in_tools(bin_dir, calls):
-    """Stand-ins for what the tutorials' install calls (sudo apt, uv, the extra-deps script): each records its
-    call; `uv python install` and `uv venv` leave what the real ones leave in $HOME (the venv's python is this
-    test's python, which has google-cloud-storage as MaxText's venv has). `uv run` (the storage tool before the
-    venv exists) is the real uv's, unrecorded."""
+    """Stand-ins for what the tutorials' install calls (sudo apt, uv, the extra-deps script).
+
+    Each records its call; `uv python install` and `uv venv` leave what the real ones leave in $HOME (the
+    venv's python is this test's python, which has google-cloud-storage as MaxText's venv has). `uv run` (the
+    storage tool before the venv exists) is the real uv's, unrecorded."""
     bin_dir.mkdir()
     record = f'echo "$(basename "$0") $*" >>{shlex.quote(str(calls))}\n'
     real_uv = shutil.which("uv")
@@ -656,8 +657,9 @@ def _stand_in_tools(bin_dir, calls):
 
 @contextlib.contextmanager
 def _environment_cache(tmp_path, cache: str):
-    """``(cache URI, storage directory, GCS server or None, the VMs' storage environment)``: a directory, or
-    ``gs``: the local GCS server, reached through vm_scripts/gcs_tool.py."""
+    """``(cache URI, storage directory, GCS server or None, the VMs' storage environment)``.
+
+    The cache is a directory, or ``gs``: the local GCS server, reached through vm_scripts/gcs_tool.py."""
     from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 
     storage = tmp_path / "storage"
@@ -682,8 +684,10 @@ def _bucket_objects(server, prefix: str) -> list[str]:
 
 @pytest.mark.parametrize("cache", ["directory", "gs"])
 def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
-    """The tutorials' install once: the VM that saves uploads an archive of the venv (and uv's interpreter) to the
-    cache; a fresh VM (an empty $HOME) restores it instead of running apt/uv; a new version installs again."""
+    """The tutorials' install once: a fresh VM restores the environment the first VM saved.
+
+    The VM that saves uploads an archive of the venv (and uv's interpreter) to the cache; a fresh VM (an empty
+    $HOME) restores it instead of running apt/uv; a new version installs again."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     _stand_in_tools(bin_dir, calls)
     tool_script = str(Path(install.__file__).parents[1] / "vm_scripts" / "gcs_tool.py")
@@ -701,9 +705,10 @@ def test_a_new_vm_restores_the_environment_saved_by_the_first(tmp_path, cache):
 
 @pytest.mark.parametrize("cache", ["directory", "gs"])
 def test_an_archive_cut_short_is_never_saved(tmp_path, cache):
-    """Tar failing midway (a disk error, a file vanishing) after part of the archive went out: the next VM
-    would restore a truncated archive and fail to untar it, every time. Nothing is saved under the archive's
-    name; the install itself succeeds."""
+    """Tar failing midway after part of the archive went out: nothing is saved under the archive's name.
+
+    Midway: a disk error, a file vanishing. Were it saved, the next VM would restore a truncated archive and
+    fail to untar it, every time. The install itself succeeds."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     _stand_in_tools(bin_dir, calls)
     real_tar = shutil.which("tar")

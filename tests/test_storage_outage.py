@@ -29,8 +29,9 @@ pytestmark = pytest.mark.maxtext
 
 
 def _committed_steps() -> list[int]:
-    """The training steps in the local checkpoint storage whose save orbax committed (``commit_success.txt``):
-    this module's stack holds one run."""
+    """The training steps in the local checkpoint storage whose save orbax committed.
+
+    Committed: with ``commit_success.txt``. This module's stack holds one run."""
     from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
     names = storage_objects(LOCAL_CHECKPOINT_STORAGE)
@@ -38,9 +39,10 @@ def _committed_steps() -> list[int]:
 
 
 class _Outage(threading.Thread):
-    """Stops the local GCS server once the train job on the TPU VM has logged step OUTAGE_AFTER_STEP and a step is
-    committed in storage, and starts it again once none of the job's processes is left (the job watch stopped
-    them)."""
+    """Stops the local GCS server mid-training, and starts it again once the job's processes are gone.
+
+    It stops it once the train job on the TPU VM has logged step OUTAGE_AFTER_STEP and a step is committed in
+    storage, and starts it again once none of the job's processes is left (the job watch stopped them)."""
 
     def __init__(self, stack, job_name: str) -> None:
         super().__init__(daemon=True)

@@ -25,8 +25,9 @@ def test_metric_lines_kept_next_to_the_done_marker_can_be_read_back(tmp_path):
 
 
 def test_a_gcs_checkpoint_is_complete_only_with_orbax_s_commit_marker():
-    """On GCS orbax writes a step in place and commit_success.txt last; in a directory it renames the step into
-    place, so the item's own path says it is complete."""
+    """On GCS orbax writes a step in place and commit_success.txt last.
+
+    In a directory it renames the step into place, so the item's own path says it is complete."""
     gcs = "gs://b/post-train/run/checkpoints/5/model_params"
     assert storage.committed_checkpoint(gcs) == "gs://b/post-train/run/checkpoints/5/commit_success.txt"
     local = "/shared/post-train/run/checkpoints/actor/2/model_params"

@@ -43,8 +43,10 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 def lifecycle(
     dag_id, zones=("us-east5-b",), ranges=(), tasks="create+delete", create_kwargs="", reservation="my-reservation"
 ):
-    """A create / teardown DAG; ``ranges``: SSH source ranges (a firewall rule made and deleted with the VM).
-    A reservation is zonal: with several zones, the fixture's reservation of that name in each."""
+    """A create / teardown DAG.
+
+    ``ranges``: SSH source ranges (a firewall rule made and deleted with the VM). A reservation is zonal: with
+    several zones, the fixture's reservation of that name in each."""
     if reservation and len(zones) > 1 and "=" not in reservation:
         reservation = ",".join(f"{zone}={reservation}" for zone in zones)
     return LIFECYCLE_DAG.format(
@@ -368,8 +370,10 @@ except TaskDeferred as deferred:
 
 
 def test_teardown_defers_at_once_and_deletes_from_the_triggerer():
-    """The teardown's worker part only names what to delete: the API calls happen in the triggerer, which has the
-    Compute client loaded, so the worker never pays its import (seconds) while the TPU VM is still billed."""
+    """The teardown's worker part only names what to delete: the API calls happen in the triggerer.
+
+    The triggerer has the Compute client loaded, so the worker never pays its import (seconds) while the TPU
+    VM is still billed."""
     import json
     import subprocess
     import sys
@@ -455,9 +459,10 @@ def test_flex_start_wait_longer_than_two_hours_is_refused(emulator, run_dag, cap
 
 
 def test_max_run_duration_refused_for_a_model_is_dropped_once(emulator, run_dag, capfd, fault_matrix):
-    """No Google document says whether every provisioning model takes scheduling.maxRunDuration: when Compute
-    answers 400 naming it, the create tries once more without it, says so, and the VM keeps its expires-at
-    label for the reaper."""
+    """When Compute refuses scheduling.maxRunDuration, the create tries once more without it.
+
+    No Google document says whether every provisioning model takes it: when Compute answers 400 naming it, the
+    create says so, and the VM keeps its expires-at label for the reaper."""
     emulator.set_faults(refuse_max_run_duration=["SPOT"])
     body = lifecycle("lifecycle_no_mrd", reservation=None, tasks="create", create_kwargs='provisioning_model="SPOT"')
     dr = run_dag("lifecycle_no_mrd", body)

@@ -206,8 +206,9 @@ def browser_context():
 
 @pytest.fixture
 def page(browser_context, rest, dag_id, tmp_path, request):
-    """The DAG's page, freshly loaded. When the test fails, its screenshot goes to the test's tmp dir (path
-    printed)."""
+    """The DAG's page, freshly loaded.
+
+    When the test fails, its screenshot goes to the test's tmp dir (path printed)."""
     page = browser_context.new_page()
     page.goto(f"{rest.base_url}/dags/{dag_id}")
     failed_before = request.session.testsfailed

@@ -1,5 +1,7 @@
-"""Reaching a fresh VM as on Compute Engine: the connection's key in the VM's metadata, host keys pinned from guest
-attributes, the network checked before the insert; and the emulator refusing what the real API refuses."""
+"""Reaching a fresh VM as on Compute Engine.
+
+The connection's key in the VM's metadata, host keys pinned from guest attributes, the network checked before
+the insert; and the emulator refusing what the real API refuses."""
 
 from __future__ import annotations
 

@@ -107,8 +107,10 @@ class TpuVmHook(GoogleBaseHook):
             return None
 
     def get_host_keys(self, project: str, zone: str, name: str) -> dict[str, str]:
-        """The host keys the VM's guest environment published (``hostkeys/`` guest attributes); ``{}`` until it
-        has, and when guest attributes are off (the API then answers 400 or 404, both taken as "none yet")."""
+        """The host keys the VM's guest environment published (``hostkeys/`` guest attributes).
+
+        ``{}`` until it has, and when guest attributes are off (the API then answers 400 or 404, both taken as
+        "none yet")."""
         from google.api_core.exceptions import BadRequest, NotFound
 
         from airflow_tpu_posttrain.recipes.access import HOST_KEY_NAMESPACE, host_keys_from_guest_attributes
@@ -202,9 +204,11 @@ class TpuVmHook(GoogleBaseHook):
     def settle_within(
         self, project: str, operations: list[dict], instance: dict | None, seconds: float
     ) -> dict | None:
-        """What ``ComputeOperationsTrigger`` would report (``status``, ``instance``, ``errors``) when the
-        ``operations`` (``{"name", "zone"}``) end and ``instance`` (``{"name", "zone"}``) is RUNNING within
-        ``seconds``; None when they do not (then the wait is deferred to the triggerer)."""
+        """What ``ComputeOperationsTrigger`` would report if the wait ends within ``seconds``.
+
+        That is ``status``, ``instance`` and ``errors``, when the ``operations`` (``{"name", "zone"}``) end
+        and ``instance`` (``{"name", "zone"}``) is RUNNING within ``seconds``; None when they do not (then the
+        wait is deferred to the triggerer)."""
         deadline = time.monotonic() + seconds
         pending = list(operations)
         while True:

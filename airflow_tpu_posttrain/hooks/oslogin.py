@@ -41,8 +41,9 @@ class OsLoginKeyHook(OSLoginHook):
         return self._get_credentials_email
 
     def import_key(self, user: str, public_key: str, expire_at: int, project_id: str) -> str:
-        """Add ``public_key`` (``KEYTYPE BASE64``) to ``user``'s profile until ``expire_at`` (epoch seconds);
-        the profile's primary POSIX login, the name to log in to an OS Login VM as."""
+        """Add ``public_key`` (``KEYTYPE BASE64``) to ``user``'s profile until ``expire_at`` (epoch seconds).
+
+        Returns the profile's primary POSIX login, the name to log in to an OS Login VM as."""
         response = self.import_ssh_public_key(
             user=user,
             ssh_public_key={"key": public_key, "expiration_time_usec": int(expire_at) * 1_000_000},

@@ -1,5 +1,7 @@
-"""SSH and SFTP on the TPU VM: short commands, files in, files out. Long jobs go through providers-ssh's
-remote-job protocol (``SSHRemoteJobOperator``/``SSHRemoteJobTrigger``); this hook does the rest.
+"""SSH and SFTP on the TPU VM: short commands, files in, files out.
+
+Long jobs go through providers-ssh's remote-job protocol (``SSHRemoteJobOperator``/``SSHRemoteJobTrigger``);
+this hook does the rest.
 
 Every VM is new, with new host keys: both hooks pin the host keys the VM published as guest attributes
 (``host_keys``, from the create task's XCom) instead of anything in the connection or ``known_hosts``.
@@ -35,8 +37,9 @@ class ClientIdentity(NamedTuple):
 
 
 def client_identity(ssh_conn_id: str) -> ClientIdentity:
-    """What the VM must be told about the SSH connection. The private key is only read here, to derive its
-    public half; it stays in the connection."""
+    """What the VM must be told about the SSH connection.
+
+    The private key is only read here, to derive its public half; it stays in the connection."""
     import paramiko
 
     from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -136,8 +139,9 @@ class VmHook(SSHHook):
             return buffer.getvalue().decode(errors="replace")
 
     def job_state(self, paths: RemoteJobPaths) -> tuple[str, int]:
-        """A detached job's state (``succeeded``, ``failed with exit code N``, ``running``, ``died``, ``absent``)
-        and its log's size."""
+        """A detached job's state and its log's size.
+
+        The state is ``succeeded``, ``failed with exit code N``, ``running``, ``died`` or ``absent``."""
         command = remote_job.state_command(paths.job_dir, paths.pid_file, paths.exit_code_file, paths.log_file)
         return remote_job.parse_state(self.run(command))
 
@@ -155,9 +159,11 @@ class VmHook(SSHHook):
         return None
 
     def exists(self, uri: str, tool: GcsTool | None = None, timeout: int = 300) -> bool:
-        """Whether a path on the VM, or a ``gs://`` object or prefix (read with the VM's credentials through
-        ``tool``), exists. :class:`StorageError` when storage could not be asked: "could not look" is never
-        taken for "not there" (which would redo a finished step, or fail a finished training)."""
+        """Whether a path on the VM, or a ``gs://`` object or prefix, exists.
+
+        A ``gs://`` object or prefix is read with the VM's credentials through ``tool``. :class:`StorageError`
+        when storage could not be asked: "could not look" is never taken for "not there" (which would redo a
+        finished step, or fail a finished training)."""
         from airflow_tpu_posttrain.recipes.storage import EXISTS_NO, exists_command
 
         status, _, stderr = self.exec_ssh_client_command(
@@ -174,8 +180,9 @@ class VmHook(SSHHook):
 
 
 class VmHookAsync(SSHHookAsync):
-    """The triggerer's connection to the VM, pinned to the VM's published ``host_keys`` and reached through
-    ``proxy_command`` (an IAP tunnel) like :class:`VmHook`."""
+    """The triggerer's connection to the VM, pinned to the VM's published ``host_keys``.
+
+    Reached through ``proxy_command`` (an IAP tunnel) like :class:`VmHook`."""
 
     def __init__(
         self,

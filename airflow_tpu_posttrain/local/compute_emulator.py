@@ -119,8 +119,10 @@ class _OperationError(NamedTuple):
 
 
 def _reservation_ref(value: str, project: str) -> tuple[str, str]:
-    """(owner project, reservation name) of a reservationAffinity value: a name (in ``project``), a shared
-    reservation's ``projects/P/reservations/R``, or one of its blocks, ``.../reservationBlocks/B``."""
+    """(owner project, reservation name) of a reservationAffinity value.
+
+    The value is a name (in ``project``), a shared reservation's ``projects/P/reservations/R``, or one of its
+    blocks, ``.../reservationBlocks/B``."""
     ref = re.fullmatch(r"(?:projects/([^/]+)/reservations/)?([^/]+)(?:/reservationBlocks/[^/]+)?", value)
     return (ref.group(1) or project, ref.group(2)) if ref else (project, value)
 
@@ -391,8 +393,10 @@ class ComputeEmulator:
                         self.fleet.end(key)
 
     def preempt(self, zone: str, name: str, project: str | None = None) -> None:
-        """Preempt a RUNNING instance as Compute does a Spot VM's (or a host error any VM's): STOPPING at once,
-        its machine ended (every process, sshd included), TERMINATED ``operation_seconds`` later."""
+        """Preempt a RUNNING instance as Compute does a Spot VM's (or a host error any VM's).
+
+        STOPPING at once, its machine ended (every process, sshd included), TERMINATED ``operation_seconds``
+        later."""
         with self._lock:
             for key in self._instance_keys(zone, name, project):
                 if self._instances[key]["status"] != "RUNNING":
@@ -406,8 +410,9 @@ class ComputeEmulator:
     def add_reservation(
         self, name: str, zone: str, vm_count: int, machine_type: str | None = None, project: str | None = None
     ) -> None:
-        """A specific reservation of ``vm_count`` VMs in ``zone`` (of ``machine_type``, when given): consumed by
-        the live instances naming it, refused to the next one while they hold it all."""
+        """A specific reservation of ``vm_count`` VMs in ``zone`` (of ``machine_type``, when given).
+
+        Consumed by the live instances naming it, refused to the next one while they hold it all."""
         with self._lock:
             self._reservations[(project, zone, name)] = {"count": vm_count, "machineType": machine_type}
 
@@ -527,8 +532,9 @@ class ComputeEmulator:
         on_done: Callable[[bool], None] = lambda failed: None,
         queued_s: float | None = None,
     ) -> dict[str, Any]:
-        """Start an operation on ``target`` (call with the lock held); ``on_*`` apply its effects. ``queued_s``:
-        the operation waits that long (for capacity) before it runs."""
+        """Start an operation on ``target`` (call with the lock held); ``on_*`` apply its effects.
+
+        ``queued_s``: the operation waits that long (for capacity) before it runs."""
         now = time.time()
         name = f"operation-{int(now * 1000)}-{secrets.token_hex(6)}"
         path = _resource_path(project, zone, "operations", name)
@@ -690,8 +696,10 @@ class ComputeEmulator:
 
     @staticmethod
     def _check_machine_type(zone: str, machine_type: str | None) -> None:
-        """Compute requires a machine type that exists; the error texts are Compute's (e.g. "Machine type with
-        name 'n2-highcpu-16' does not exist in zone 'us-east4-a'.", servo/community-tc-config#75)."""
+        """Compute requires a machine type that exists; the error texts are Compute's.
+
+        For example "Machine type with name 'n2-highcpu-16' does not exist in zone 'us-east4-a'."
+        (servo/community-tc-config#75)."""
         if not machine_type:
             raise _ApiError(400, "required", "Required field 'resource.machineType' not specified")
         name = machine_type.rsplit("/", 1)[-1]
@@ -761,12 +769,14 @@ class ComputeEmulator:
     def _reservation_failure(
         self, project: str, zone: str, body: dict[str, Any], values: list[str]
     ) -> _OperationError | None:
-        """Why a specific reservation cannot take the instance. Google's wordings, as quoted publicly (no public
-        capture shows their HTTP status): "Specified reservations [R] do not exist." (Dataflow's TPU
-        troubleshooting page, a MIG error: INVALID_FIELD_VALUE), "No available resources in specified
-        reservations." for one of another machine type (Colab's troubleshooting page), and CONDITION_NOT_MET
-        "Specified reservation 'R' does not have available resources for the request." for a fully used one
-        (kubernetes/autoscaler, cluster-autoscaler/cloudprovider/gce/autoscaling_gce_client.go)."""
+        """Why a specific reservation cannot take the instance.
+
+        Google's wordings, as quoted publicly (no public capture shows their HTTP status): "Specified
+        reservations [R] do not exist." (Dataflow's TPU troubleshooting page, a MIG error:
+        INVALID_FIELD_VALUE), "No available resources in specified reservations." for one of another machine
+        type (Colab's troubleshooting page), and CONDITION_NOT_MET "Specified reservation 'R' does not have
+        available resources for the request." for a fully used one (kubernetes/autoscaler,
+        cluster-autoscaler/cloudprovider/gce/autoscaling_gce_client.go)."""
         names = [_reservation_ref(value, project) for value in values]
         found = {
             name: self._reservations.get((owner, zone, name)) or self._reservations.get((None, zone, name))

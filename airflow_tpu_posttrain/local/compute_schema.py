@@ -45,9 +45,11 @@ _KINDS = {"boolean": "BOOL", "integer": "INT32", "number": "DOUBLE", "string": "
 
 
 class SchemaError(Exception):
-    """A 400 the real API would answer: ``field`` is the dotted path as Google names it (e.g.
-    'resource.scheduling.provisioningModel', 'resource.networkInterfaces[0].accessConfigs[0].type'),
-    ``reason`` the Google error reason ('invalid' / 'required' ...), ``message`` Google's message text."""
+    """A 400 the real API would answer.
+
+    ``field`` is the dotted path as Google names it (e.g. 'resource.scheduling.provisioningModel',
+    'resource.networkInterfaces[0].accessConfigs[0].type'), ``reason`` the Google error reason ('invalid' /
+    'required' ...), ``message`` Google's message text."""
 
     def __init__(self, field: str, reason: str, message: str) -> None:
         super().__init__(message)

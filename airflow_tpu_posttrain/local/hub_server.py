@@ -212,8 +212,10 @@ class RepoStore:
         return json.loads((self.repo_dir(repo_id) / "commits" / f"{sha}.json").read_text())
 
     def seed_repo(self, repo_id: str, folder: Path, *, gated: str | bool = False) -> str:
-        """A public repo holding ``folder``'s files on ``main``, as its owner would have uploaded it; the commit
-        sha. Server-side: the client's upload protocol is exercised by the runs that publish."""
+        """A public repo holding ``folder``'s files on ``main``, as its owner would have uploaded it.
+
+        Returns the commit sha. Server-side: the client's upload protocol is exercised by the runs that
+        publish."""
         self.create_repo(repo_id, private=False)
         with self.lock:
             repo = self.load_repo(repo_id)
@@ -433,9 +435,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json({"url": url, "name": repo_id, "id": repo_id})
 
     def _validate_yaml(self) -> None:
-        """What huggingface_hub asks before committing a README.md: its metadata must be a YAML mapping, and a
-        ``base_model`` must name models of this Hub (the real Hub refuses, e.g., a local path there:
-        huggingface/autotrain-advanced#651); ``datasets`` and ``tags`` are lists of strings."""
+        """What huggingface_hub asks before committing a README.md.
+
+        Its metadata must be a YAML mapping, and a ``base_model`` must name models of this Hub (the real Hub
+        refuses, e.g., a local path there: huggingface/autotrain-advanced#651); ``datasets`` and ``tags`` are
+        lists of strings."""
         import yaml
 
         content = self._read_json().get("content", "")

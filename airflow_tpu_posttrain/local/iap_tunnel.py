@@ -1,5 +1,7 @@
-"""The local stand-in for ``gcloud compute start-iap-tunnel NAME PORT --listen-on-stdin``: the SSH
-ProxyCommand of the ``iap`` network path, run as ``gcloud`` from the local stack's ``bin`` directory.
+"""The local stand-in for ``gcloud compute start-iap-tunnel NAME PORT --listen-on-stdin``.
+
+It is the SSH ProxyCommand of the ``iap`` network path, run as ``gcloud`` from the local stack's ``bin``
+directory.
 
 What IAP's TCP forwarding does, and this follows (cloud.google.com/iap/docs/using-tcp-forwarding): it connects
 from 35.235.240.0/20 to the instance's internal IP, so it reaches the port only if an ingress firewall rule of

@@ -1,7 +1,9 @@
-"""The local stand-ins, together: the Compute emulator (Google Cloud) whose every instance is a machine of its
-own (``fleet.py``: an address, an sshd with fresh host keys, a disk), the Hub server (huggingface.co), and the
-tiny model (the HF checkpoint), put on the Hub server at each start as a gated repo, so that the steps read
-it with the token as they read Gemma or Llama on the real Hub.
+"""The local stand-ins, together: the Compute emulator, the Hub server and the tiny model.
+
+The Compute emulator (Google Cloud) makes every instance a machine of its own (``fleet.py``: an address, an
+sshd with fresh host keys, a disk); the Hub server stands for huggingface.co; the tiny model (the HF
+checkpoint) is put on the Hub server at each start as a gated repo, so that the steps read it with the token
+as they read Gemma or Llama on the real Hub.
 
 ``LocalStack(local_dir).start()`` returns the environment (Airflow connections, ``TPU_POSTTRAIN_LOCAL_DIR``)
 under which the DAGs of models.yaml marked ``local: true`` run end to end. The SSH connection is made as README
@@ -69,9 +71,11 @@ def package_cache(local_dir: Path) -> Path:
 
 
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
-    """A MaxText venv on this machine (the same idempotent script the install step runs; it builds the tiny model
-    and data) — installing it also fills the package cache the VMs install from — and the cpu runtime's launcher
-    scripts where the local settings name them (``launcher_source_dir``)."""
+    """A MaxText venv on this machine, and the cpu runtime's launcher scripts.
+
+    The venv is made by the same idempotent script the install step runs (it builds the tiny model and data);
+    installing it also fills the package cache the VMs install from. The launcher scripts go where the local
+    settings name them (``launcher_source_dir``)."""
     shutil.copytree(Path(__file__).with_name("vm_launchers"), local_dir / LOCAL_LAUNCHERS, dirs_exist_ok=True)
     venv = local_dir / "maxtext-venv"
     runtime = cpu_runtime(str(local_dir / "launchers"), str(venv), python312)
@@ -127,8 +131,9 @@ class LocalStack:
 
     @property
     def storage_dir(self) -> Path:
-        """A directory every local VM sees, for checkpoint storage a user configures as a directory (the local
-        default is the local GCS server's bucket, ``LOCAL_CHECKPOINT_STORAGE``)."""
+        """A directory every local VM sees, for checkpoint storage a user configures as a directory.
+
+        The local default is the local GCS server's bucket, ``LOCAL_CHECKPOINT_STORAGE``."""
         return self.vm_dir / "storage"
 
     @property
@@ -210,8 +215,10 @@ def _key(instance: dict) -> tuple[str, str, str]:
 
 
 def ensure_client_key(key: Path) -> None:
-    """The local SSH connection's key (ed25519), made once (``stack prepare`` makes it before any test runs).
-    Made aside and linked into place: of stacks started at once, one wins and moves its public half."""
+    """The local SSH connection's key (ed25519), made once.
+
+    ``stack prepare`` makes it before any test runs. Made aside and linked into place: of stacks started at
+    once, one wins and moves its public half."""
     if key.exists():
         return
     key.parent.mkdir(parents=True, exist_ok=True)

@@ -122,8 +122,10 @@ def authorized_keys(lines: Iterable[str], user: str, now: datetime) -> list[str]
 
 
 def oslogin_keys(url: str, user: str, now: datetime) -> list[str]:
-    """The ``KEYTYPE KEY`` entries of OS Login user ``user`` valid at ``now``, from the metadata server's
-    ``oslogin/users?username=`` (what Google's ``google_authorized_keys`` asks); none for an unknown user."""
+    """The ``KEYTYPE KEY`` entries of OS Login user ``user`` valid at ``now``.
+
+    Read from the metadata server's ``oslogin/users?username=`` (what Google's ``google_authorized_keys``
+    asks); none for an unknown user."""
     import urllib.error
     import urllib.parse
     import urllib.request
@@ -208,12 +210,13 @@ def _ensure_account(login: str) -> pwd.struct_passwd:
 
 
 def _login_mirror(mirror: Path, account: pwd.struct_passwd) -> Path:
-    """The package mirror as ``account``'s own files: copied at the first boot of a VM with that login, and again
-    once the mirror has changed. A VM's cache is hard-linked from this copy, so uv, running as the login, can
-    hard-link the packages into its venv as on a real VM, whose cache is the login's own. (With
-    ``fs.protected_hardlinks``, Debian's default, a link to another user's file is refused; uv then copied all
-    2.7 GB at every install. Chowning the shared mirror instead changed the owner of files another login's VM
-    was reading.)"""
+    """The package mirror as ``account``'s own files.
+
+    Copied at the first boot of a VM with that login, and again once the mirror has changed. A VM's cache is
+    hard-linked from this copy, so uv, running as the login, can hard-link the packages into its venv as on a
+    real VM, whose cache is the login's own. (With ``fs.protected_hardlinks``, Debian's default, a link to
+    another user's file is refused; uv then copied all 2.7 GB at every install. Chowning the shared mirror
+    instead changed the owner of files another login's VM was reading.)"""
     mirror.mkdir(parents=True, exist_ok=True)
     copies = mirror.with_name(f"{mirror.name}-by-login")
     copies.mkdir(exist_ok=True)
@@ -234,9 +237,11 @@ def _login_mirror(mirror: Path, account: pwd.struct_passwd) -> Path:
 
 
 def _unshare_written_files(cache: Path) -> None:
-    """The files of a VM's cache that uv opens for writing (its lock files, and the markers it writes at the top
-    of the cache and of each bucket: ``CACHEDIR.TAG``, ``.gitignore``, ``sdists-v11/.git``) as the VM's own
-    inodes, not links shared with the other VMs of its login; the packages stay hard links."""
+    """The files of a VM's cache that uv opens for writing, as the VM's own inodes.
+
+    These are its lock files, and the markers it writes at the top of the cache and of each bucket
+    (``CACHEDIR.TAG``, ``.gitignore``, ``sdists-v11/.git``): not links shared with the other VMs of its login;
+    the packages stay hard links."""
     written = {*cache.rglob(".lock"), *cache.glob("*"), *cache.glob("*/*")}
     for path in written:
         if path.is_file() and not path.is_symlink():
@@ -309,8 +314,10 @@ class LocalVm:
 
     @property
     def guest_attributes(self) -> list[dict[str, str]]:
-        """The ``hostkeys/`` guest attributes (cloud.google.com/compute/docs/metadata/manage-guest-attributes:
-        the guest agent publishes each host key under namespace ``hostkeys``, key = key type) once booted."""
+        """The ``hostkeys/`` guest attributes once booted.
+
+        See cloud.google.com/compute/docs/metadata/manage-guest-attributes: the guest agent publishes each
+        host key under namespace ``hostkeys``, key = key type."""
         if not (self._publish_guest_attributes and self.is_running):
             return []
         return [
@@ -350,8 +357,9 @@ class LocalVm:
             raise RuntimeError(f"VM {self.name} was destroyed before it booted")
 
     def guest_path(self, path: str) -> Path:
-        """Where the host reads ``path`` as the running VM sees it (its /tmp, /dev/shm, homes), through its init's
-        root; for tests that look at a VM's files before it is deleted."""
+        """Where the host reads ``path`` as the running VM sees it, through its init's root.
+
+        This covers its /tmp, /dev/shm and homes. For tests that look at a VM's files before it is deleted."""
         process = self._process
         if process is None or not self.is_running:
             raise RuntimeError(f"VM {self.name} is not running")
@@ -471,8 +479,10 @@ class LocalVm:
         (self._etc / "sshd_config").write_text("".join(f"{key} {value}\n" for key, value in settings))
 
     def _mounts(self) -> list[list[str]]:
-        """The init's mount commands. Paths to keep (shared, the package cache, pyenv) that a private dir
-        would hide are bound into its disk copy at the same relative path, then carried by ``--rbind``."""
+        """The init's mount commands.
+
+        Paths to keep (shared, the package cache, pyenv) that a private dir would hide are bound into its disk
+        copy at the same relative path, then carried by ``--rbind``."""
         disk = self.disk_dir.resolve()
         mounts = [["mount", "--bind", str(disk / "etc"), VM_SSH_DIR]]
         keep = [(path, "rw") for path in self.shared_paths]

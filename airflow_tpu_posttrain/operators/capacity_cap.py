@@ -1,5 +1,7 @@
-"""The TPU cap in the create: at most ``max_tpu_vms`` of a capacity group's VMs alive at once, counted from
-Compute; a create over it waits in the triggerer holding no VM, and the later of two racing creates yields."""
+"""The TPU cap in the create: at most ``max_tpu_vms`` of a capacity group's VMs alive at once.
+
+The VMs are counted from Compute; a create over it waits in the triggerer holding no VM, and the later of two
+racing creates yields."""
 
 from __future__ import annotations
 
@@ -82,9 +84,10 @@ class CapacityCapMixin:
         )
 
     def _lost_the_race(self, spec: compute.TpuVmSpec, name: str) -> bool:
-        """Right after the insert, before the VM runs: whether another create took the last place first (both
-        saw room and inserted; the later by creation time yields). Checked again once RUNNING, in case Compute
-        listed the new instance late."""
+        """Whether another create took the last place first (right after the insert, before the VM runs).
+
+        Both saw room and inserted; the later by creation time yields. Checked again once RUNNING, in case
+        Compute listed the new instance late."""
         return self.max_tpu_vms is not None and capacity.over_cap(
             name, self._capacity_group(spec), self.max_tpu_vms
         )

@@ -1,5 +1,6 @@
-"""What the Compute operators (create, delete, the reaper) share: the connection, the endpoint, the hook, and
-requestIds that make a repeated call a repeat for Compute."""
+"""What the Compute operators (create, delete, the reaper) share.
+
+The connection, the endpoint, the hook, and requestIds that make a repeated call a repeat for Compute."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def vm_expires_at(spec: compute.TpuVmSpec) -> int:
 
 
 def request_id(context: Context, *parts: object) -> str:
-    """A requestId stable within one try of one task instance (the same call repeated by the client's retries,
-    or after a deferral, is recognised by Compute as a repeat) and new for every try and every re-run: the task
-    instance's id changes with each try, so a re-run never replays an earlier run's finished operations."""
+    """A requestId stable within one try of one task instance, and new for every try and every re-run.
+
+    The same call repeated by the client's retries, or after a deferral, is recognised by Compute as a repeat.
+    The task instance's id changes with each try, so a re-run never replays an earlier run's finished
+    operations."""
     return str(uuid.uuid5(_REQUEST_NAMESPACE, "/".join(str(p) for p in (context["ti"].id, *parts))))
 
 

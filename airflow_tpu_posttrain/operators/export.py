@@ -33,9 +33,11 @@ class PublishedModelLink(BaseOperatorLink):
 
 
 class HfExportOperator(MaxTextJobOperator):
-    """Export the trained checkpoint to Hugging Face format (``to_huggingface``), check it, and publish it durably
-    BEFORE the VM can go: to a Hub repo (private by default, one branch per DAG run, commit message naming dag
-    and run) and/or a copy to a storage URI (``gs://``, ``file://`` or a local directory on the VM).
+    """Export the trained checkpoint to Hugging Face format (``to_huggingface``), check it, and publish it.
+
+    It is published durably BEFORE the VM can go: to a Hub repo (private by default, one branch per DAG run,
+    commit message naming dag and run) and/or a copy to a storage URI (``gs://``, ``file://`` or a local
+    directory on the VM).
 
     With checkpoint storage (the split layout) the checked export is first kept there
     (``<checkpoint_storage>/exports/<run name>``): a failed publish loses nothing (the URI is in the error and
@@ -99,8 +101,9 @@ class HfExportOperator(MaxTextJobOperator):
         )
 
     def _kept(self, kept: str) -> bool:
-        """Whether the kept export is complete; False when that cannot be read (the hint must not mask the
-        step's own error)."""
+        """Whether the kept export is complete.
+
+        False when that cannot be read (the hint must not mask the step's own error)."""
         try:
             with self._vm() as vm:
                 return vm.exists(f"{kept}.complete", self.storage_tool)
@@ -182,8 +185,10 @@ class HfExportOperator(MaxTextJobOperator):
         )
 
     def _card_facts(self, spec: maxtext.RunSpec, context: Context) -> dict[str, Any]:
-        """What the model card says (no secret: it is written into the job's script): the base model, the
-        training's provenance and metrics (``trained``), the MaxText release and the DAG run."""
+        """What the model card says (no secret: it is written into the job's script).
+
+        The base model, the training's provenance and metrics (``trained``), the MaxText release and the DAG
+        run."""
         trained = self.trained if isinstance(self.trained, dict) else {}
         return {
             "base_model": spec.model.hf_source,

@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
 
 class MaxTextInstallOperator(MaxTextJobOperator):
-    """Install MaxText on the VM, as the tutorials do (or the CPU recipe locally). Cached: a marker in the venv keyed
-    by version and extras makes a re-run a no-op in seconds; with ``checkpoint_storage`` a new VM restores the
-    environment from an archive in ``<checkpoint_storage>/environments`` (see recipes/install.py).
+    """Install MaxText on the VM, as the tutorials do (or the CPU recipe locally).
+
+    Cached: a marker in the venv keyed by version and extras makes a re-run a no-op in seconds; with
+    ``checkpoint_storage`` a new VM restores the environment from an archive in
+    ``<checkpoint_storage>/environments`` (see recipes/install.py).
 
     :param maxtext_version: default: the model profile's (the tutorials: 0.2.2 for SFT, 0.2.3 for RL).
     :param save_environment: after a fresh install, save the archive for later VMs (one VM of a run does).
@@ -69,9 +71,10 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 
 
 class MaxTextConvertOperator(MaxTextJobOperator):
-    """Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``). Skipped when a complete conversion
-    exists. XCom: ``converted_params`` (the path the trainers load), and with checkpoint storage
-    ``conversion_key`` and ``source_revision``.
+    """Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``).
+
+    Skipped when a complete conversion exists. XCom: ``converted_params`` (the path the trainers load), and
+    with checkpoint storage ``conversion_key`` and ``source_revision``.
 
     With ``checkpoint_storage`` the conversion is cached there under a key of (MaxText version, source revision,
     conversion arguments): the source revision is the Hub's current commit of the model (asked with the
@@ -150,8 +153,10 @@ class MaxTextConvertOperator(MaxTextJobOperator):
 
 
 class _TrainOperator(MaxTextJobOperator):
-    """What SFT and GRPO share: the converted checkpoint, overrides, the durable final checkpoint, and recovery
-    from the loss of the VM (with checkpoint storage: the VM is created again and training resumes).
+    """What SFT and GRPO share: the converted checkpoint, overrides, the final checkpoint, and recovery.
+
+    The final checkpoint is made durable. The recovery is from the loss of the VM: with checkpoint storage,
+    the VM is created again and training resumes.
 
     :param conversion: the convert task's record, wired as its XComArg (``convert.output``): its
         ``converted_params`` is the checkpoint training starts from.
@@ -187,8 +192,10 @@ class _TrainOperator(MaxTextJobOperator):
             self.converted_params = self.conversion.get("converted_params")
 
     def provenance(self, spec: maxtext.RunSpec, dataset: str | None) -> dict[str, Any]:
-        """What the export's model card says of this training: recipe, dataset (a Hub id, or None for local
-        files), the accelerator, and the base model's revision the conversion read."""
+        """What the export's model card says of this training.
+
+        Recipe, dataset (a Hub id, or None for local files), the accelerator, and the base model's revision
+        the conversion read."""
         conversion = self.conversion if isinstance(self.conversion, dict) else {}
         return {
             "recipe": self.step_title,
@@ -216,8 +223,9 @@ class _TrainOperator(MaxTextJobOperator):
         return self.recover(context, lost)
 
     def results(self, context: Context, vm: VmHook, job: Job) -> dict:
-        """The final checkpoint must be durable (in storage, or on the VM in the seeds' layout) before the task
-        succeeds: the TPU VM is deleted right after."""
+        """The final checkpoint must be durable before the task succeeds: the TPU VM is deleted right after.
+
+        Durable: in storage, or on the VM in the seeds' layout."""
         checkpoint = job.outputs["checkpoint"]
         committed = storage.committed_checkpoint(checkpoint)  # a half-written step is not a checkpoint
         if not vm.exists(committed, self.storage_tool):
@@ -235,9 +243,11 @@ class _TrainOperator(MaxTextJobOperator):
 
 
 class SftTrainOperator(_TrainOperator):
-    """Supervised fine-tuning (``train_sft``) from the converted checkpoint (``conversion``, the convert task's
-    XComArg, or ``converted_params``). The run name is deterministic per DAG run, so a retry resumes from the newest checkpoint; a finished run is not retrained. XCom: ``checkpoint``
-    (the final ``model_params``), ``run_name``, ``metrics``.
+    """Supervised fine-tuning (``train_sft``) from the converted checkpoint.
+
+    The checkpoint is ``conversion`` (the convert task's XComArg) or ``converted_params``. The run name is
+    deterministic per DAG run, so a retry resumes from the newest checkpoint; a finished run is not retrained.
+    XCom: ``checkpoint`` (the final ``model_params``), ``run_name``, ``metrics``.
 
     :param steps: training steps (tutorial: 1000).
     :param dataset: Hub dataset id or ``json`` (tutorial: HuggingFaceH4/ultrachat_200k).
@@ -309,8 +319,10 @@ class SftTrainOperator(_TrainOperator):
 
 
 class GrpoTrainOperator(_TrainOperator):
-    """GRPO reinforcement learning (``train_rl``) from the converted checkpoint; resumable like SFT. XCom:
-    ``checkpoint`` (the actor's final ``model_params``), ``run_name``, ``metrics`` (pre/post accuracy, reward).
+    """GRPO reinforcement learning (``train_rl``) from the converted checkpoint; resumable like SFT.
+
+    XCom: ``checkpoint`` (the actor's final ``model_params``), ``run_name``, ``metrics`` (pre/post accuracy,
+    reward).
 
     :param num_batches: (tutorial: 50). :param num_test_batches: (tutorial: 10).
     :param overrides: extra MaxText ``key=value`` pairs, validated.

@@ -64,9 +64,10 @@ class Job:
 
 
 class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
-    """Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM. When the VM is
-    gone (Compute says so, not merely an SSH error) the step fails with :class:`VmLostError`; training recovers
-    (``operators/recovery.py``).
+    """Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM.
+
+    When the VM is gone (Compute says so, not merely an SSH error) the step fails with :class:`VmLostError`;
+    training recovers (``operators/recovery.py``).
 
     :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
     :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
@@ -189,8 +190,10 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
 
     @property
     def storage_tool(self) -> storage.GcsTool:
-        """How the VM reaches ``gs://`` storage: ``vm_scripts/gcs_tool.py`` (copied by :meth:`ship_storage_tool`)
-        run by the MaxText venv's python, which has google-cloud-storage (a MaxText dependency)."""
+        """How the VM reaches ``gs://`` storage: ``vm_scripts/gcs_tool.py`` run by the MaxText venv's python.
+
+        The tool is copied by :meth:`ship_storage_tool`; the venv's python has google-cloud-storage (a MaxText
+        dependency)."""
         return storage.GcsTool(
             script=f"{self.workdir}/vm_scripts/{storage.GCS_TOOL_NAME}",
             python=f"{self._runtime().venv}/bin/python",
@@ -471,8 +474,9 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
             vm.run(remote_job.stop_command(job["pid_file"]), check=False)
 
     def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
-        """Parse metrics from the job's log (or those kept in storage), push outputs and metrics, log the
-        one-line summary."""
+        """Parse metrics, push outputs and metrics, log the one-line summary.
+
+        The metrics are parsed from the job's log (or those kept in storage)."""
         from airflow_tpu_posttrain.recipes.metrics import parse_lines
 
         log = vm.run(remote_job.metric_lines_command(paths.log_file))

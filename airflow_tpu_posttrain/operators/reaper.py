@@ -1,5 +1,6 @@
-"""The reaper: deletes TPU VMs of this provider whose DAG run is over or whose expiry has passed, and SSH
-firewall rules whose VM is gone."""
+"""The reaper: deletes TPU VMs of this provider whose DAG run is over or whose expiry has passed.
+
+It also deletes SSH firewall rules whose VM is gone."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ if TYPE_CHECKING:
 
 
 def _status_code(err: Exception) -> int | None:
-    """The HTTP status of Airflow's answer: a task sees the Execution API's error as an ``AirflowRuntimeError``
-    from its supervisor, or (in-process, as under ``dag.test()``) as the client's ``ServerResponseError``."""
+    """The HTTP status of Airflow's answer.
+
+    A task sees the Execution API's error as an ``AirflowRuntimeError`` from its supervisor, or (in-process,
+    as under ``dag.test()``) as the client's ``ServerResponseError``."""
     from airflow.sdk.api.client import ServerResponseError
     from airflow.sdk.exceptions import AirflowRuntimeError
 
@@ -29,11 +32,12 @@ def _status_code(err: Exception) -> int | None:
 
 
 class TpuVmReaperOperator(ComputeOperator):
-    """List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones`` and delete those whose expiry
-    label has passed or whose DAG run Airflow's API says is over or absent, after a grace period; a run state
-    that cannot be read keeps the VM (until it expires). Then delete the project's SSH firewall rules made by
-    this provider whose instance is gone from every zone. Nothing without our label or description is touched.
-    One log line per decision; XCom: counts.
+    """List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones``; delete stale ones.
+
+    Stale: the expiry label has passed, or Airflow's API says the DAG run is over or absent, after a grace
+    period; a run state that cannot be read keeps the VM (until it expires). Then delete the project's SSH
+    firewall rules made by this provider whose instance is gone from every zone. Nothing without our label or
+    description is touched. One log line per decision; XCom: counts.
 
     :param zones: zones to sweep (a list, or a comma-separated string).
     :param grace_period_s: an instance younger than this, or expired by less than this, is kept.

@@ -53,8 +53,9 @@ class Lost:
 
 
 def create_task_id(task: Any) -> str | None:
-    """The create task a step's ``vm`` is wired to (``vm=create.output``), read from the DAG's own, unrendered
-    task; None when the step was given its VM otherwise."""
+    """The create task a step's ``vm`` is wired to (``vm=create.output``).
+
+    Read from the DAG's own, unrendered task; None when the step was given its VM otherwise."""
     from airflow.sdk.definitions.xcom_arg import PlainXComArg
 
     vm = getattr(task, "vm", None)
@@ -71,8 +72,10 @@ class VmRecoveryMixin:
     log: Any
 
     def _creator(self, context: Context) -> str | None:
-        """The create task this step's ``vm`` is wired to, read from the DAG's unrendered copy of this task (in
-        the running copy, ``vm`` is already the record); None outside a DAG."""
+        """The create task this step's ``vm`` is wired to; None outside a DAG.
+
+        Read from the DAG's unrendered copy of this task (in the running copy, ``vm`` is already the
+        record)."""
         dag = context.get("dag")
         return create_task_id(dag.get_task(self.task_id)) if dag is not None else None
 
@@ -209,8 +212,10 @@ class VmRecoveryMixin:
         return self._delegate(context, "create", "execute", None)
 
     def recovery_complete(self, context: Context, event: dict | None = None) -> Any:
-        """A recovery's task (create or install) resumed from its trigger. Which task, and which of its methods,
-        is in XCom: ``dag.test()`` resumes a task with the event alone, dropping the deferral's kwargs."""
+        """A recovery's task (create or install) resumed from its trigger.
+
+        Which task, and which of its methods, is in XCom: ``dag.test()`` resumes a task with the event alone,
+        dropping the deferral's kwargs."""
         resume = context["ti"].xcom_pull(task_ids=self.task_id, key=RECOVERY_RESUME)
         return self._delegate(context, resume["phase"], resume["method"], event)
 

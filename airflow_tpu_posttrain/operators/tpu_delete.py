@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 class TpuDeleteOperator(ComputeOperator):
-    """Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer. Built to be the
-    teardown: the worker only works out what to delete and defers at once.
+    """Delete the TPU VM (or CPU VM) of this DAG run and its SSH firewall rule, from the triggerer.
+
+    Built to be the teardown: the worker only works out what to delete and defers at once.
 
     It finds the VM from the create task's XCom (also the partial record a failed create leaves), in each of the
     create's zones (a recovery may have made it again in another), and, when there is no XCom, by its

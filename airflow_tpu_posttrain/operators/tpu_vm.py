@@ -239,8 +239,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         return record
 
     def _check_network(self, spec: compute.TpuVmSpec) -> None:
-        """What the insert would refuse after minutes of waiting, refused now: a missing network, or a
-        custom-mode one (its subnets are not made for you) without ``subnetwork``."""
+        """What the insert would refuse after minutes of waiting, refused now.
+
+        A missing network, or a custom-mode one (its subnets are not made for you) without ``subnetwork``."""
         network = self.hook.get_network(spec.project_id, spec.network)
         if network is None:
             raise InvalidInputError.of(
@@ -291,9 +292,11 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         return self._insert_when_capacity(context, spec, name, Progress())
 
     def _insert(self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress) -> Any:
-        """Insert in ``zones[zone_index]`` and defer. The requestId is stable for this try and this attempt, so
-        the client's own retries never create twice; a later attempt (after a replacement, or after yielding
-        capacity) gets a new one, or Compute would answer with the old, finished insert."""
+        """Insert in ``zones[zone_index]`` and defer.
+
+        The requestId is stable for this try and this attempt, so the client's own retries never create twice;
+        a later attempt (after a replacement, or after yielding capacity) gets a new one, or Compute would
+        answer with the old, finished insert."""
         if progress.zone_index >= len(spec.zones):
             raise CapacityUnavailableError(
                 f"No {spec.accelerator_type} capacity in any zone ({'; '.join(progress.stockouts)}). No "
@@ -450,8 +453,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         return self._insert(context, spec, name, progress)
 
     def _delete_leftover(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str) -> None:
-        """Delete-on-error: a teardown does not run when its setup failed, so a failing create cleans up (its
-        firewall rule too)."""
+        """Delete-on-error: a failing create cleans up (its firewall rule too).
+
+        A teardown does not run when its setup failed."""
         if spec.opens_firewall:
             self.hook.delete_firewall(
                 spec.project_id,

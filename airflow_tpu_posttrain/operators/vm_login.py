@@ -1,5 +1,7 @@
-"""Letting Airflow into a new VM: its SSH key authorized (instance metadata or OS Login) and the wait until the
-RUNNING VM has published its host keys and its sshd answers."""
+"""Letting Airflow into a new VM: its SSH key authorized, and the wait until it can be logged into.
+
+The key goes into the instance metadata or OS Login; the wait lasts until the RUNNING VM has published its
+host keys and its sshd answers."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ if TYPE_CHECKING:
 
 
 def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
-    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command`` (an IAP
-    tunnel); its banner read, not only the TCP handshake."""
+    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command``.
+
+    ``proxy_command`` is an IAP tunnel. The server's banner is read, not only the TCP handshake."""
     if proxy_command:
         with subprocess.Popen(
             proxy_command,
@@ -51,8 +54,10 @@ class VmLoginMixin:
     """The create operator's key authorization and readiness wait."""
 
     def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, str]:
-        """Let the SSH connection's key in until the VM expires: the ``ssh-keys`` line to put in the metadata
-        (None in ``oslogin`` mode, where the key goes into the OS Login profile now), and the login to use."""
+        """Let the SSH connection's key in until the VM expires.
+
+        Returns the ``ssh-keys`` line to put in the metadata (None in ``oslogin`` mode, where the key goes
+        into the OS Login profile now), and the login to use."""
         from airflow_tpu_posttrain.hooks.vm import client_identity
 
         try:

@@ -56,8 +56,10 @@ class FailRunOperator(BaseOperator):
 
 
 def _params(cfg: PipelineConfig) -> dict[str, Param]:
-    """The trigger form: every field can be left as it opens and triggered. Optional values are nullable (empty:
-    the model's default); each says what it expects, with an example, under the field and in a refusal."""
+    """The trigger form: every field can be left as it opens and triggered.
+
+    Optional values are nullable (empty: the model's default); each says what it expects, with an example,
+    under the field and in a refusal."""
     accelerators = ["cpu"] if cfg.local else list(TPU_ACCELERATORS)
     accelerator_help = (
         "The local CPU 'VM' (the only choice here)."

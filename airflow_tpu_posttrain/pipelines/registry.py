@@ -143,9 +143,10 @@ LOCAL_LAUNCHERS = "vm-launchers"
 
 
 def local_settings(local_dir: str, python312: str) -> dict[str, str]:
-    """How the local CPU "VM" differs from a TPU VM: the CPU runtime, its venv, the tiny model's directory, its
-    launcher scripts. The jobs' files go where production puts them (``/tmp``, ``/dev/shm``), on each VM's own
-    disk."""
+    """How the local CPU "VM" differs from a TPU VM.
+
+    The CPU runtime, its venv, the tiny model's directory, its launcher scripts. The jobs' files go where
+    production puts them (``/tmp``, ``/dev/shm``), on each VM's own disk."""
     return {
         "runtime": "cpu",
         "maxtext_venv": LOCAL_VENV,
@@ -156,9 +157,11 @@ def local_settings(local_dir: str, python312: str) -> dict[str, str]:
 
 
 def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineConfig]:
-    """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``; ``local: true`` entries only when
-    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run; ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk).
-    ``local``: only the local (True) or only the Google Cloud (False) entries; None: all."""
+    """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``.
+
+    ``local: true`` entries only when ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run;
+    ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk). ``local``: only the local (True) or only the Google Cloud
+    (False) entries; None: all."""
     import yaml
 
     data = yaml.safe_load(Path(path).read_text())

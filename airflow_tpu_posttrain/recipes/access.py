@@ -124,8 +124,9 @@ def known_hosts(address: str, port: int, host_keys: dict[str, str]) -> str:
 
 
 def iap_proxy_command(project: str, zone: str, name: str, port: int = SSH_PORT) -> str:
-    """The SSH ProxyCommand that reaches the VM's ``port`` through IAP (the caller needs
-    roles/iap.tunnelResourceAccessor)."""
+    """The SSH ProxyCommand that reaches the VM's ``port`` through IAP.
+
+    The caller needs roles/iap.tunnelResourceAccessor."""
     argv = [
         "gcloud", "compute", "start-iap-tunnel", name, str(port), "--listen-on-stdin",
         f"--project={project}", f"--zone={zone}", "--verbosity=warning",
@@ -134,8 +135,9 @@ def iap_proxy_command(project: str, zone: str, name: str, port: int = SSH_PORT) 
 
 
 def ssh_address(instance: dict, network_path: str) -> str | None:
-    """The address Airflow dials: the internal IP (from inside the VPC, or the host name the IAP tunnel
-    stands for) or the external IP."""
+    """The address Airflow dials: the internal IP or the external IP.
+
+    The internal IP is dialled from inside the VPC, or is the host name the IAP tunnel stands for."""
     interface = (instance.get("networkInterfaces") or [{}])[0]
     if network_path == "external":
         return ((interface.get("accessConfigs") or [{}])[0]).get("natIP")

@@ -22,8 +22,10 @@ HOLDING_STATES = LIVE_STATES
 def group_label(
     project: str, reservation: str | None, zones: Iterable[str], machine_type: str, role: str = "tpu"
 ) -> str:
-    """The label value of a capacity group: the reservation's name, or else the zones and the machine series
-    (``ct6e``), in one project, for one role of VM (a run's CPU VM never counts against TPU VMs)."""
+    """The label value of a capacity group.
+
+    The reservation's name, or else the zones and the machine series (``ct6e``), in one project, for one role
+    of VM (a run's CPU VM never counts against TPU VMs)."""
     series = machine_type.split("-", 1)[0]
     key = (
         f"reservation:{','.join(reservation_names(reservation))}"
@@ -34,8 +36,10 @@ def group_label(
 
 
 def reservation_names(reservation: str) -> list[str]:
-    """The names of the reservations ``reservation`` gives, in whatever form (a name, a shared reservation's
-    path, one of its blocks, one per zone): a group is the same reservations however they are named."""
+    """The names of the reservations ``reservation`` gives, in whatever form.
+
+    A name, a shared reservation's path, one of its blocks, one per zone: a group is the same reservations
+    however they are named."""
     refs = (pair.rsplit("=", 1)[-1] for pair in reservation.split(","))
     return sorted({re.sub(r"^projects/[^/]+/reservations/|/reservationBlocks/.*$", "", ref) for ref in refs})
 

@@ -69,8 +69,9 @@ _FIREWALL_DESCRIPTION = f"{MANAGED_BY}: SSH to instance "
 
 
 def firewall_instance(rule: dict) -> str | None:
-    """The instance an SSH rule of ours was made for (firewall rules carry no labels: the description says),
-    or None for any other rule."""
+    """The instance an SSH rule of ours was made for, or None for any other rule.
+
+    Firewall rules carry no labels: the description says."""
     description = rule.get("description") or ""
     if not description.startswith(_FIREWALL_DESCRIPTION):
         return None
@@ -256,9 +257,11 @@ def instance_body(
     metadata: dict[str, str] | None = None,
     ssh_keys: str | None = None,
 ) -> dict:
-    """The ``instances.insert`` body: the tutorials' gcloud flags mapped field by field (gce-tpu.md), plus what
-    gcloud does for them: the default service account, and the way in over SSH (``ssh_keys``: the ``ssh-keys``
-    metadata line, or OS Login when ``spec.ssh_key_mode`` says so; host keys published as guest attributes)."""
+    """The ``instances.insert`` body: the tutorials' gcloud flags mapped field by field (gce-tpu.md).
+
+    Plus what gcloud does for them: the default service account, and the way in over SSH (``ssh_keys``: the
+    ``ssh-keys`` metadata line, or OS Login when ``spec.ssh_key_mode`` says so; host keys published as guest
+    attributes)."""
     scheduling: dict = {
         "onHostMaintenance": "TERMINATE",
         "instanceTerminationAction": "DELETE",
@@ -313,9 +316,11 @@ def instance_body(
 
 
 def reservations_by_zone(reservation: str, zones: tuple[str, ...]) -> dict[str, str]:
-    """``{zone: reservation}`` from ``reservation``: one reservation (a name, ``projects/P/reservations/R`` or
-    ``projects/P/reservations/R/reservationBlocks/B``) for a single zone, or ``ZONE=RESERVATION,...`` naming one
-    for each zone. A reservation is zonal: one cannot serve several zones."""
+    """``{zone: reservation}`` from ``reservation``.
+
+    One reservation (a name, ``projects/P/reservations/R`` or
+    ``projects/P/reservations/R/reservationBlocks/B``) for a single zone, or ``ZONE=RESERVATION,...`` naming
+    one for each zone. A reservation is zonal: one cannot serve several zones."""
     if not re.fullmatch(validation.RESERVATIONS_RE, reservation):
         raise SpecError(
             "reservation",

@@ -1,5 +1,7 @@
-"""What a run's VMs cost: each VM's time, from its creation to the end of its deletion (Compute's own
-timestamps), times a price per hour for its machine type and provisioning model.
+"""What a run's VMs cost: each VM's time, times a price per hour.
+
+The time runs from the VM's creation to the end of its deletion (Compute's own timestamps); the price is that
+of its machine type and provisioning model.
 
 The price table is data: ``DEFAULT_PRICES`` below, and a registry (``models.yaml``) may replace or add entries
 under ``prices:``. A machine type and provisioning model with no price gives no cost (the log says which entry
@@ -94,8 +96,9 @@ class VmCost:
 def vm_cost(
     name: str, instance: Mapping, ended: str, prices: Mapping[str, Mapping[str, float]] | None = None
 ) -> VmCost:
-    """The cost of ``instance`` (a Compute instance resource, as read before its deletion) whose deletion
-    ended at ``ended`` (the delete operation's ``endTime``)."""
+    """The cost of ``instance`` (a Compute instance resource, as read before its deletion).
+
+    Its deletion ended at ``ended`` (the delete operation's ``endTime``)."""
     machine_type = (instance.get("machineType") or "").rsplit("/", 1)[-1]
     model = (instance.get("scheduling") or {}).get("provisioningModel") or "STANDARD"
     seconds = (

@@ -1,5 +1,7 @@
-"""The TPU VM create as a state machine: the phase it waits in across deferrals, and what it does next when
-that wait ends. Pure: the create operator does the API calls; the tests walk every transition.
+"""The TPU VM create as a state machine.
+
+The phase it waits in across deferrals, and what it does next when that wait ends. Pure: the create operator
+does the API calls; the tests walk every transition.
 
 A create starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
 or by inserting (``CREATE``), possibly after ``CAPACITY`` (no place under ``max_tpu_vms`` or in a fully used
@@ -55,9 +57,11 @@ not run when its setup failed, so the create cleans up after itself."""
 
 
 def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_race: bool = False) -> Action:
-    """What follows when the wait in ``phase`` ended with ``status`` (a trigger's: ``success``, ``ready``,
-    ``available``, ``timeout`` or ``error``), the ``error_kind`` of its errors (``compute.ErrorKind``), and
-    whether a RUNNING instance turned out to be over its group's cap (``lost_race``)."""
+    """What follows when the wait in ``phase`` ended with ``status``.
+
+    ``status`` is a trigger's (``success``, ``ready``, ``available``, ``timeout`` or ``error``);
+    ``error_kind`` is the kind of its errors (``compute.ErrorKind``); ``lost_race``: whether a RUNNING
+    instance turned out to be over its group's cap."""
     if phase is Phase.CAPACITY:
         return Action.INSERT if status == "available" else Action.FAIL_NO_CAPACITY
     if status == "ready" and phase is Phase.READY:

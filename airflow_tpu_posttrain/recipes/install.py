@@ -46,8 +46,9 @@ def _tpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
 
 
 def _cpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
-    """maxtext[tpu-post-train] cannot install without PyTorch's index and GitHub (maxtext-on-cpu.md);
-    maxtext[tpu] plus tunix is what runs the four steps on a CPU."""
+    """The packages that run the four steps on a CPU: maxtext[tpu] plus tunix.
+
+    maxtext[tpu-post-train] cannot install without PyTorch's index and GitHub (maxtext-on-cpu.md)."""
     return [
         f'[[ -x "$venv/bin/python" ]] || uv venv --python {shlex.quote(runtime.base_python)} "$venv"',
         f'printf "%s\\n" {shlex.join(CPU_OVERRIDES)} >"$venv/overrides.txt"',
@@ -57,10 +58,11 @@ def _cpu_steps(runtime: Runtime, maxtext: str) -> list[str]:
 
 
 def restore_tool(script: str) -> storage.GcsTool:
-    """The storage tool before MaxText's venv exists: google-cloud-storage in a uv-made environment (uv's cache
-    keeps it for the next use; the install needs uv and the package index anyway). Not ``gcloud storage``: the
-    Google Cloud CLI is not on every image (nor installable from PyPI or Debian), and one client for every
-    storage step is one behaviour to test."""
+    """The storage tool before MaxText's venv exists: google-cloud-storage in a uv-made environment.
+
+    uv's cache keeps it for the next use; the install needs uv and the package index anyway. Not
+    ``gcloud storage``: the Google Cloud CLI is not on every image (nor installable from PyPI or Debian), and
+    one client for every storage step is one behaviour to test."""
     return storage.GcsTool(
         script=script, launcher=f"uv run --no-project --quiet --with {shlex.quote(_GCS_CLIENT)} python"
     )

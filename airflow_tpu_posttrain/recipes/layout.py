@@ -84,9 +84,10 @@ class RunLayout:
 
     @property
     def kept_export_dir(self) -> str | None:
-        """Where the validated export is kept in checkpoint storage (split layout), marked complete by
-        ``<dir>.complete``: it outlives the VM, so a failed publish loses nothing and a retry or a re-run
-        publishes it without exporting again."""
+        """Where the validated export is kept in checkpoint storage (split layout).
+
+        Marked complete by ``<dir>.complete``: it outlives the VM, so a failed publish loses nothing and a
+        retry or a re-run publishes it without exporting again."""
         return f"{self.storage}/exports/{self.run_name}" if self.storage else None
 
     @property
@@ -96,9 +97,10 @@ class RunLayout:
 
 
 def conversion_key(maxtext_version: str, source_revision: str, options: Sequence[str]) -> str:
-    """``mt<version>-<digest>``: names a converted checkpoint by everything that determines it — the MaxText
-    release, the source weights' revision (its Hub commit) and the
-    conversion's arguments (model name, layer scan, storage format, ...; the output path excluded)."""
+    """``mt<version>-<digest>``: names a converted checkpoint by everything that determines it.
+
+    That is the MaxText release, the source weights' revision (its Hub commit) and the conversion's arguments
+    (model name, layer scan, storage format, ...; the output path excluded)."""
     version = validation.package_version("maxtext_version", maxtext_version)
     blob = json.dumps([version, source_revision, list(options)], separators=(",", ":"))
     return f"mt{version}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"

@@ -66,8 +66,9 @@ class RunSpec:
 def _command(
     spec: RunSpec, step: Step, seed_args: Mapping[str, str], *, training: bool, overrides: Sequence[str] = ()
 ) -> RemoteCommand:
-    """``seed_args`` (the tutorial's, in order), then the model's shape and the runtime's adaptations
-    (replacing a seed value in place where they share a key), then the user's overrides, which may not touch
+    """``seed_args`` (the tutorial's, in order), then the model's shape and the runtime's adaptations.
+
+    These replace a seed value in place where they share a key. Then the user's overrides, which may not touch
     any key set before them."""
     args = {**seed_args, **spec.model.maxtext_overrides, **spec.runtime.step_args(step, spec.model)}
     for pair in validation.override_pairs("overrides", overrides, reserved=frozenset(args)):
@@ -130,8 +131,9 @@ def train_sft(
     overrides: Sequence[str] = (),
     converted_params: str | None = None,
 ) -> RemoteCommand:
-    """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``); steps and
-    dataset default to the model's."""
+    """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``).
+
+    Steps and dataset default to the model's."""
     data = dataset or spec.model.sft_dataset
     args = {
         "run_name": spec.layout.run_name,
@@ -168,8 +170,9 @@ def train_rl(
     overrides: Sequence[str] = (),
     converted_params: str | None = None,
 ) -> RemoteCommand:
-    """GRPO from the converted checkpoint (default: ``layout.converted_params``); the batch counts and dataset
-    default to the model's."""
+    """GRPO from the converted checkpoint (default: ``layout.converted_params``).
+
+    The batch counts and dataset default to the model's."""
     data = dataset or spec.model.rl_dataset
     args = {
         "model_name": spec.model.maxtext_model_name,
@@ -190,8 +193,9 @@ def train_rl(
 
 
 def to_huggingface(spec: RunSpec, trained_params: str) -> RemoteCommand:
-    """Exports trained parameters (``layout.sft_params(...)`` or ``layout.rl_params(...)``) to
-    ``layout.export_dir`` in Hugging Face format."""
+    """Exports trained parameters to ``layout.export_dir`` in Hugging Face format.
+
+    The parameters are ``layout.sft_params(...)`` or ``layout.rl_params(...)``."""
     return _command(
         spec,
         Step.TO_HUGGINGFACE,

@@ -195,8 +195,9 @@ def _record_step(
     perplexity: float | None,
     tokens_per_s: float | None,
 ) -> None:
-    """Both trainer lines report a step; the last step's may come after "Train loop finished", so the latest
-    values are those of the highest step seen (ties: the line logged later)."""
+    """Record a step: the latest values are those of the highest step seen (ties: the line logged later).
+
+    Both trainer lines report a step; the last step's may come after "Train loop finished"."""
     if loss is not None:
         if metrics.first_loss is None:
             metrics.first_loss = loss

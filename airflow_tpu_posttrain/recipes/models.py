@@ -95,8 +95,9 @@ TINY_LLAMA_REPO = "local/tiny-llama"
 
 
 def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
-    """The local CPU model: its weights and tokenizer on the local Hub (``TINY_LLAMA_REPO``, uploaded from
-    ``<root>/tiny-llama`` by the local stack), its datasets under ``root``.
+    """The local CPU model: its weights and tokenizer on the local Hub, its datasets under ``root``.
+
+    The weights and tokenizer are ``TINY_LLAMA_REPO``, uploaded from ``<root>/tiny-llama`` by the local stack.
 
     Expected files, as ``local/tiny_model.py --out <root>`` writes them: ``<root>/tiny-llama`` (a
     save_pretrained-style directory with its tokenizer), ``<root>/data/sft.jsonl`` (``{"messages": [...]}``

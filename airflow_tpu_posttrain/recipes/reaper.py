@@ -41,8 +41,9 @@ def _age_s(resource: dict, now: datetime) -> float:
 
 
 def decide(instance: dict, run_state: str | None, now: datetime, grace_s: int) -> Decision:
-    """``run_state``: the DAG run's state; ``RUN_ABSENT`` when Airflow answered that the run does not exist;
-    None when it could not be read."""
+    """``run_state``: the DAG run's state, ``RUN_ABSENT`` or None.
+
+    ``RUN_ABSENT`` when Airflow answered that the run does not exist; None when it could not be read."""
     labels = instance.get("labels", {})
     if labels.get("managed-by") != MANAGED_BY:
         return Decision(False, "not ours (no managed-by label)")
@@ -63,8 +64,10 @@ def decide(instance: dict, run_state: str | None, now: datetime, grace_s: int) -
 
 
 def decide_firewall(rule: dict, instance_exists: bool | None, now: datetime, grace_s: int) -> Decision:
-    """An SSH rule of ours goes once its instance is gone in every zone (``instance_exists`` False; None: the
-    lookup failed) and the rule is older than the grace period (a create makes the rule just before the VM)."""
+    """An SSH rule of ours goes once its instance is gone in every zone and the grace period has passed.
+
+    ``instance_exists`` is False when the instance is gone; None: the lookup failed. The rule must be older
+    than the grace period (a create makes the rule just before the VM)."""
     instance = firewall_instance(rule)
     if instance is None:
         return Decision(False, "not ours (no managed-by description)")

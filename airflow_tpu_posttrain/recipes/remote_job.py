@@ -1,6 +1,8 @@
-"""The remote-job protocol's shell, in one place: the script a detached job runs, and what the operators and the
-job trigger ask a VM about it. The job's files are providers-ssh's (``RemoteJobPaths``: the job directory with
-``pid``, ``exit_code`` written atomically at the end, and ``stdout.log``); the questions only read them.
+"""The remote-job protocol's shell, in one place.
+
+The script a detached job runs, and what the operators and the job trigger ask a VM about it. The job's files
+are providers-ssh's (``RemoteJobPaths``: the job directory with ``pid``, ``exit_code`` written atomically at
+the end, and ``stdout.log``); the questions only read them.
 
 Pure: strings in, strings out.
 """
@@ -30,8 +32,9 @@ def state_command(job_dir: str, pid_file: str, exit_code_file: str, log_file: st
 
 
 def parse_state(output: str) -> tuple[str, int]:
-    """``(state, log size)`` from ``state_command``'s output: ``succeeded``, ``failed with exit code N``,
-    ``running``, ``died`` or ``absent``."""
+    """``(state, log size)`` from ``state_command``'s output.
+
+    The state is ``succeeded``, ``failed with exit code N``, ``running``, ``died`` or ``absent``."""
     state, size = output.split()
     if state.startswith("exit:"):
         state = "succeeded" if state == "exit:0" else f"failed with exit code {state[5:]}"
@@ -39,8 +42,10 @@ def parse_state(output: str) -> tuple[str, int]:
 
 
 def completion_command(pid_file: str, exit_code_file: str) -> str:
-    """Prints the exit code once the job has ended, ``died`` when its process group is gone without one, else
-    nothing. The second look at the exit code covers a job that wrote it between the two tests."""
+    """Prints the exit code once the job has ended, ``died`` when it is gone without one, else nothing.
+
+    ``died``: its process group is gone without an exit code. The second look at the exit code covers a job
+    that wrote it between the two tests."""
     pid, code = shlex.quote(pid_file), shlex.quote(exit_code_file)
     return (
         f"if test -s {code}; then cat {code}; "
@@ -50,8 +55,9 @@ def completion_command(pid_file: str, exit_code_file: str) -> str:
 
 
 def parse_completion(output: str) -> int | None:
-    """The job's exit code (``JOB_DIED`` for a job gone without one) from ``completion_command``'s output;
-    None while it runs."""
+    """The job's exit code from ``completion_command``'s output; None while it runs.
+
+    ``JOB_DIED`` for a job gone without one."""
     answer = output.strip()
     if answer == "died":
         return JOB_DIED
@@ -59,9 +65,10 @@ def parse_completion(output: str) -> int | None:
 
 
 def stop_command(pid_file: str, grace_s: int = STOP_GRACE_S) -> str:
-    """Ends the job's process group (the job runs under ``setsid``; its pid is the group's): SIGTERM, then SIGKILL
-    to whatever is left after ``grace_s`` (a process blocked in a system call, or whose SIGTERM handler hangs
-    too). A pid of 0 or 1 is never signalled."""
+    """Ends the job's process group: SIGTERM, then SIGKILL to whatever is left after ``grace_s``.
+
+    The job runs under ``setsid``; its pid is the group's. The SIGKILL is for a process blocked in a system
+    call, or whose SIGTERM handler hangs too. A pid of 0 or 1 is never signalled."""
     pid = shlex.quote(pid_file)
     group_alive = 'kill -0 -"$p" 2>/dev/null'
     return (
@@ -88,11 +95,13 @@ def wrapper_script(
     done_marker: str | None = None,
     storage_tool: storage.GcsTool | None = None,
 ) -> str:
-    """The script the detached job runs: the token from its 0600 file into ``HF_TOKEN`` (MaxText's config and
-    huggingface_hub read it from the environment, never from argv) and/or named by ``HF_TOKEN_FILE`` until the
-    job ends, the file deleted as soon as it is not needed; the step; then, with a ``done_marker``, the log's
-    metric lines kept in storage beside it (a later run on another VM reads them there) and the marker
-    (``storage_tool``: how the VM writes a ``gs://`` marker)."""
+    """The script the detached job runs: the token, the step, then the metric lines and the marker.
+
+    The token goes from its 0600 file into ``HF_TOKEN`` (MaxText's config and huggingface_hub read it from the
+    environment, never from argv) and/or is named by ``HF_TOKEN_FILE`` until the job ends, the file deleted as
+    soon as it is not needed. Then the step; then, with a ``done_marker``, the log's metric lines kept in
+    storage beside it (a later run on another VM reads them there) and the marker (``storage_tool``: how the
+    VM writes a ``gs://`` marker)."""
     lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
     if token_file and token_in_env:
         lines.append(f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"')

@@ -1,5 +1,7 @@
-"""Checkpoint storage shared by the run's VMs: a ``gs://`` prefix (on Google Cloud, and locally through the local
-GCS server), or a directory when a user configures one.
+"""Checkpoint storage shared by the run's VMs: a ``gs://`` prefix, or a directory.
+
+A ``gs://`` prefix on Google Cloud, and locally through the local GCS server; a directory when a user
+configures one.
 
 MaxText reads and writes ``gs://`` paths itself (orbax); what the pipeline adds are small marker files that
 say an output is complete, the metric lines kept beside them, the kept export and the environment archive.
@@ -25,9 +27,11 @@ ORBAX_COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" on
 
 @dataclass(frozen=True)
 class GcsTool:
-    """How a VM runs ``gcs_tool.py``: ``python`` (a path on the VM, relative ones under ``$HOME``; an interpreter
-    with google-cloud-storage) and ``script`` (where the tool was copied), or ``launcher`` (a command line
-    fragment that runs a python with google-cloud-storage, e.g. ``uv run --with ...``)."""
+    """How a VM runs ``gcs_tool.py``: ``python`` and ``script``, or ``launcher``.
+
+    ``python`` is a path on the VM, relative ones under ``$HOME``: an interpreter with google-cloud-storage.
+    ``script`` is where the tool was copied. ``launcher`` is a command line fragment that runs a python with
+    google-cloud-storage, e.g. ``uv run --with ...``."""
 
     script: str
     python: str = ""
@@ -46,8 +50,9 @@ class GcsTool:
 
 
 def checkpoint_uri(field: str, value: str) -> str:
-    """A ``gs://bucket/prefix`` or an absolute directory (``file://`` is accepted and dropped: MaxText takes
-    plain paths); normalised without a trailing '/'."""
+    """A ``gs://bucket/prefix`` or an absolute directory, normalised without a trailing '/'.
+
+    ``file://`` is accepted and dropped: MaxText takes plain paths."""
     uri = validation.storage_uri(field, value)
     return uri.removeprefix("file://")
 
@@ -63,16 +68,18 @@ def _tool(uri: str, tool: GcsTool | None) -> GcsTool:
 
 
 def exists_command(uri: str, tool: GcsTool | None = None) -> str:
-    """Exit status 0 when ``uri`` (an object, a prefix or a path) exists, ``EXISTS_NO`` when it does not; with
-    ``gs://``, any other status when storage could not be asked (the error on stderr)."""
+    """Exit status 0 when ``uri`` (an object, a prefix or a path) exists, ``EXISTS_NO`` when it does not.
+
+    With ``gs://``, any other status when storage could not be asked (the error on stderr)."""
     if is_gcs(uri):
         return _tool(uri, tool).command("exists", uri)
     return f"test -e {shlex.quote(uri)}"
 
 
 def write_command(uri: str, tool: GcsTool | None = None) -> str:
-    """Write standard input to the file ``uri`` (its parent directory is created when local); one command, so
-    it can end a pipeline."""
+    """Write standard input to the file ``uri``; one command, so it can end a pipeline.
+
+    Its parent directory is created when local."""
     if is_gcs(uri):
         return _tool(uri, tool).command("write", uri)
     return f"{{ mkdir -p {shlex.quote(posixpath.dirname(uri))} && cat > {shlex.quote(uri)}; }}"
@@ -103,20 +110,23 @@ def copy_tree_command(source: str, destination: str, tool: GcsTool | None = None
 
 
 def committed_checkpoint(params_uri: str) -> str:
-    """What must exist for the orbax checkpoint item ``<step dir>/<item>`` (``.../checkpoints/5/model_params``)
-    to be complete. In a directory orbax writes a step under a temporary name and renames it into place, so the
-    item's path is enough. On GCS there is no rename: orbax writes the step in place and
-    ``<step dir>/commit_success.txt`` last (orbax-checkpoint 0.12.8: a trainer SIGKILLed while saving step 4 left
-    ``checkpoints/4/model_params/...`` without ``checkpoints/4/commit_success.txt``), so a half-written step
-    already has objects under the item's prefix."""
+    """What must exist for the orbax checkpoint item ``<step dir>/<item>`` to be complete.
+
+    For example ``.../checkpoints/5/model_params``. In a directory orbax writes a step under a temporary name
+    and renames it into place, so the item's path is enough. On GCS there is no rename: orbax writes the step
+    in place and ``<step dir>/commit_success.txt`` last (orbax-checkpoint 0.12.8: a trainer SIGKILLed while
+    saving step 4 left ``checkpoints/4/model_params/...`` without ``checkpoints/4/commit_success.txt``), so a
+    half-written step already has objects under the item's prefix."""
     if is_gcs(params_uri):
         return f"{posixpath.dirname(params_uri)}/{ORBAX_COMMIT_MARKER}"
     return params_uri
 
 
 def metrics_uri(done_marker: str) -> str:
-    """Where a step keeps its metric lines next to its done marker, so a re-run on a new VM (whose job log
-    went with the old VM's disk) still reports what the finished step measured."""
+    """Where a step keeps its metric lines, next to its done marker.
+
+    Kept there so that a re-run on a new VM (whose job log went with the old VM's disk) still reports what the
+    finished step measured."""
     return f"{done_marker}.metrics"
 
 

@@ -249,16 +249,19 @@ def column_list(field: str, value: str) -> str:
 
 
 def blank_to_none[T](value: T) -> T | None:
-    """A value left empty in the trigger form or REST conf: None, "" and "None" (a None rendered into a string
-    template) all mean "absent" (the model's default); anything else is returned as is, to be validated."""
+    """None for a value left empty in the trigger form or REST conf.
+
+    None, "" and "None" (a None rendered into a string template) all mean "absent" (the model's default);
+    anything else is returned as is, to be validated."""
     if value is None or value in ("", "None"):
         return None
     return value
 
 
 def optional_count(field: str, value: object) -> int | None:
-    """An optional count such as steps: None when left empty, else a whole number >= 1 (digits in a rendered
-    string template are accepted)."""
+    """An optional count such as steps: None when left empty, else a whole number >= 1.
+
+    Digits in a rendered string template are accepted."""
     value = blank_to_none(value)
     if value is None:
         return None

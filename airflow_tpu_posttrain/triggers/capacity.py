@@ -15,9 +15,10 @@ from airflow_tpu_posttrain.triggers.compute import ComputeTrigger
 
 
 class TpuCapacityTrigger(ComputeTrigger):
-    """Poll the capacity group's live TPU VMs (by label, in ``zones``) until fewer than ``cap`` are held by others,
-    or until ``deadline`` (Unix time). With ``cap`` None, only wait ``retry_after`` seconds (a reservation that
-    was full: the insert is simply tried again).
+    """Poll the capacity group's live TPU VMs until fewer than ``cap`` are held by others.
+
+    The VMs are found by label, in ``zones``; the poll also ends at ``deadline`` (Unix time). With ``cap``
+    None, only wait ``retry_after`` seconds (a reservation that was full: the insert is simply tried again).
 
     Fires once with fixed keys: ``{"status": "available" | "timeout", "in_use": str, "state"}``.
 

@@ -1,6 +1,7 @@
-"""Asynchronous Compute Engine work, one trigger per kind of wait, each firing once with fixed event keys:
-operations (and an instance) to RUNNING, deletes started from the triggerer, a RUNNING VM to be ready to log
-into."""
+"""Asynchronous Compute Engine work, one trigger per kind of wait.
+
+Each fires once with fixed event keys: operations (and an instance) to RUNNING, deletes started from the
+triggerer, a RUNNING VM to be ready to log into."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 
 class ComputeTrigger(BaseTrigger):
-    """What the Compute triggers share: the connection, the poll interval, and the deferring operator's ``state``,
-    returned unchanged in every event; no event comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
-    deferral. Subclasses yield from ``_events`` and add their own arguments to ``_kwargs``.
+    """What the Compute triggers share: the connection, the poll interval, and the operator's ``state``.
+
+    The deferring operator's ``state`` is returned unchanged in every event; no event comes sooner than
+    ``settle.MIN_DEFERRAL_SECONDS`` after the deferral. Subclasses yield from ``_events`` and add their own
+    arguments to ``_kwargs``.
 
     :param project_id: the project the trigger works in.
     :param poll_interval: seconds between polls.
@@ -261,8 +264,9 @@ class ComputeDeleteTrigger(_OperationsTrigger):
 async def ssh_port_open(
     address: str, port: int, timeout: float = 5.0, proxy_command: str | None = None
 ) -> bool:
-    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command`` (an IAP
-    tunnel); its banner read, not only the TCP handshake."""
+    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command``.
+
+    ``proxy_command`` is an IAP tunnel. The server's banner is read, not only the TCP handshake."""
     if proxy_command:
         tunnel = await asyncio.create_subprocess_shell(
             proxy_command,
@@ -293,8 +297,10 @@ async def ssh_port_open(
 
 
 class VmReadyTrigger(ComputeTrigger):
-    """Wait until a RUNNING VM can be logged into: its guest environment published its host keys (``hostkeys/``
-    guest attributes) and its sshd answers on ``address:port`` (through ``proxy_command``, for IAP).
+    """Wait until a RUNNING VM can be logged into.
+
+    Its guest environment published its host keys (``hostkeys/`` guest attributes) and its sshd answers on
+    ``address:port`` (through ``proxy_command``, for IAP).
 
     Fires once with fixed keys: ``{"status": "ready", "host_keys": {type: base64}, "state"}`` or
     ``{"status": "error", "errors": [{"code", "message"}], "state"}`` (timed out, or the VM is gone).

@@ -1,5 +1,6 @@
-"""providers-ssh's remote-job trigger, plus what it does not end on: a job that died without an exit code, a VM
-that is gone, and a job that hangs."""
+"""providers-ssh's remote-job trigger, plus what it does not end on.
+
+A job that died without an exit code, a VM that is gone, and a job that hangs."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ class _VmGone(Exception):
 
 
 class MaxTextJobTrigger(SSHRemoteJobTrigger):
-    """Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code (its whole
-    process group was killed, e.g. by the OOM killer): otherwise the task would stay deferred until its timeout.
-    Its event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the deferral.
+    """Like :class:`SSHRemoteJobTrigger`, and also ends the wait when the job is gone without an exit code.
+
+    Such a job's whole process group was killed, e.g. by the OOM killer: otherwise the task would stay
+    deferred until its timeout. Its event never comes sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
+    deferral.
 
     :param host_keys: ``{key type: base64}`` the VM published; the connection to the VM is pinned to them.
     :param login: the login on the VM, instead of the connection's (an OS Login POSIX name).
@@ -95,8 +98,9 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             raise
 
     async def _vm_lost(self) -> str | None:
-        """What Compute says of the VM when it is gone (absent, or in a stopped state); None while it lives or
-        when Compute cannot be asked (the SSH reconnects go on)."""
+        """What Compute says of the VM when it is gone (absent, or in a stopped state).
+
+        None while it lives or when Compute cannot be asked (the SSH reconnects go on)."""
         if not self.vm:
             return None
         from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
@@ -129,8 +133,9 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         return exit_code
 
     def _stalled(self) -> bool:
-        """Whether the log has not grown for ``stall_timeout`` s (the base trigger advances ``log_offset`` as it
-        reads each new chunk)."""
+        """Whether the log has not grown for ``stall_timeout`` s.
+
+        The base trigger advances ``log_offset`` as it reads each new chunk."""
         now = time.monotonic()
         if self._progress is None or self._progress[0] != self.log_offset:
             self._progress = (self.log_offset, now)

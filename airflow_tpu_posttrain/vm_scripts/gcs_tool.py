@@ -99,9 +99,11 @@ def write(uri: str) -> None:
 
 
 def move(source: str, destination: str) -> None:
-    """Rename an object. A stream's upload finalizes whatever arrived before its end of file, a writer that died
-    midway included, so a whole archive is written under a temporary name and moved into place only once its
-    producer succeeded."""
+    """Rename an object.
+
+    A stream's upload finalizes whatever arrived before its end of file, a writer that died midway included,
+    so a whole archive is written under a temporary name and moved into place only once its producer
+    succeeded."""
     (source_bucket, source_name), (bucket_name, name) = split(source), split(destination)
     client = _client()
     blob = client.bucket(source_bucket).blob(source_name)

@@ -221,8 +221,9 @@ CURVE_FILE = "training_curve.png"
 
 
 def render_curve(facts: dict, path: Path) -> bool:
-    """The training's loss per step (and, for GRPO, accuracy and mean reward before and after) as a PNG;
-    False when the log gave no step to plot."""
+    """The training's loss per step as a PNG; False when the log gave no step to plot.
+
+    For GRPO, also accuracy and mean reward before and after."""
     metrics = facts.get("metrics") or {}
     curve = [(step, loss) for step, loss in metrics.get("loss_curve") or [] if isinstance(loss, (int, float))]
     if not curve:

@@ -133,8 +133,10 @@ class CpuRollout(base_rollout.BaseRollout):
         )
 
     def _tokenize(self, text: str) -> list[int]:
-        """Token ids with a single leading BOS: chat-templated prompts already start with one, and
-        encode() adds another (tunix's own sampler dedups the same way)."""
+        """Token ids with a single leading BOS.
+
+        Chat-templated prompts already start with one, and encode() adds another (tunix's own sampler dedups
+        the same way)."""
         return self._tokenizer.dedup_bos_ids(self._tokenizer.encode(text))
 
     def get_per_token_logps(self, prompt_tokens, completion_tokens):
