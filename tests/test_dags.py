@@ -627,3 +627,38 @@ def test_the_readme_wiring_example_builds_the_dag_it_describes():
     assert dag.get_task("train").conversion.operator.task_id == "convert_to_maxtext"
     assert dag.get_task("export_and_publish").trained.operator.task_id == "train"
     assert dag.get_task(DELETE).is_teardown and CREATE in dag.get_task(DELETE).upstream_task_ids
+
+
+def test_a_new_model_is_a_profile_and_a_registry_line(tmp_path, monkeypatch):
+    """A model is one ModelProfile and one registry entry (README, "Adding a model or an accelerator").
+
+    The profile in recipes/models.py's table and a pipelines entry in models.yaml make its DAG, with its own
+    commands and defaults."""
+    from types import MappingProxyType
+
+    import yaml
+
+    from airflow_tpu_posttrain.pipelines.posttrain import build_dag
+    from airflow_tpu_posttrain.pipelines.registry import load_registry
+    from airflow_tpu_posttrain.recipes import maxtext, models
+    from airflow_tpu_posttrain.recipes.accelerators import accelerator
+    from airflow_tpu_posttrain.recipes.layout import RunLayout
+    from airflow_tpu_posttrain.recipes.runtime import tpu_runtime
+
+    qwen = models.ModelProfile(
+        key="qwen3-8b", maxtext_model_name="qwen3-8b", hf_export_name="qwen3-8b", hf_source="Qwen/Qwen3-8B",
+        maxtext_version="0.2.5", sft_steps=300,
+    )
+    monkeypatch.setattr(models, "MODELS", MappingProxyType({**models.MODELS, qwen.key: qwen}))
+    registry = yaml.safe_load((DAGS_DIR / "models.yaml").read_text())
+    registry["pipelines"] = [{"model": "qwen3-8b", "recipe": "sft", "hub_repo_id": "my-org/qwen3-8b-sft"}]
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(registry))
+
+    [config] = load_registry(tmp_path / "models.yaml", local=False)
+    dag = build_dag(config)
+    assert dag.dag_id == "posttrain_sft__qwen3-8b"
+    params = dag.params.validate()
+    assert params["model"] == "qwen3-8b" and params["hub_repo_id"] == "my-org/qwen3-8b-sft"
+    spec = maxtext.RunSpec(qwen, accelerator("v6e-8"), tpu_runtime(), RunLayout("qwen3-8b", "run-1"))
+    assert "model_name=qwen3-8b" in maxtext.to_maxtext(spec).argv
+    assert "steps=300" in maxtext.train_sft(spec).argv

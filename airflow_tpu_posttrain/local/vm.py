@@ -39,6 +39,8 @@ _KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py keys {VM_SSH_DIR}/s
 _OSLOGIN_KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py oslogin-keys {{url}} %u"
 START_TIMEOUT_S = 15.0
 DESTROY_TIMEOUT_S = 10.0
+# A VM deleted while it boots waits for its disk to be ready first: a login's first boot copies the package mirror.
+BOOT_PREPARE_TIMEOUT_S = 300.0
 HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
 # The VM's writable places, each replaced by a directory of its disk.
 PRIVATE_DIRS = {"/tmp": "tmp", "/var/tmp": "var-tmp", "/home": "home", "/root": "root"}
@@ -401,7 +403,7 @@ class LocalVm:
             process.kill()
             process.wait(timeout=DESTROY_TIMEOUT_S)
         if self._thread is not None:
-            self._thread.join(DESTROY_TIMEOUT_S)
+            self._thread.join(BOOT_PREPARE_TIMEOUT_S)
             if self._thread.is_alive():
                 raise TimeoutError(f"VM {self.name}: the boot thread outlived destroy()")
         self._booted = False
