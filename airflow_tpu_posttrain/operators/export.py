@@ -15,6 +15,9 @@ from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
+# Copied to the VM's workdir by each try: the publish script first, then the module it imports.
+VM_SCRIPTS = ("publish_model.py", "model_card.py")
+
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
@@ -112,7 +115,7 @@ class HfExportOperator(MaxTextJobOperator):
             return False
 
     def _publish_script_path(self) -> str:
-        return f"{self.workdir}/vm_scripts/publish_model.py"
+        return f"{self.workdir}/vm_scripts/{VM_SCRIPTS[0]}"
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         hub_repo_id = validation.blank_to_none(self.hub_repo_id)
@@ -204,8 +207,9 @@ class HfExportOperator(MaxTextJobOperator):
         }
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
-        script = resources.files("airflow_tpu_posttrain.vm_scripts") / "publish_model.py"
-        vm.put_bytes(self._publish_script_path(), script.read_bytes(), 0o644)
+        scripts = resources.files("airflow_tpu_posttrain.vm_scripts")
+        for name in VM_SCRIPTS:
+            vm.put_bytes(f"{self.workdir}/vm_scripts/{name}", (scripts / name).read_bytes(), 0o644)
 
     def results(self, context: Context, vm: VmHook, job: Job) -> dict:
         text = vm.get_text(job.outputs["result_file"])

@@ -18,7 +18,6 @@ parse; they import the protocol's pieces when they run. What they add:
 
 from __future__ import annotations
 
-import ast
 import re
 import shlex
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from airflow.sdk import BaseOperator
 
 from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
+from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, model_profile, tiny_llama_profile
@@ -63,7 +63,7 @@ class Job:
         self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
 
 
-class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
+class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     """Base of the MaxText steps: runs a step's script as a detached, re-attachable job on the VM.
 
     When the VM is gone (Compute says so, not merely an SSH error) the step fails with :class:`VmLostError`;
@@ -250,61 +250,6 @@ class MaxTextJobOperator(VmRecoveryMixin, BaseOperator):
         dag_run = context["dag_run"]
         task = re.sub(r"[^a-z0-9]+", "-", self.task_id.lower()).strip("-")[:40]
         return f"{task}-{compute.run_hash(dag_run.dag_id, dag_run.run_id)}"
-
-    def _pinned_host_keys(self) -> dict[str, str]:
-        """The rendered ``host_keys`` (a dict; a rendered string when the DAG does not render native objects)."""
-        if isinstance(self.host_keys, str):
-            return ast.literal_eval(self.host_keys) if self.host_keys.strip() else {}
-        return dict(self.host_keys or {})
-
-    def _vm(self) -> VmHook:
-        from airflow_tpu_posttrain.hooks.vm import VmHook
-
-        return VmHook(
-            ssh_conn_id=self.ssh_conn_id,
-            remote_host=self.remote_host or None,
-            username=self.ssh_login or None,
-            host_keys=self._pinned_host_keys(),
-            proxy_command=self._proxy_command(),
-        )
-
-    def _proxy_command(self) -> str | None:
-        """The rendered ``ssh_proxy_command``; a missing XCom value renders as "None"."""
-        command = (self.ssh_proxy_command or "").strip()
-        return command if command and command != "None" else None
-
-    def _hub_endpoint(self) -> str | None:
-        if not self.hf_conn_id:
-            return None
-        from airflow.sdk import BaseHook
-
-        return BaseHook.get_connection(self.hf_conn_id).host or None
-
-    def _token(self) -> str:
-        from airflow.sdk import BaseHook
-
-        if not self.hf_conn_id:
-            raise InvalidInputError.of(
-                self.task_id,
-                SpecError(
-                    "hf_conn_id",
-                    None,
-                    "is required",
-                    "name the connection whose password is the Hugging Face token",
-                ),
-            )
-        token = BaseHook.get_connection(self.hf_conn_id).password
-        if not token:
-            raise InvalidInputError.of(
-                self.task_id,
-                SpecError(
-                    "hf_conn_id",
-                    self.hf_conn_id,
-                    "has no password",
-                    "set the connection's password to the Hugging Face token",
-                ),
-            )
-        return token
 
     def _job_script(self, job: Job, paths: RemoteJobPaths) -> tuple[str, str | None]:
         """The script the detached job runs, and where the token file goes (if the step needs one)."""
