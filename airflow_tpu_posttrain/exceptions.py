@@ -86,3 +86,9 @@ class VmLostError(AirflowException):
     The cause is a preemption or a host error; not merely an SSH error. Training recovers from it (see
     ``operators/recovery.py``) up to ``max_recoveries`` times; other steps fail with it and the teardown
     deletes what is left."""
+
+
+class QualityGateError(AirflowFailException):
+    """The trained model did not pass the quality gate: nothing was published, and a retry would judge the same.
+
+    The message gives the numbers and where the trained checkpoint stays."""

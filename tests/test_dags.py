@@ -37,6 +37,7 @@ SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_TINY, RL_TINY)
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
 CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"
 BODY = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+GATE = "quality_gate"  # between the training and the export: needs no VM, and takes no time worth a timeout's share
 ON_TPU = ("install_maxtext", "train")  # split layout: the steps on the TPU VM; the others run on the CPU VM
 POOL = "tpu_vms"
 
@@ -157,7 +158,7 @@ def test_setup_teardown_pair(dags, dag_id):
 @pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
 def test_seeds_layout_chain(dags, dag_id):
     dag = dags[dag_id]
-    chain = (CREATE, *BODY, DELETE)
+    chain = (CREATE, *BODY[:3], GATE, BODY[3], DELETE)
     for up, down in itertools.pairwise(chain):
         assert up in dag.get_task(down).upstream_task_ids, f"{up} >> {down} is missing"
     assert dag.get_task(CREATE).upstream_task_ids == set()
@@ -170,7 +171,7 @@ def test_seeds_layout_chain(dags, dag_id):
 def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     dag = dags[dag_id]
     upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
-    assert set(dag.task_ids) == {CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, WATCHER}
+    assert set(dag.task_ids) == {CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, GATE, WATCHER}
     # The CPU VM converts while the TPU VM is created and installed; training needs both.
     assert upstream[CREATE] == upstream[CREATE_CPU] == set()
     # Each step is wired to its VM by the create's XComArg (``vm=create.output``): the create is its upstream.
@@ -179,7 +180,9 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE}
     # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.
     assert upstream[DELETE] == {CREATE, "train"}
-    assert upstream["export_and_publish"] == {"train", CREATE_CPU}
+    # The quality gate judges the training before anything is exported or published.
+    assert upstream[GATE] == {"train"}
+    assert upstream["export_and_publish"] == {GATE, "train", CREATE_CPU}
     assert upstream[DELETE_CPU] == {CREATE_CPU, "export_and_publish"}
     for task_id in (INSTALL_CPU, "convert_to_maxtext", "export_and_publish"):
         assert create_task_id(dag.get_task(task_id)) == CREATE_CPU, task_id
@@ -210,7 +213,7 @@ def test_watcher_fails_the_run_when_a_body_step_fails(dags, dag_id):
     watcher = dag.get_task(WATCHER)
     assert watcher.trigger_rule == "one_failed"
     assert watcher.retries == 0
-    assert set(BODY) <= watcher.upstream_task_ids
+    assert {*BODY, GATE} <= watcher.upstream_task_ids
     if dag_id in SPLIT_DAGS:
         assert INSTALL_CPU in watcher.upstream_task_ids
     assert watcher.downstream_task_ids == set()
@@ -308,6 +311,7 @@ def test_train_fails_without_retry_on_bad_override(dags):
     train.accelerator_type, train.model, train.steps = "v6e-8", "gemma3-4b", None
     train.dataset = train.train_split = train.train_data_columns = ""
     train.converted_params = "/dev/shm/gemma3-4b/mt-format/0/items"
+    train.evaluate = True
     train.overrides = ["learning_rate=1e-5", "steps=1 && id"]
     with pytest.raises(AirflowFailException, match="overrides"):
         train.execute(_context(dag))  # fails before any SSH connection is attempted
@@ -321,6 +325,8 @@ def _rendered(dag, task_id: str, **values):
         task.converted_params = "/dev/shm/model/mt-format/0/items"
     if hasattr(task, "trained_checkpoint"):
         task.trained_checkpoint = "/dev/shm/model/run/checkpoints/9/model_params"
+    if hasattr(task, "evaluate"):
+        task.evaluate = True  # the default quality gate, no_regression, asks for the evaluations
     for key, value in values.items():
         setattr(task, key, value)
     return task
@@ -346,6 +352,18 @@ def test_sft_blank_values_mean_the_models_defaults(dags, blank):
     assert "train_split=train_sft" in script
     install = _rendered(dag, "install_maxtext", maxtext_version=blank)
     assert install._job(install.run_spec(_context(dag)), _context(dag)).outputs["maxtext_version"] == "0.2.2"
+
+
+@pytest.mark.parametrize("rule", ["off", "no_regression", "min_improvement"])
+def test_sft_evaluates_only_for_a_quality_gate(dags, rule):
+    dag = dags[SFT_GEMMA]
+    train = dag.get_task("train")
+    evaluate = train.render_template(train.evaluate, {"params": {"quality_gate": rule}}, dag.get_template_env())
+    fields = ("steps", "dataset", "train_split", "train_data_columns", "overrides")
+    script = _script(_rendered(dag, "train", evaluate=evaluate, **dict.fromkeys(fields)), dag)
+    # MaxText evaluates before the first step and after the last: on UltraChat's held-out split (its default).
+    assert ("eval_interval=1000" in script and "eval_steps=50" in script) == (rule != "off")
+    assert "hf_eval_split" not in script
 
 
 @pytest.mark.parametrize("blank", BLANKS, ids=repr)

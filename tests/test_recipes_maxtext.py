@@ -278,7 +278,6 @@ def test_cpu_runtime_commands():
         "train_data_columns=['messages']",
         "profiler=xplane",
         "hf_train_files=/dev/shm/tiny-llama/source/data/sft.jsonl",
-        "hf_eval_split=",
         "checkpoint_period=200",
         *dims,
         *cpu,

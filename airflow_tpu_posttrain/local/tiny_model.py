@@ -7,6 +7,7 @@ Run inside the MaxText venv (it imports tokenizers, transformers, safetensors, n
 writes
     DIR/tiny-llama/          save_pretrained-style: config.json, model.safetensors, tokenizer files
     DIR/data/sft.jsonl       {"messages": [...]} chats
+    DIR/data/sft_eval.jsonl  held-out chats of the same kind (the quality gate's SFT evaluation)
     DIR/data/gsm8k/{train,test}.parquet   GSM8K-shaped: question, answer ending in "#### N"
 
 Everything is deterministic (fixed seeds). Each artifact is written under a temporary name and renamed
@@ -28,11 +29,13 @@ from pathlib import Path
 
 MODEL_DIR_NAME = "tiny-llama"
 SFT_FILE = Path("data") / "sft.jsonl"
+SFT_EVAL_FILE = Path("data") / "sft_eval.jsonl"
 GSM8K_TRAIN_FILE = Path("data") / "gsm8k" / "train.parquet"
 GSM8K_TEST_FILE = Path("data") / "gsm8k" / "test.parquet"
 
 SEED = 1234
 NUM_SFT_CHATS = 64
+NUM_SFT_EVAL_CHATS = 8
 NUM_GSM8K_TRAIN = 64
 NUM_GSM8K_TEST = 16
 
@@ -131,6 +134,12 @@ def _gsm8k_row(rng: random.Random) -> dict:
 def make_sft_chats() -> list[dict]:
     rng = random.Random(SEED)
     return [_sft_chat(rng) for _ in range(NUM_SFT_CHATS)]
+
+
+def make_sft_eval_chats() -> list[dict]:
+    """Held-out chats: a draw of its own, not in the training file."""
+    rng = random.Random(SEED + 2)
+    return [_sft_chat(rng) for _ in range(NUM_SFT_EVAL_CHATS)]
 
 
 def make_gsm8k_rows() -> tuple[list[dict], list[dict]]:
@@ -287,6 +296,9 @@ def build_all(out_dir: Path) -> dict[str, bool]:
             out_dir / MODEL_DIR_NAME, lambda tmp: _write_model_dir(tmp, corpus), is_dir=True
         ),
         str(SFT_FILE): _build_atomically(out_dir / SFT_FILE, lambda tmp: _write_jsonl(tmp, chats)),
+        str(SFT_EVAL_FILE): _build_atomically(
+            out_dir / SFT_EVAL_FILE, lambda tmp: _write_jsonl(tmp, make_sft_eval_chats())
+        ),
         str(GSM8K_TRAIN_FILE): _build_atomically(
             out_dir / GSM8K_TRAIN_FILE, lambda tmp: _write_parquet(tmp, train_rows)
         ),

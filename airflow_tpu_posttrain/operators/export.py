@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
 
 class PublishedModelLink(BaseOperatorLink):
@@ -211,7 +212,7 @@ class HfExportOperator(MaxTextJobOperator):
         for name in VM_SCRIPTS:
             vm.put_bytes(f"{self.workdir}/vm_scripts/{name}", (scripts / name).read_bytes(), 0o644)
 
-    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
+    def results(self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics) -> dict:
         text = vm.get_text(job.outputs["result_file"])
         if text is None:
             raise RemoteJobError(

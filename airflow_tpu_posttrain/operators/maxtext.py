@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
+from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
 
 class MaxTextInstallOperator(MaxTextJobOperator):
@@ -152,11 +154,12 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         )
 
 
-class _TrainOperator(MaxTextJobOperator):
+class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
     """What SFT and GRPO share: the converted checkpoint, overrides, the final checkpoint, and recovery.
 
     The final checkpoint is made durable. The recovery is from the loss of the VM: with checkpoint storage,
-    the VM is created again and training resumes.
+    the VM is created again and training resumes. XCom ``evaluation``: the base and trained models' numbers
+    (``operators/evaluation.py``), which the quality gate compares.
 
     :param conversion: the convert task's record, wired as its XComArg (``convert.output``): its
         ``converted_params`` is the checkpoint training starts from.
@@ -217,15 +220,16 @@ class _TrainOperator(MaxTextJobOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         self.adopt_recovered_vm(context)
+        self.keep_base_evaluation_from_log(context, event)
         return super().execute_complete(context, event)
 
     def on_vm_lost(self, context: Context, lost: Any) -> Any:
         return self.recover(context, lost)
 
-    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
+    def results(self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics) -> dict:
         """The final checkpoint must be durable before the task succeeds: the TPU VM is deleted right after.
 
-        Durable: in storage, or on the VM in the seeds' layout."""
+        Durable: in storage, or on the VM in the seeds' layout. Then the evaluations."""
         checkpoint = job.outputs["checkpoint"]
         committed = storage.committed_checkpoint(checkpoint)  # a half-written step is not a checkpoint
         if not vm.exists(committed, self.storage_tool):
@@ -233,7 +237,8 @@ class _TrainOperator(MaxTextJobOperator):
                 f"{self.step_title} finished but its final checkpoint {checkpoint} is missing or incomplete "
                 f"(no {committed}); a retry resumes from the newest checkpoint"
             )
-        return {}
+        spec = self.resolved(context, self.run_spec(context))
+        return {"evaluation": self.evaluation(vm, spec, metrics)}
 
     def _overrides(self) -> list[str]:
         overrides = validation.blank_to_none(self.overrides)
@@ -253,6 +258,8 @@ class SftTrainOperator(_TrainOperator):
     :param dataset: Hub dataset id or ``json`` (tutorial: HuggingFaceH4/ultrachat_200k).
     :param train_split: (tutorial: train_sft). :param train_data_columns: (tutorial: ``['messages']``).
     :param checkpoint_period: steps between checkpoints: how much a retry or a recovery can lose.
+    :param evaluate: evaluate on the dataset's held-out rows before the first step and after the last (the
+        quality gate's numbers; the tutorial does not).
     :param overrides: extra MaxText ``key=value`` pairs, validated.
     :param max_recoveries: how many times a try may create the VM again after losing it (preempted, host
         error) and resume training from storage; 0: the loss fails the task.
@@ -265,6 +272,7 @@ class SftTrainOperator(_TrainOperator):
         "train_split",
         "train_data_columns",
         "checkpoint_period",
+        "evaluate",
     )
     step_title = "SFT"
 
@@ -276,9 +284,11 @@ class SftTrainOperator(_TrainOperator):
         train_split: str | None = None,
         train_data_columns: str | None = None,
         checkpoint_period: int | str = maxtext.DEFAULT_SFT_CHECKPOINT_PERIOD,
+        evaluate: bool | str = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.evaluate = evaluate
         self.steps = steps
         self.dataset = dataset
         self.train_split = train_split
@@ -295,6 +305,8 @@ class SftTrainOperator(_TrainOperator):
             train_data_columns=validation.blank_to_none(self.train_data_columns) or base.train_data_columns,
             train_files=base.train_files if hf_path == base.hf_path else None,
             eval_split=base.eval_split,
+            eval_files=base.eval_files if hf_path == base.hf_path else None,
+            eval_steps=base.eval_steps,
         )
         command = maxtext.train_sft(
             spec,
@@ -303,6 +315,7 @@ class SftTrainOperator(_TrainOperator):
             checkpoint_period=int(self.checkpoint_period),
             overrides=self._overrides(),
             converted_params=self.converted_params,
+            evaluate=validation.flag("evaluate", self.evaluate),
         )
         run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
         return Job(

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
 DEFAULT_WORKDIR = "/tmp/airflow-tpu-posttrain"
 
@@ -431,7 +432,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             log = vm.run(f"{kept} 2>/dev/null || true")
         metrics = parse_lines(log.splitlines())
         result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
-        result.update(self.results(context, vm, job))
+        result.update(self.results(context, vm, job, metrics))
         self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
         return result
 
@@ -439,6 +440,6 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         """What a user should know when the step failed (appended to the error)."""
         return ""
 
-    def results(self, context: Context, vm: VmHook, job: Job) -> dict:
-        """Step-specific results read back from the VM."""
+    def results(self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics) -> dict:
+        """Step-specific results read back from the VM (``metrics``: what the job's log said)."""
         return {}

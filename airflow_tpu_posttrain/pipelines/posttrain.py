@@ -22,10 +22,12 @@ from airflow_tpu_posttrain.operators.maxtext import (
     MaxTextInstallOperator,
     SftTrainOperator,
 )
+from airflow_tpu_posttrain.operators.quality_gate import QualityGateOperator
 from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 from airflow_tpu_posttrain.recipes import compute, validation
+from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import TPU_ACCELERATORS
 
 RECIPES = ("sft", "rl")
@@ -163,6 +165,24 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
             "gs://my-bucket/models)"
             + (" or an absolute directory shared with the local VMs" if cfg.local else "")
             + ". Empty: no copy.",
+        ),
+        "quality_gate": Param(
+            cfg.quality_gate,
+            type="string",
+            enum=list(gate.RULES),
+            title="Quality gate",
+            description="Publish only a model at least as good as its base on held-out data: no_regression; "
+            "off publishes anyway; min_improvement asks for the improvement below. The numbers: SFT eval loss "
+            "(MaxText evaluates before the first step and after the last), GRPO test accuracy.",
+        ),
+        "min_improvement_pct": Param(
+            cfg.min_improvement_pct,
+            type="number",
+            minimum=0,
+            maximum=100,
+            title="Minimum improvement",
+            description="For min_improvement: SFT, how many percent lower the eval loss must be; GRPO, how many "
+            "points higher the accuracy must be; e.g. 1. 0 to 100.",
         ),
         "overrides": Param(
             list(cfg.overrides),
@@ -387,6 +407,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 overrides="{{ params.overrides }}",
                 conversion=convert.output,
                 checkpoint_period=cfg.checkpoint_period,
+                evaluate="{{ params.quality_gate != 'off' }}",
                 max_recoveries="{{ params.max_recoveries }}",
                 execution_timeout=t.train,
                 poll_interval=poll(30),
@@ -404,6 +425,13 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 poll_interval=poll(30),
                 **on_tpu,
             )
+        judge = QualityGateOperator(
+            task_id="quality_gate",
+            trained=train.output,
+            rule="{{ params.quality_gate }}",
+            min_improvement_pct="{{ params.min_improvement_pct }}",
+            execution_timeout=timedelta(minutes=5),
+        )
         export = HfExportOperator(
             task_id="export_and_publish",
             trained=train.output,
@@ -422,9 +450,9 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         )
         teardown = {"on_failure_fail_dagrun": True}
         if not split:
-            create_tpu >> install_tpu >> convert >> train >> export
+            create_tpu >> install_tpu >> convert >> train >> judge >> export
             export >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
-            [install_tpu, convert, train, export] >> watcher
+            [install_tpu, convert, train, judge, export] >> watcher
             return dag
 
         install_cpu = MaxTextInstallOperator(
@@ -439,6 +467,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         create_cpu >> install_cpu >> convert >> train
         create_tpu >> install_tpu >> train
         train >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
-        train >> export >> delete_cpu.as_teardown(setups=create_cpu, **teardown)
-        [install_cpu, install_tpu, convert, train, export] >> watcher
+        train >> judge >> export >> delete_cpu.as_teardown(setups=create_cpu, **teardown)
+        [install_cpu, install_tpu, convert, train, judge, export] >> watcher
     return dag

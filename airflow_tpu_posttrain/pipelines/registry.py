@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_tpu_posttrain.recipes import cost
+from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
 from airflow_tpu_posttrain.recipes.models import model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -101,6 +102,9 @@ class PipelineConfig:
     # A MaxText job silent this long is taken for hung and stopped, failing the try (a retry resumes): longer
     # than its quietest healthy stretch (compiling, a checkpoint save), far shorter than the step's timeout.
     stall_timeout_s: int = 1800
+    # Whether a trained model is published (recipes/quality_gate.py): the trigger form's defaults.
+    quality_gate: str = gate.DEFAULT_RULE
+    min_improvement_pct: float = gate.DEFAULT_MIN_IMPROVEMENT_PCT
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
     tags: tuple[str, ...] = ()
@@ -113,6 +117,8 @@ class PipelineConfig:
             model_profile(self.model)  # refused when the DAG file is parsed, not after its VMs are made
         except SpecError as err:
             raise ValueError(f"{self.model}: {err}") from err
+        if self.quality_gate not in gate.RULES:
+            raise ValueError(f"{self.model}: quality_gate={self.quality_gate!r}: use one of {gate.RULES}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"{self.model}: layout={self.layout!r}: use one of {LAYOUTS}")
         if self.layout == "split" and not self.checkpoint_storage:

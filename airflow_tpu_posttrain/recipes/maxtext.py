@@ -130,10 +130,13 @@ def train_sft(
     profiler: str = "xplane",
     overrides: Sequence[str] = (),
     converted_params: str | None = None,
+    evaluate: bool = False,
 ) -> RemoteCommand:
     """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``).
 
-    Steps and dataset default to the model's."""
+    Steps and dataset default to the model's. ``evaluate``: MaxText evaluates on the dataset's held-out rows
+    (``eval_steps`` batches) before the first step and after the last (``eval_interval`` = the steps), for the
+    quality gate; the tutorial does not."""
     data = dataset or spec.model.sft_dataset
     args = {
         "run_name": spec.layout.run_name,
@@ -155,8 +158,13 @@ def train_sft(
         args["profiler"] = chosen
     if data.train_files is not None:
         args["hf_train_files"] = data.train_files
-    if data.eval_split is not None:
-        args["hf_eval_split"] = data.eval_split
+    if evaluate:
+        args["eval_interval"] = args["steps"]
+        args["eval_steps"] = str(data.eval_steps)
+        if data.eval_files is not None:
+            args["hf_eval_files"] = data.eval_files
+        if data.eval_split is not None:
+            args["hf_eval_split"] = data.eval_split
     args["checkpoint_period"] = str(validation.positive_int("checkpoint_period", checkpoint_period))
     return _command(spec, Step.TRAIN_SFT, args, training=True, overrides=overrides)
 

@@ -30,6 +30,10 @@ _STEP_LOSS = re.compile(rf",\s*loss: ({_NUMBER})", re.I)
 
 # Logged by every ``PeftTrainer.train()`` call, timing that call's loop: SFT makes one call, the RL learner one per
 # batch (a tiny GRPO run: 5.1119 s, then 0.0396 s), so the training loop's time is their sum.
+# MaxText, after each evaluation (``eval_interval``): "Completed eval after train step 4, loss=6.291,
+# perplexity=541.219, total_weights=28.0, ...". This loss is that evaluation's own mean over its batches; Tunix's
+# "Train step 4 eval loss: 6.293824" beside it is the mean over every evaluation of the process so far.
+_EVAL = re.compile(rf"Completed eval after train step (\d+), loss=({_NUMBER})")
 _TRAIN_LOOP_FINISHED = re.compile(rf"Train loop finished in: ({_NUMBER}) seconds")
 _RESTORED = re.compile(r"Restored params from step: (\d+)")
 
@@ -52,7 +56,7 @@ _EXPORT_SAVED = re.compile(r"successfully saved in HuggingFace format at (\S.*)"
 # What the lines above contain (an extended regular expression, for ``grep -E``): after a job, only the lines
 # matching it are read back from the VM's log, and kept in storage with the job's output.
 LOG_FILTER = (
-    "Train step|completed step|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|"
+    "Train step|completed step|Completed eval|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|"
     "Peak Memory|successfully saved|Finished load in|read/worker/io/requested"
 )
 
@@ -83,6 +87,7 @@ class TrainingMetrics:
     output_path: str | None = None
     peak_memory_gb: float | None = None
     loss_curve: list[tuple[int, float]] | None = None  # (step, that step's loss), for the model card's curve
+    eval_losses: list[tuple[int, float]] | None = None  # (step, eval loss) of each evaluation, SFT
     # Each checkpoint load, in order: {"uri", "seconds", "bytes"} (the converted parameters, a resumed step).
     checkpoint_loads: list[dict[str, object]] | None = None
 
@@ -118,7 +123,29 @@ class TrainingMetrics:
             parts.append(f"perplexity {self.last_perplexity:.1f}")
         if self.train_loop_s is not None:
             parts.append(f"train loop {self.train_loop_s:.1f} s")
+        if self.eval_losses:
+            parts.append("eval loss " + " → ".join(f"{loss:.3f} (step {step})" for step, loss in self.eval_losses))
         return parts
+
+    def base_evaluation(self) -> dict[str, float] | None:
+        """The base model's numbers: the evaluation before the first step, when this log's process made it.
+
+        None when the process resumed from a checkpoint (its first evaluation is of a trained model)."""
+        if self.resumed_from_step is not None:
+            return None
+        if self.pre_rl is not None:
+            return dict(self.pre_rl)
+        losses = dict(self.eval_losses or ())
+        return {"eval_loss": losses[0]} if 0 in losses else None
+
+    def trained_evaluation(self) -> dict[str, float] | None:
+        """The trained model's numbers: the evaluation after the last step."""
+        if self.post_rl is not None:
+            return dict(self.post_rl)
+        losses = dict(self.eval_losses or ())
+        if self.steps_completed and self.steps_completed in losses:
+            return {"eval_loss": losses[self.steps_completed]}
+        return None
 
     def _rl_parts(self) -> list[str]:
         parts: list[str] = []
@@ -162,6 +189,8 @@ def _parse_line(line: str, metrics: TrainingMetrics) -> None:
         rest = match[2]
         loss, tokens_per_s = (_search_float(pattern, rest) for pattern in (_STEP_LOSS, _STEP_TOKENS_PER_S))
         _record_step(metrics, int(match[1]), loss, None, tokens_per_s)
+    elif match := _EVAL.search(line):
+        metrics.eval_losses = sorted({**dict(metrics.eval_losses or ()), int(match[1]): float(match[2])}.items())
     elif match := _TRAIN_LOOP_FINISHED.search(line):
         metrics.train_loop_s = (metrics.train_loop_s or 0.0) + float(match[1])
     elif match := _RESTORED.search(line):

@@ -18,7 +18,9 @@ class SftDataset:
     train_split: str
     train_data_columns: str = "['messages']"
     train_files: str | None = None  # hf_train_files: a local file for builders such as 'json'
-    eval_split: str | None = None  # hf_eval_split; None keeps MaxText's default, '' turns evaluation off
+    eval_split: str | None = None  # hf_eval_split; None keeps MaxText's default (UltraChat's test_sft)
+    eval_files: str | None = None  # hf_eval_files: a local file of held-out rows for builders such as 'json'
+    eval_steps: int = 50  # batches each evaluation reads (the quality gate's, before the first and after the last step)
 
     def __post_init__(self) -> None:
         validation.safe_relative_path("hf_path", self.hf_path)
@@ -28,6 +30,9 @@ class SftDataset:
             validation.safe_absolute_path("hf_train_files", self.train_files)
         if self.eval_split:
             validation.safe_name("hf_eval_split", self.eval_split)
+        if self.eval_files is not None:
+            validation.safe_absolute_path("hf_eval_files", self.eval_files)
+        validation.positive_int("eval_steps", self.eval_steps)
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
 
     Expected files, as ``local/tiny_model.py --out <root>`` writes them: ``<root>/tiny-llama`` (a
     save_pretrained-style directory with its tokenizer), ``<root>/data/sft.jsonl`` (``{"messages": [...]}``
-    chats), ``<root>/data/gsm8k/{train,test}.parquet`` (GSM8K's ``question``/``answer`` columns).
+    chats) and ``<root>/data/sft_eval.jsonl`` (held-out ones), ``<root>/data/gsm8k/{train,test}.parquet`` (GSM8K's ``question``/``answer`` columns).
     """
     root = validation.safe_absolute_path("tiny_llama_root", root)
     return ModelProfile(
@@ -110,9 +115,14 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
         hf_export_name="llama3.1-8b",
         hf_source=TINY_LLAMA_REPO,
         maxtext_version="0.2.5",
-        # The local JSONL has a single split, so evaluation is off.
+        # A JSON file loads as the split "train"; the held-out chats are a file of their own.
         sft_dataset=SftDataset(
-            hf_path="json", train_split="train", train_files=f"{root}/data/sft.jsonl", eval_split=""
+            hf_path="json",
+            train_split="train",
+            train_files=f"{root}/data/sft.jsonl",
+            eval_split="train",
+            eval_files=f"{root}/data/sft_eval.jsonl",
+            eval_steps=2,
         ),
         rl_dataset=RlDataset(
             train_files=f"{root}/data/gsm8k/train.parquet", eval_files=f"{root}/data/gsm8k/test.parquet"

@@ -84,6 +84,13 @@ def metric_lines_command(log_file: str) -> str:
     return f"grep -aE {shlex.quote(LOG_FILTER)} {shlex.quote(log_file)} || true"
 
 
+def complete_metric_lines_command(log_file: str) -> str:
+    """The metric lines of a log still being written: without its last line when that has no newline yet."""
+    log = shlex.quote(log_file)
+    whole_lines = f"if [ -n \"$(tail -c1 {log})\" ]; then sed '$d' {log}; else cat {log}; fi"
+    return f"{{ {whole_lines}; }} | grep -aE {shlex.quote(LOG_FILTER)} || true"
+
+
 def wrapper_script(
     step_script: str,
     log_file: str,

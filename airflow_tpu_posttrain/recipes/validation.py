@@ -275,3 +275,15 @@ def optional_count(field: str, value: object) -> int | None:
             )
         value = int(value)
     return positive_int(field, value)
+
+
+def flag(field: str, value: bool | str) -> bool:
+    """A yes/no setting, given as a bool or as the text a template rendered (``True``/``False``)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise SpecError(field, value, "is not true or false", "give true or false")
