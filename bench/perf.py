@@ -48,7 +48,7 @@ from run_probe import RunRecord, TrainerKiller, watch_run
 
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.stack import LocalStack
-from airflow_tpu_posttrain.recipes import storage
+from airflow_tpu_posttrain.recipes import cost, storage
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / ".local" / "bench"
@@ -90,6 +90,38 @@ def modelled_p1(m: Minutes) -> dict[str, float]:
         "tutorials": (m.create_vm + m.install + m.convert + m.train + m.export + m.delete_vm) / m.train,
         "ours, first run": (max(tpu_ready, converted) + m.train + m.delete_vm) / m.train,
         "ours, conversion cached": (tpu_ready + m.train + m.delete_vm) / m.train,
+    }
+
+
+def modelled_cost(m: Minutes, prices: dict | None = None) -> dict[str, tuple[float, str]]:
+    """USD of one tutorial run per layout, from the same minutes and the pipelines' price table.
+
+    Seeds' layout: the v6e-8 VM through every step. Split: the v6e-8 VM from its creation through training, and
+    a CPU VM (n2-highmem-16), created at the same time, that converts, waits for the training and exports."""
+    table = prices or cost.price_table()
+    tpu_ready = m.create_vm + m.install_restored
+    converted = m.create_vm + m.install_restored + m.convert
+
+    def vm(name: str, machine: str, minutes: float) -> cost.VmCost:
+        return cost.VmCost(name, machine, "RESERVATION_BOUND", minutes * 60, table[machine]["RESERVATION_BOUND"])
+
+    def layout(*vms: cost.VmCost) -> tuple[float, str]:
+        parts = ", ".join(f"{v.name} {v.seconds / 60:g} min ${v.usd:.2f}" for v in vms)
+        return round(sum(v.usd for v in vms), 2), parts
+
+    seeds = vm("v6e-8", "ct6e-standard-8t", m.create_vm + m.install + m.convert + m.train + m.export + m.delete_vm)
+    split_first = max(tpu_ready, converted)
+    split_cached = tpu_ready
+    return {
+        "seeds' layout (the tutorials)": layout(seeds),
+        "split, first run": layout(
+            vm("v6e-8", "ct6e-standard-8t", split_first + m.train + m.delete_vm),
+            vm("cpu", "n2-highmem-16", split_first + m.train + m.export + m.delete_vm),
+        ),
+        "split, conversion cached": layout(
+            vm("v6e-8", "ct6e-standard-8t", split_cached + m.train + m.delete_vm),
+            vm("cpu", "n2-highmem-16", split_cached + m.train + m.export + m.delete_vm),
+        ),
     }
 
 
@@ -269,6 +301,8 @@ def report(
         row("P1", f"{r.dag_id} ({label})", p1(r), TARGETS["P1"])
     for name, value in modelled_p1(Minutes()).items():
         row("P1", f"modelled: {name}", (value, "stated / assumed minutes, see notes"), TARGETS["P1"])
+    for name, result in modelled_cost(Minutes()).items():
+        row("cost", f"modelled, USD: {name}", result, None)
     for label, r in runs:
         row("P2", f"{r.dag_id} ({label})", p2(r), TARGETS["P2"], digits=3)
     for name, result in parsed.items():
@@ -317,6 +351,10 @@ def report(
         f"  modelled P1, minutes: convert {m.convert:g} and train {m.train:g} (the tutorials, v6e-8); assumed: VM "
         f"creation {m.create_vm:g}, MaxText install {m.install:g} (tutorials) / {m.install_restored:g} (ours, "
         f"restored), export {m.export:g}, delete {m.delete_vm:g}"
+    )
+    lines.append(
+        f"  modelled cost: those minutes at the price table of recipes/cost.py (read {cost.PRICES_READ_ON}; v6e-8 "
+        "$21.60/h, n2-highmem-16 $1.0481/h, a reservation's VM priced as on demand)"
     )
     lines.append(f"  plain baseline (bench/plain_pipeline.sh --sft-only), seconds: {plain}")
     lines.append(

@@ -29,6 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 HF_TOKEN = "hf_marker_token_7f3a9c2e51d04b8a"
 
 
+# The runs of tests about something else leave the quality gate off: its SFT evaluations add about a minute of
+# compiling on CPU per run. test_pipeline_local, test_preemption and the demo run with the gate on (the default).
+NO_GATE = {"quality_gate": "off"}
+
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
     """A migrated SQLite metadata DB, once per session."""
@@ -179,6 +183,7 @@ _LONGEST_FIRST = (
     "test_preemption.py",
     "test_storage_outage.py",
     "test_demo.py",
+    "test_quality_gate.py",
     "test_capacity.py",
     "test_reattach.py",
     "test_trigger_form.py",

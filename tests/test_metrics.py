@@ -334,3 +334,55 @@ def test_the_log_filter_keeps_every_line_the_parser_reads(log):
 
     kept = [line for line in log if re.search(LOG_FILTER, line)]
     assert parse_lines(kept).as_xcom() == parse_lines(log).as_xcom()
+
+
+# A real tiny SFT run with the quality gate's evaluation (eval_interval=4 eval_steps=2, maxtext 0.2.5, CPU).
+# Tunix's "eval loss" is the mean over every evaluation of the process so far (6.293824 = (6.297 + 6.291) / 2);
+# MaxText's "Completed eval" line carries the evaluation's own.
+SFT_EVAL_REAL_LOG = """\
+I1201 13:47:53.381533 140346362755968 peft_trainer.py:840] Train step 0 eval loss: 6.296944 - eval perplexity: 542.910034
+I1201 13:47:53.402319 140346362755968 metric_logger.py:302] Completed eval after train step 0, loss=6.297, perplexity=542.910, total_weights=28.0, avg_z_loss=0.000
+I1201 13:48:20.178704 140346362755968 peft_trainer.py:488] Train step 1 training loss: 6.275753  - training perplexity: 531.526489
+I1201 13:48:20.558562 140346362755968 peft_trainer.py:488] Train step 3 training loss: 6.207013  - training perplexity: 496.216888
+I1201 13:48:48.435482 140346362755968 peft_trainer.py:840] Train step 4 eval loss: 6.293824 - eval perplexity: 541.219116
+I1201 13:48:48.436670 140346362755968 metric_logger.py:302] Completed eval after train step 4, loss=6.291, perplexity=541.219, total_weights=28.0, avg_z_loss=0.000
+I1201 13:48:48.441590 140346362755968 peft_trainer.py:748] Train loop finished in: 54.9567 seconds
+I1201 13:48:48.443719 140346362755968 peft_trainer.py:488] Train step 4 training loss: 6.277575  - training perplexity: 532.495789
+""".splitlines()
+
+
+def test_real_sft_evaluations_are_each_evaluations_own():
+    metrics = parse_lines(SFT_EVAL_REAL_LOG)
+    assert metrics.eval_losses == [(0, 6.297), (4, 6.291)]  # not Tunix's running mean 6.293824
+    assert metrics.base_evaluation() == {"eval_loss": 6.297}
+    assert metrics.trained_evaluation() == {"eval_loss": 6.291}
+    assert "eval loss 6.297 (step 0) → 6.291 (step 4)" in metrics.summary("SFT")
+    # The training loss lines are still the steps' own, not the evaluations'.
+    assert metrics.loss_curve == [(1, 6.275753), (3, 6.207013), (4, 6.277575)]
+
+
+def test_a_resumed_process_has_no_base_evaluation():
+    """Its first evaluation is of the checkpoint it resumed from, a trained model."""
+    resumed = [
+        "I1201 peft_trainer.py] Restored params from step: 2 in 0.1 seconds",
+        "I1201 metric_logger.py:302] Completed eval after train step 2, loss=6.293, perplexity=541.0",
+        "I1201 metric_logger.py:302] Completed eval after train step 4, loss=6.291, perplexity=541.2",
+        "I1201 peft_trainer.py:488] Train step 4 training loss: 6.277575  - training perplexity: 532.495789",
+    ]
+    metrics = parse_lines(resumed)
+    assert metrics.base_evaluation() is None
+    assert metrics.trained_evaluation() == {"eval_loss": 6.291}
+    grpo = parse_lines([resumed[0], *GRPO_TINY_REAL_LOG])
+    assert grpo.base_evaluation() is None and grpo.trained_evaluation()["accuracy"] == 0.0
+
+
+def test_grpo_evaluations_are_pre_and_post_rl():
+    metrics = parse_lines(GRPO_TINY_REAL_LOG)
+    assert metrics.base_evaluation() == metrics.pre_rl and metrics.base_evaluation()["total"] == 2
+    assert metrics.trained_evaluation() == metrics.post_rl
+
+
+def test_no_final_evaluation_is_no_trained_evaluation():
+    """A log cut before the last step's evaluation (or a run without evaluations) gives the gate nothing."""
+    assert parse_lines(SFT_EVAL_REAL_LOG[:4]).trained_evaluation() is None
+    assert parse_lines(SFT_TINY_REAL_LOG).base_evaluation() is None

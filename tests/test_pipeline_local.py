@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from conftest import HF_TOKEN, REPO, storage_has, storage_objects
+from conftest import HF_TOKEN, NO_GATE, REPO, storage_has, storage_objects
 
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
@@ -169,6 +169,14 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert xcom(dr, "delete_cpu_vm")["deleted"] is True
     assert trained["metrics"]["steps_completed"] == 5 and trained["metrics"]["last_loss"] > 0
     assert "SFT: 5 steps" in logs
+    # The quality gate (no_regression, the default): MaxText evaluated the held-out chats before step 1 and after
+    # step 5; the base model's numbers are kept beside the checkpoints, where a resumed try would find them.
+    base, after = trained["evaluation"]["base"]["eval_loss"], trained["evaluation"]["trained"]["eval_loss"]
+    assert [step for step, _ in trained["metrics"]["eval_losses"]] == [0, 5]
+    assert f"post-train/{run}/base_evaluation.json" in objects
+    verdict = xcom(dr, "quality_gate")
+    assert verdict["passed"] and verdict["rule"] == "no_regression" and (verdict["base"], verdict["trained"]) == (base, after)
+    assert after <= base and f"Quality gate: SFT eval loss {base:.4g} → {after:.4g}" in logs
 
     published = xcom(dr, "export_and_publish")
     hub = published["hub"]
@@ -188,6 +196,7 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert card.data.base_model == "local/tiny-llama" and "sft" in card.data.tags
     assert f"at revision `{converted['source_revision']}`" in card.text and "SFT, 5 steps" in card.text
     assert f"`posttrain_sft__tiny-llama` / `{dr.run_id}`" in card.text
+    assert f"| eval loss on held-out data (base → trained) | {base} → {after} |" in card.text
     assert "![Training curve](training_curve.png)" in card.text
     curve = Path(hf_hub_download(filename="training_curve.png", **download)).read_bytes()
     assert curve.startswith(b"\x89PNG") and (model_copy / "training_curve.png").read_bytes() == curve
@@ -232,6 +241,9 @@ def test_tiny_rl_end_to_end(stack, capfd):
     assert metrics["rl_completed"] is True
     assert set(metrics["pre_rl"]) >= {"accuracy", "mean_reward"} and set(metrics["post_rl"]) >= {"accuracy", "mean_reward"}
     assert re.search(r"GRPO: .*accuracy \S+ → \S+, mean reward \S+ → \S+", logs)
+    # The gate compares the tutorial's test accuracy before and after: the tiny model learns nothing, loses nothing.
+    assert trained["evaluation"] == {"base": metrics["pre_rl"], "trained": metrics["post_rl"]}
+    assert xcom(dr, "quality_gate")["passed"]
 
     hub = xcom(dr, "export_and_publish")["hub"]
     assert hub["repo_id"] == "local/tiny-llama-grpo"
@@ -262,7 +274,7 @@ def test_tiny_sft_in_the_seeds_layout(stack, capfd):
         return {"under_root": sorted(str(p.relative_to(root)) for p in paths)}
 
     with before_vm_end(stack, probe) as ends:
-        dr = run_pipeline("posttrain_sft__tiny-llama__seeds")
+        dr = run_pipeline("posttrain_sft__tiny-llama__seeds", NO_GATE)
         capfd.readouterr()
         assert dr.state == "success", states(dr)
         vm = xcom(dr, "create_tpu_vm")["name"]

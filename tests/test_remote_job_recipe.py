@@ -110,3 +110,15 @@ def test_wrapper_keeps_the_metric_lines_beside_the_done_marker(tmp_path):
     kept = (tmp_path / "storage").glob(".complete-5*")
     [metrics] = [p.read_text() for p in kept if p != marker]
     assert metrics == "completed step: 4, seconds: 0.412, loss: 6.223\n"  # the trainer's lines, nothing else
+
+
+def test_complete_metric_lines_leave_out_a_line_still_being_written(tmp_path):
+    """The base evaluation is kept while the job runs: a number cut mid-write (6.2 of 6.297) must not be read."""
+    log = tmp_path / "stdout.log"
+    done = "I1201 metric_logger.py:302] Completed eval after train step 0, loss=6.297, perplexity=542.910\n"
+    log.write_text("noise\n" + done + "I1201 metric_logger.py:302] Completed eval after train step 4, loss=6.2")
+    assert _run(remote_job.complete_metric_lines_command(str(log))) == done
+    log.write_text("noise\n" + done + done)
+    assert _run(remote_job.complete_metric_lines_command(str(log))) == done + done
+    log.write_text("no metric here\n")
+    assert _run(remote_job.complete_metric_lines_command(str(log))) == ""

@@ -205,6 +205,7 @@ class HfExportOperator(MaxTextJobOperator):
             "dag_id": context["dag_run"].dag_id,
             "run_id": context["dag_run"].run_id,
             "metrics": trained.get("metrics") or {},
+            "evaluation": trained.get("evaluation") or {},
         }
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:

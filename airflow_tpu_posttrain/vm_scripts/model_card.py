@@ -28,18 +28,24 @@ def render_curve(facts: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    evaluations = [metrics.get("pre_rl"), metrics.get("post_rl")]
-    rl = all(evaluations)
+    rl_evaluations = [metrics.get("pre_rl"), metrics.get("post_rl")]
+    rl = all(rl_evaluations)
     figure, axes = plt.subplots(1, 2 if rl else 1, figsize=(10 if rl else 6, 4), squeeze=False)
     loss_axis = axes[0][0]
-    loss_axis.plot([step for step, _ in curve], [loss for _, loss in curve], marker="o")
+    loss_axis.plot([step for step, _ in curve], [loss for _, loss in curve], marker="o", label="training loss")
+    evaluations = [(step, loss) for step, loss in metrics.get("eval_losses") or [] if isinstance(loss, (int, float))]
+    if evaluations:
+        loss_axis.plot(
+            [step for step, _ in evaluations], [loss for _, loss in evaluations], marker="s", label="eval loss"
+        )
+        loss_axis.legend()
     loss_axis.set(xlabel="step", ylabel="training loss", title=f"{facts.get('recipe') or 'Training'} loss")
     loss_axis.grid(alpha=0.3)
     if rl:
         rl_axis = axes[0][1]
         labels = ["accuracy (%)", "mean reward"]
-        before = [evaluations[0].get("accuracy", 0.0), evaluations[0].get("mean_reward", 0.0)]
-        after = [evaluations[1].get("accuracy", 0.0), evaluations[1].get("mean_reward", 0.0)]
+        before = [rl_evaluations[0].get("accuracy", 0.0), rl_evaluations[0].get("mean_reward", 0.0)]
+        after = [rl_evaluations[1].get("accuracy", 0.0), rl_evaluations[1].get("mean_reward", 0.0)]
         positions = range(len(labels))
         rl_axis.bar([x - 0.2 for x in positions], before, width=0.4, label="before")
         rl_axis.bar([x + 0.2 for x in positions], after, width=0.4, label="after")
@@ -83,6 +89,10 @@ def write_card(model_dir: Path, facts: dict) -> None:
         rows.append(
             ("training loss (first → last step)", _change(metrics["first_loss"], metrics["last_loss"]))
         )
+    evaluation = facts.get("evaluation") or {}
+    before, after = ((evaluation.get(which) or {}).get("eval_loss") for which in ("base", "trained"))
+    if before is not None and after is not None:
+        rows.append(("eval loss on held-out data (base → trained)", _change(before, after)))
     for key, label in (("accuracy", "accuracy"), ("mean_reward", "mean reward")):
         before, after = (metrics.get("pre_rl") or {}).get(key), (metrics.get("post_rl") or {}).get(key)
         if before is not None and after is not None:
