@@ -7,7 +7,8 @@ interpreters); P4's baseline, the SFT chain as a plain shell script (bench/plain
 the local stack (Compute emulator whose every instance is a machine of its own, Hub server; the VMs' disks and
 checkpoint storage under .local/bench/vm, emptied first) and Airflow's real components with LocalExecutor
 (bench/local_airflow.py, home .local/bench/airflow), started before any clock runs, and these DAG runs, each
-watched by bench/run_probe.py:
+watched by bench/run_probe.py (each with quality_gate=off: the plain script it is compared with runs the
+tutorial's commands, which do not evaluate):
 
   cold    posttrain_sft__tiny-llama, first run, nothing cached      P1, P2, P4 cold
   warm    the same DAG, another run id                               P1, P2, P4 warm, conversions repeated
@@ -210,12 +211,15 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
     with stdout_to_stderr(), stack as env, LocalAirflow(BENCH / "airflow", env) as airflow:
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
         present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
-        plan = [("cold", OURS, {}, None), ("warm", OURS, {}, None), ("seeds", SEEDS, {}, None)]
+        # Like for like: the plain script (P4's baseline) runs the tutorial's commands, which do not evaluate.
+        plain = {"quality_gate": "off"}
+        plan = [("cold", OURS, plain, None), ("warm", OURS, plain, None), ("seeds", SEEDS, plain, None)]
         if not quick:
             # MaxText saves checkpoints asynchronously: a kill can catch the newest one half-written, so
             # the retry resumes from the one before it. With synchronous saves it cannot.
-            sync = {"steps": FAULT_STEPS, "overrides": ["async_checkpointing=false"]}
-            for label, conf in (("fault", {"steps": FAULT_STEPS}), ("fault-sync", sync)):
+            fault = {**plain, "steps": FAULT_STEPS}
+            sync = {**fault, "overrides": ["async_checkpointing=false"]}
+            for label, conf in (("fault", fault), ("fault-sync", sync)):
                 killer = TrainerKiller(stack, OURS, f"bench-{label}", KILL_AT_STEP)
                 plan.append((label, OURS, conf, killer))
         for label, dag_id, conf, killer in plan:

@@ -173,7 +173,7 @@ def test_tiny_sft_end_to_end(stack, capfd):
     # step 5; the base model's numbers are kept beside the checkpoints, where a resumed try would find them.
     base, after = trained["evaluation"]["base"]["eval_loss"], trained["evaluation"]["trained"]["eval_loss"]
     assert [step for step, _ in trained["metrics"]["eval_losses"]] == [0, 5]
-    assert f"post-train/{run}/base_evaluation.json" in objects
+    assert f"post-train/{run}/base_evaluation.log" in objects
     verdict = xcom(dr, "quality_gate")
     assert verdict["passed"] and verdict["rule"] == "no_regression" and (verdict["base"], verdict["trained"]) == (base, after)
     assert after <= base and f"Quality gate: SFT eval loss {base:.4g} → {after:.4g}" in logs

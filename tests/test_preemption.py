@@ -112,6 +112,20 @@ def test_preempted_training_vm_is_created_again_and_training_resumes(stack, capf
     assert metrics["resumed_from_step"] == restored[0] and metrics["steps_completed"] == STEPS
     checkpoint = train.xcom_pull(task_ids="train")["checkpoint"]
     assert storage_has(checkpoint)
+    # The quality gate's base numbers were measured before step 1 on the lost VM and kept in storage as the log
+    # showed them: the resumed process's first evaluation is of the checkpoint it resumed from, a trained model.
+    evaluation = train.xcom_pull(task_ids="train")["evaluation"]
+    base = re.search(rb"Completed eval after train step 0, loss=([0-9.]+)", preempter.logs["lost"])
+    assert base and evaluation["base"] == {"eval_loss": float(base[1])}, evaluation
+    assert re.search(rb"Completed eval after train step %d, loss=" % restored[0], recovered)
+    assert not re.search(rb"Completed eval after train step 0,", recovered)
+    assert "The log shows 'Completed eval after train step 0,': keeping the base model's evaluation at gs://" in logs
+    assert f"The base model's evaluation {evaluation['base']}, kept at gs://" in logs
+    assert [step for step, _ in metrics["eval_losses"]] == [restored[0], STEPS]
+    verdict = [ti for ti in dag_run.get_task_instances() if ti.task_id == "quality_gate"][0].xcom_pull(
+        task_ids="quality_gate"
+    )
+    assert verdict["base"] == evaluation["base"]["eval_loss"] and verdict["trained"] == evaluation["trained"]["eval_loss"]
 
     # Nothing left: the teardown deleted the VM made again; no firewall rule either.
     assert stack.compute.instances() == [] and stack.compute.firewalls() == []

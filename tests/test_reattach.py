@@ -222,3 +222,34 @@ def test_a_job_silent_past_its_stall_timeout_is_stopped_and_a_chatty_one_is_not(
             assert vm.run("pgrep -c -x sleep || true").strip() == "0"
         chatty = watch("chatty")
         assert chatty["done"] and chatty["exit_code"] == 0, chatty
+
+
+def test_the_watch_runs_a_command_once_when_the_log_shows_its_marker(stack):
+    """How the base model's evaluation is kept while training runs (operators/evaluation.py).
+
+    The marker straddles two log chunks (32 bytes each, one read per poll) and is logged twice: the command runs
+    once."""
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
+    from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+
+    marker = "Completed eval after train step 0,"
+    job = RemoteJobPaths(job_id="marked", remote_os="posix", base_dir=f"{DEFAULT_WORKDIR}/jobs")
+    script = f"{{ echo warming up; sleep 2; echo '{marker} loss=6.297'; sleep 2; echo '{marker} loss=6.297'; sleep 8; }}"
+    counter = f"{DEFAULT_WORKDIR}/marked.count"
+    with vm_of_its_own(stack, "marker-vm") as machine:
+        with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+            vm.run(build_posix_wrapper_command(script, job))
+        trigger = MaxTextJobTrigger(
+            ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
+            job_id=job.job_id, job_dir=job.job_dir, log_file=job.log_file, exit_code_file=job.exit_code_file,
+            remote_os="posix", poll_interval=1, log_chunk_size=32,
+            on_output={"marker": marker, "command": f"echo kept >> {counter}", "description": "counting"},
+        )
+        _, kwargs = trigger.serialize()  # rebuilt, as the triggerer does
+        event = asyncio.run(asyncio.wait_for(until_done(MaxTextJobTrigger(**kwargs)), timeout=120)).payload
+        assert event["done"] and event["exit_code"] == 0, event
+        with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+            assert vm.run(f"cat {counter}").split() == ["kept"]

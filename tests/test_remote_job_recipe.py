@@ -120,5 +120,7 @@ def test_complete_metric_lines_leave_out_a_line_still_being_written(tmp_path):
     assert _run(remote_job.complete_metric_lines_command(str(log))) == done
     log.write_text("noise\n" + done + done)
     assert _run(remote_job.complete_metric_lines_command(str(log))) == done + done
+    # It can start a pipeline: the lines go to the next command (the base evaluation's writer), not around it.
+    assert _run(remote_job.complete_metric_lines_command(str(log)) + " | wc -l").strip() == "2"
     log.write_text("no metric here\n")
     assert _run(remote_job.complete_metric_lines_command(str(log))) == ""

@@ -2,77 +2,67 @@
 
 The base model is evaluated once, before the first step, by the process that starts training from the
 converted checkpoint. A try that resumes from a checkpoint evaluates a trained model first, and a lost VM takes
-its log along, so the base numbers are kept in the run's storage (beside its checkpoints) as soon as the log
-shows them.
+its log along; so as soon as the log shows the base model's evaluation, the job's watch keeps the log's metric
+lines beside the run's checkpoints (``base_evaluation.log``), once.
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
-import shlex
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.recipes import remote_job, storage
 
 if TYPE_CHECKING:
-    from airflow.sdk import Context
-
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.recipes import maxtext
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
-BASE_EVALUATION_FILE = "base_evaluation.json"
-# Where an evaluation line starts: SFT (MaxText's summary of each evaluation), GRPO (the tutorial's "Pre RL").
-_EVALUATION_MARKERS = ("Completed eval", "Pre RL Training")
+BASE_EVALUATION_FILE = "base_evaluation.log"
+# The log line that ends the base model's evaluation: SFT, MaxText's summary of the evaluation before step 1;
+# GRPO, the tutorial's "Pre RL Training" (also logged by a resumed process, whose lines are then not kept: the
+# first process's are there already).
+BASE_EVALUATION_MARKERS = {"SFT": "Completed eval after train step 0,", "GRPO": "Pre RL Training:"}
 
 
 class EvaluationMixin:
-    """For the training operators: the base and trained evaluations into XCom ``evaluation``."""
+    """For the training operators: keep the base model's evaluation; both evaluations into XCom ``evaluation``."""
 
     log: Any
-    jobs_dir: str
+    step_title: str
     storage_tool: storage.GcsTool
 
     def base_evaluation_uri(self, spec: maxtext.RunSpec) -> str:
         return f"{posixpath.dirname(spec.layout.checkpoints_dir)}/{BASE_EVALUATION_FILE}"
 
-    def keep_base_evaluation_from_log(self, context: Context, event: dict[str, Any]) -> None:
-        """While the job runs: when a new log chunk shows an evaluation, keep the base model's numbers.
+    def keep_base_evaluation(self, spec: maxtext.RunSpec, log_file: str) -> dict[str, str]:
+        """What the job's watch does when the log shows the base model's evaluation (``MaxTextJobTrigger``).
 
-        A failure here is only logged: the finished job's log, or a later chunk, still gives them."""
-        from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
+        Its command keeps the log's whole metric lines so far, unless an earlier process kept its own."""
+        uri = self.base_evaluation_uri(spec)
+        lines = remote_job.complete_metric_lines_command(log_file)
+        keep = f"{storage.exists_command(uri, self.storage_tool)} || {{ {lines} | {storage.write_command(uri, self.storage_tool)}; }}"
+        return {
+            "marker": BASE_EVALUATION_MARKERS[self.step_title],
+            "command": keep,
+            "description": f"keeping the base model's evaluation at {uri}",
+        }
 
+    def evaluation(
+        self, vm: VmHook, spec: maxtext.RunSpec, metrics: TrainingMetrics, log_file: str
+    ) -> dict[str, Any]:
+        """``{"base": ..., "trained": ...}``: this log's numbers; the base ones from storage if it resumed."""
         from airflow_tpu_posttrain.recipes.metrics import parse_lines
 
-        chunk = event.get("log_chunk") or ""
-        if event.get("done") or not any(marker in chunk for marker in _EVALUATION_MARKERS):
-            return
-        paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
-        try:
-            spec = self.resolved(context, self.run_spec(context))
-            with self._vm() as vm:
-                lines = vm.run(remote_job.complete_metric_lines_command(paths.log_file))
-                base = parse_lines(lines.splitlines()).base_evaluation()
-                if base:
-                    self._write_base_evaluation(vm, spec, base)
-        except Exception as err:  # noqa: BLE001 - the job's end gives the numbers again
-            self.log.warning("Could not keep the base model's evaluation yet: %s", err)
-
-    def evaluation(self, vm: VmHook, spec: maxtext.RunSpec, metrics: TrainingMetrics) -> dict[str, Any]:
-        """``{"base": ..., "trained": ...}``: this log's numbers; the base ones from storage if it resumed."""
         base = metrics.base_evaluation()
         uri = self.base_evaluation_uri(spec)
         if base:
-            self._write_base_evaluation(vm, spec, base)
+            vm.run(self.keep_base_evaluation(spec, log_file)["command"])  # if the watch missed it (a short job)
         else:
-            kept = vm.run(f"{storage.read_command(uri, self.storage_tool)} 2>/dev/null || true").strip()
-            base = json.loads(kept) if kept else None
-            if base is None:
-                self.log.warning("The base model's evaluation is not in this log nor at %s", uri)
+            kept = vm.run(f"{storage.read_command(uri, self.storage_tool)} 2>/dev/null || true")
+            base = parse_lines(kept.splitlines()).base_evaluation()
+            if base:
+                self.log.info("The base model's evaluation %s, kept at %s", base, uri)
+            else:
+                self.log.warning("The base model's evaluation is neither in this log nor at %s", uri)
         return {"base": base, "trained": metrics.trained_evaluation()}
-
-    def _write_base_evaluation(self, vm: VmHook, spec: maxtext.RunSpec, base: dict[str, Any]) -> None:
-        uri = self.base_evaluation_uri(spec)
-        vm.run(f"printf '%s' {shlex.quote(json.dumps(base))} | {storage.write_command(uri, self.storage_tool)}")
-        self.log.info("The base model's evaluation %s is kept at %s", base, uri)

@@ -19,6 +19,7 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 VM_SCRIPTS = ("publish_model.py", "model_card.py")
 
 if TYPE_CHECKING:
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
     from airflow.sdk import Context
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
@@ -213,7 +214,9 @@ class HfExportOperator(MaxTextJobOperator):
         for name in VM_SCRIPTS:
             vm.put_bytes(f"{self.workdir}/vm_scripts/{name}", (scripts / name).read_bytes(), 0o644)
 
-    def results(self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics) -> dict:
+    def results(
+        self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics, paths: RemoteJobPaths
+    ) -> dict:
         text = vm.get_text(job.outputs["result_file"])
         if text is None:
             raise RemoteJobError(

@@ -17,6 +17,7 @@ from airflow_tpu_posttrain.recipes.runtime import Step
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
     from airflow.sdk import Context
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
@@ -220,13 +221,17 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         self.adopt_recovered_vm(context)
-        self.keep_base_evaluation_from_log(context, event)
         return super().execute_complete(context, event)
+
+    def on_output(self, context: Context, paths: RemoteJobPaths) -> dict[str, str]:
+        return self.keep_base_evaluation(self.resolved(context, self.run_spec(context)), paths.log_file)
 
     def on_vm_lost(self, context: Context, lost: Any) -> Any:
         return self.recover(context, lost)
 
-    def results(self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics) -> dict:
+    def results(
+        self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics, paths: RemoteJobPaths
+    ) -> dict:
         """The final checkpoint must be durable before the task succeeds: the TPU VM is deleted right after.
 
         Durable: in storage, or on the VM in the seeds' layout. Then the evaluations."""
@@ -238,7 +243,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
                 f"(no {committed}); a retry resumes from the newest checkpoint"
             )
         spec = self.resolved(context, self.run_spec(context))
-        return {"evaluation": self.evaluation(vm, spec, metrics)}
+        return {"evaluation": self.evaluation(vm, spec, metrics, paths.log_file)}
 
     def _overrides(self) -> list[str]:
         overrides = validation.blank_to_none(self.overrides)

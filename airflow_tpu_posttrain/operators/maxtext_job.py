@@ -367,6 +367,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 max_reconnect_attempts=self.max_reconnect_attempts,
                 vm=self.vm_watch(context),
                 stall_timeout=self.stall_timeout_s,
+                on_output=self.on_output(context, paths),
             ),
             method_name="execute_complete",
             timeout=self.execution_timeout,
@@ -432,7 +433,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             log = vm.run(f"{kept} 2>/dev/null || true")
         metrics = parse_lines(log.splitlines())
         result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
-        result.update(self.results(context, vm, job, metrics))
+        result.update(self.results(context, vm, job, metrics, paths))
         self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
         return result
 
@@ -440,6 +441,12 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         """What a user should know when the step failed (appended to the error)."""
         return ""
 
-    def results(self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics) -> dict:
+    def on_output(self, context: Context, paths: RemoteJobPaths) -> dict[str, str] | None:
+        """What the job's watch runs on the VM once the log shows a marker (``MaxTextJobTrigger``); None: nothing."""
+        return None
+
+    def results(
+        self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics, paths: RemoteJobPaths
+    ) -> dict:
         """Step-specific results read back from the VM (``metrics``: what the job's log said)."""
         return {}

@@ -85,10 +85,12 @@ def metric_lines_command(log_file: str) -> str:
 
 
 def complete_metric_lines_command(log_file: str) -> str:
-    """The metric lines of a log still being written: without its last line when that has no newline yet."""
+    """The metric lines of a log still being written: without its last line when that has no newline yet.
+
+    One group, so that it can start a pipeline."""
     log = shlex.quote(log_file)
     whole_lines = f"if [ -n \"$(tail -c1 {log})\" ]; then sed '$d' {log}; else cat {log}; fi"
-    return f"{{ {whole_lines}; }} | grep -aE {shlex.quote(LOG_FILTER)} || true"
+    return f"{{ {{ {whole_lines}; }} | grep -aE {shlex.quote(LOG_FILTER)} || true; }}"
 
 
 def wrapper_script(

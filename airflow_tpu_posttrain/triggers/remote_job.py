@@ -19,7 +19,8 @@ from airflow_tpu_posttrain.triggers.settle import not_before_settled
 if TYPE_CHECKING:
     from asyncssh import SSHClientConnection
 
-VM_LOST = "VM lost"  # starts the error event's message when Compute says the VM is gone
+VM_LOST = "VM lost"
+_MARKER_OVERLAP = 200  # characters of a chunk kept to find a marker that straddles two chunks  # starts the error event's message when Compute says the VM is gone
 
 
 class _VmGone(Exception):
@@ -40,6 +41,8 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         ``impersonation_chain``): when a reconnect fails, Compute is asked whether the VM is gone (preempted,
         TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
         remaining reconnect attempts.
+    :param on_output: ``{"marker", "command", "description"}``: once the log shows ``marker``, ``command`` runs on the
+        VM, once per watch (the training keeps the base model's evaluation where a resumed try finds it).
     :param stall_timeout: seconds without a new byte in the job's log after which the job is taken for hung (a
         trainer whose storage is unreachable is silent for minutes): its processes are stopped and the watch ends
         with the exit code ``remote_job.JOB_STALLED``. 0 or None: never. The clock starts with the watch.
@@ -53,6 +56,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         proxy_command: str | None = None,
         vm: dict[str, Any] | None = None,
         stall_timeout: float | None = None,
+        on_output: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -61,6 +65,8 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         self.proxy_command = proxy_command
         self.vm = vm
         self.stall_timeout = stall_timeout
+        self.on_output = on_output
+        self._output_tail = ""  # the end of the last chunk: a marker may straddle two chunks
         self._progress: tuple[int, float] | None = None  # (log offset, when it last grew)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -76,6 +82,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             "proxy_command": self.proxy_command,
             "vm": self.vm,
             "stall_timeout": self.stall_timeout,
+            "on_output": self.on_output,
         }
 
     def _get_hook(self) -> VmHookAsync:
@@ -121,6 +128,18 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         if instance.get("status") in DEAD_STATES:
             return f"{self.vm['name']} is {instance['status']} in {self.vm['zone']}"
         return None
+
+    async def _read_log_chunk(self, conn: SSHClientConnection) -> tuple[str, int]:
+        chunk, offset = await super()._read_log_chunk(conn)
+        if self.on_output and chunk:
+            seen, self._output_tail = self._output_tail + chunk, chunk[-_MARKER_OVERLAP:]
+            if self.on_output["marker"] in seen:
+                self.log.info("The log shows %r: %s", self.on_output["marker"], self.on_output["description"])
+                _, _, stderr = await self._run_command(conn, self.on_output["command"])
+                if stderr.strip():
+                    self.log.warning("%s: %s", self.on_output["description"], stderr.strip())
+                self.on_output = None  # once
+        return chunk, offset
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:
         pid_file = posixpath.join(self.job_dir, "pid")
