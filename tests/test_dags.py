@@ -309,7 +309,7 @@ def test_train_fails_without_retry_on_bad_override(dags):
     train = copy.copy(dag.get_task("train"))
     # What the templates would render to, with one bad override.
     train.accelerator_type, train.model, train.steps = "v6e-8", "gemma3-4b", None
-    train.dataset = train.train_split = train.train_data_columns = ""
+    train.dataset = train.train_split = train.eval_split = train.train_data_columns = ""
     train.converted_params = "/dev/shm/gemma3-4b/mt-format/0/items"
     train.evaluate = True
     train.overrides = ["learning_rate=1e-5", "steps=1 && id"]
@@ -345,7 +345,7 @@ BLANKS = [None, "", "None"]
 @pytest.mark.parametrize("blank", BLANKS, ids=repr)
 def test_sft_blank_values_mean_the_models_defaults(dags, blank):
     dag = dags[SFT_GEMMA]
-    fields = ("steps", "dataset", "train_split", "train_data_columns", "overrides")
+    fields = ("steps", "dataset", "train_split", "eval_split", "train_data_columns", "overrides")
     script = _script(_rendered(dag, "train", **dict.fromkeys(fields, blank)), dag)
     assert script == _script(_rendered(dag, "train", **dict.fromkeys(fields, None)), dag)
     assert "steps=1000" in script and "hf_path=HuggingFaceH4/ultrachat_200k" in script
@@ -359,11 +359,15 @@ def test_sft_evaluates_only_for_a_quality_gate(dags, rule):
     dag = dags[SFT_GEMMA]
     train = dag.get_task("train")
     evaluate = train.render_template(train.evaluate, {"params": {"quality_gate": rule}}, dag.get_template_env())
-    fields = ("steps", "dataset", "train_split", "train_data_columns", "overrides")
+    fields = ("steps", "dataset", "train_split", "eval_split", "train_data_columns", "overrides")
     script = _script(_rendered(dag, "train", evaluate=evaluate, **dict.fromkeys(fields)), dag)
     # MaxText evaluates before the first step and after the last: on UltraChat's held-out split (its default).
     assert ("eval_interval=1000" in script and "eval_steps=50" in script) == (rule != "off")
     assert "hf_eval_split" not in script
+    # Another dataset's held-out split, named in the form.
+    other = {**dict.fromkeys(fields), "dataset": "my-org/chats", "eval_split": "validation"}
+    script = _script(_rendered(dag, "train", evaluate=evaluate, **other), dag)
+    assert ("hf_path=my-org/chats" in script) and ("hf_eval_split=validation" in script) == (rule != "off")
 
 
 @pytest.mark.parametrize("blank", BLANKS, ids=repr)

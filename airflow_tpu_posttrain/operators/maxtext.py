@@ -262,6 +262,8 @@ class SftTrainOperator(_TrainOperator):
     :param steps: training steps (tutorial: 1000).
     :param dataset: Hub dataset id or ``json`` (tutorial: HuggingFaceH4/ultrachat_200k).
     :param train_split: (tutorial: train_sft). :param train_data_columns: (tutorial: ``['messages']``).
+    :param eval_split: the held-out split ``evaluate`` reads (default: the model's; for another dataset,
+        MaxText's default, test_sft).
     :param checkpoint_period: steps between checkpoints: how much a retry or a recovery can lose.
     :param evaluate: evaluate on the dataset's held-out rows before the first step and after the last (the
         quality gate's numbers; the tutorial does not).
@@ -275,6 +277,7 @@ class SftTrainOperator(_TrainOperator):
         "steps",
         "dataset",
         "train_split",
+        "eval_split",
         "train_data_columns",
         "checkpoint_period",
         "evaluate",
@@ -287,6 +290,7 @@ class SftTrainOperator(_TrainOperator):
         steps: int | str | None = None,
         dataset: str | None = None,
         train_split: str | None = None,
+        eval_split: str | None = None,
         train_data_columns: str | None = None,
         checkpoint_period: int | str = maxtext.DEFAULT_SFT_CHECKPOINT_PERIOD,
         evaluate: bool | str = False,
@@ -297,6 +301,7 @@ class SftTrainOperator(_TrainOperator):
         self.steps = steps
         self.dataset = dataset
         self.train_split = train_split
+        self.eval_split = eval_split
         self.train_data_columns = train_data_columns
         self.checkpoint_period = checkpoint_period
 
@@ -309,7 +314,8 @@ class SftTrainOperator(_TrainOperator):
             train_split=validation.blank_to_none(self.train_split) or base.train_split,
             train_data_columns=validation.blank_to_none(self.train_data_columns) or base.train_data_columns,
             train_files=base.train_files if hf_path == base.hf_path else None,
-            eval_split=base.eval_split,
+            eval_split=validation.blank_to_none(self.eval_split)
+            or (base.eval_split if hf_path == base.hf_path else None),
             eval_files=base.eval_files if hf_path == base.hf_path else None,
             eval_steps=base.eval_steps,
         )

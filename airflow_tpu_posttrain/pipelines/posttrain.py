@@ -216,6 +216,15 @@ def _params(cfg: PipelineConfig) -> dict[str, Param]:
                 description="The dataset split to train on: letters, digits, '.', '_', '-', e.g. train_sft. "
                 "Empty: the model's.",
             ),
+            "eval_split": Param(
+                cfg.eval_split,
+                type=["null", "string"],
+                pattern=_anchored(validation.SAFE_NAME_RE, empty_ok=True),
+                title="Held-out split",
+                description="The dataset split the quality gate's evaluation reads (not trained on), e.g. "
+                "test_sft. Empty: the model's (UltraChat's test_sft; with another dataset, test_sft too). A "
+                "dataset without one: set the quality gate off.",
+            ),
             "train_data_columns": Param(
                 cfg.train_data_columns,
                 type=["null", "string"],
@@ -403,6 +412,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 steps="{{ params.steps }}",
                 dataset="{{ params.dataset }}",
                 train_split="{{ params.train_split }}",
+                eval_split="{{ params.eval_split }}",
                 train_data_columns="{{ params.train_data_columns }}",
                 overrides="{{ params.overrides }}",
                 conversion=convert.output,

@@ -85,6 +85,7 @@ class PipelineConfig:
     maxtext_version: str | None = None
     dataset: str | None = None
     train_split: str | None = None
+    eval_split: str | None = None
     train_data_columns: str | None = None
     steps: int | None = None
     num_batches: int | None = None
