@@ -684,3 +684,41 @@ def test_a_new_model_is_a_profile_and_a_registry_line(tmp_path, monkeypatch):
     spec = maxtext.RunSpec(qwen, accelerator("v6e-8"), tpu_runtime(), RunLayout("qwen3-8b", "run-1"))
     assert "model_name=qwen3-8b" in maxtext.to_maxtext(spec).argv
     assert "steps=300" in maxtext.train_sft(spec).argv
+
+
+def test_on_change_schedules_a_pipeline_on_its_inputs_on_the_hub(tmp_path):
+    """``schedule: on_change``: the base model and the dataset as Assets, each watched on the Hub."""
+    import yaml
+
+    from airflow_tpu_posttrain.pipelines.posttrain import build_dag
+    from airflow_tpu_posttrain.pipelines.registry import load_registry
+    from airflow_tpu_posttrain.triggers.hub_revision import HubRevisionTrigger
+
+    registry = yaml.safe_load((DAGS_DIR / "models.yaml").read_text())
+    for entry in registry["pipelines"]:
+        entry["schedule"] = "on_change"
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(registry))
+    dags = {config.dag_id: build_dag(config) for config in load_registry(tmp_path / "models.yaml", local=False)}
+
+    def watched(dag_id: str) -> dict[str, tuple]:
+        assets = dags[dag_id].timetable.asset_condition.objects
+        found = {}
+        for asset in assets:
+            [watcher] = asset.watchers
+            assert isinstance(watcher.trigger, HubRevisionTrigger)
+            path, kwargs = watcher.trigger.serialize()
+            assert path == "airflow_tpu_posttrain.triggers.hub_revision.HubRevisionTrigger"
+            found[asset.uri] = (kwargs["repo_id"], kwargs["repo_type"], kwargs["hf_conn_id"], kwargs["poll_interval"])
+        return found
+
+    assert watched(SFT_GEMMA) == {
+        "hf://models/google/gemma-3-4b-it": ("google/gemma-3-4b-it", "model", "hf_default", 600),
+        "hf://datasets/HuggingFaceH4/ultrachat_200k": ("HuggingFaceH4/ultrachat_200k", "dataset", "hf_default", 600),
+    }
+    assert set(watched(RL_LLAMA).values()) == {
+        ("meta-llama/Llama-3.1-8B-Instruct", "model", "hf_default", 600),
+        ("openai/gsm8k", "dataset", "hf_default", 600),
+    }
+    # Any of them starts a run; the DAG has a start date to be scheduled from.
+    assert type(dags[SFT_GEMMA].timetable.asset_condition).__name__ == "AssetAny"
+    assert dags[SFT_GEMMA].start_date is not None

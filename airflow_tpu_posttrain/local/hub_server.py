@@ -72,6 +72,8 @@ _ROUTES = [
     ("POST", r"/api/validate-yaml", "validate_yaml"),
     ("GET", rf"/api/models/{_REPO}", "model_info"),
     ("GET", rf"/api/models/{_REPO}/revision/{_REV}", "model_info"),
+    ("GET", rf"/api/datasets/{_REPO}", "dataset_info"),
+    ("GET", rf"/api/datasets/{_REPO}/revision/{_REV}", "dataset_info"),
     ("GET", rf"/api/models/{_REPO}/refs", "list_refs"),
     ("POST", rf"/api/models/{_REPO}/branch/{_REV}", "create_branch"),
     ("PUT", rf"/api/models/{_REPO}/settings", "update_settings"),
@@ -386,10 +388,10 @@ class _Handler(BaseHTTPRequestHandler):
             # The real Hub answers a write with a read-only token 403 (huggingface/huggingface_hub#1653).
             raise HubError(403, "Forbidden: you must use a write token to upload to a repository.")
 
-    def _repo(self, repo_id: str, *, write: bool = False) -> dict:
+    def _repo(self, repo_id: str, *, write: bool = False, store: RepoStore | None = None) -> dict:
         if write:
             self._require_token(write=True)
-        repo = self.store.load_repo(repo_id)
+        repo = (store or self.store).load_repo(repo_id)
         token = self._token()
         can_read = repo is not None and (not repo["private"] or (token and self.server.hub.accepts(token)))
         if not can_read:  # private repos are hidden from anonymous callers, as on the real Hub
@@ -468,6 +470,29 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json({"errors": [{"message": m} for m in errors], "warnings": []}, status=400)
             return
         self._send_json({"errors": [], "warnings": []})
+
+    def _dataset_info(self, repo: str, rev: str = "main") -> None:
+        """What ``HfApi.dataset_info`` reads: the head commit of a dataset repo (its owner uploads it)."""
+        datasets = self.server.hub.datasets
+        repo_data = self._repo(repo, store=datasets)
+        commit = datasets.load_commit(repo, datasets.resolve_revision(repo, repo_data, rev))
+        self._send_json(
+            {
+                "_id": hashlib.sha1(f"datasets/{repo}".encode()).hexdigest()[:24],
+                "id": repo,
+                "author": repo.split("/")[0],
+                "sha": commit["id"],
+                "lastModified": commit["date"],
+                "createdAt": repo_data["createdAt"],
+                "private": repo_data["private"],
+                "gated": repo_data.get("gated", False),
+                "disabled": False,
+                "downloads": 0,
+                "likes": 0,
+                "tags": [],
+                "siblings": [{"rfilename": path} for path in sorted(commit["files"])],
+            }
+        )
 
     def _model_exists(self, repo_id: str) -> bool:
         try:
@@ -760,6 +785,9 @@ class HubServer:
         self.root_dir = Path(root_dir)
         self.root_dir.mkdir(parents=True, exist_ok=True)
         self.store = RepoStore(self.root_dir)
+        # Dataset repos: a namespace of their own, as on the Hub ("_" starts no owner name). Read-only here: their
+        # owners' uploads are seeded (RepoStore.seed_repo).
+        self.datasets = RepoStore(self.root_dir / "_datasets")
         self.requests: list[RecordedRequest] = []
         self._tokens = frozenset(tokens) if tokens is not None else None
         self._read_only_tokens = frozenset(read_only_tokens)

@@ -36,7 +36,7 @@ from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
 from airflow_tpu_posttrain.recipes.install import install_script
-from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO, model_profile
+from airflow_tpu_posttrain.recipes.models import TINY_CHATS_REPO, TINY_LLAMA_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
@@ -143,7 +143,7 @@ class LocalStack:
 
     def start(self) -> dict[str, str]:
         prepare_vm_image(self.local_dir, self.python312)
-        for stale in ("instances", "storage", "published", "hub", "gcs"):
+        for stale in ("instances", "storage", "published", "hub", "hub-seed", "gcs"):
             shutil.rmtree(self.vm_dir / stale, ignore_errors=True)
         for part in (self.storage_dir, self.published_dir, self.vm_dir / "hub"):
             part.mkdir(parents=True)
@@ -159,7 +159,19 @@ class LocalStack:
         self.compute.start()
         self.hub.start()
         self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
+        self.seed_tiny_chats()
         return self.environment()
+
+    def seed_tiny_chats(self) -> str:
+        """The tiny model's SFT chats as their dataset repo on the local Hub (what ``on_change`` watches).
+
+        Returns the new revision; seeding again (after changing the files) is a new commit by their owner."""
+        chats = self.vm_dir / "hub-seed" / "tiny-chats"
+        shutil.rmtree(chats, ignore_errors=True)
+        chats.mkdir(parents=True)
+        for name in ("sft.jsonl", "sft_eval.jsonl"):
+            shutil.copy(self.local_dir / "tiny" / "data" / name, chats / name)
+        return self.hub.datasets.seed_repo(TINY_CHATS_REPO, chats)
 
     @property
     def bin_dir(self) -> Path:

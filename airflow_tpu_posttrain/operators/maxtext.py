@@ -12,7 +12,7 @@ from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInpu
 from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
-from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset
+from airflow_tpu_posttrain.recipes.models import GSM8K_REPO, ModelProfile, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Step
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -386,7 +386,7 @@ class GrpoTrainOperator(_TrainOperator):
                 "run_name": spec.layout.run_name,
                 "num_batches": batches,
                 # MaxText reads GSM8K from the Hub unless the profile names local files.
-                **self.provenance(spec, None if spec.model.rl_dataset.train_files else "openai/gsm8k"),
+                **self.provenance(spec, None if spec.model.rl_dataset.train_files else GSM8K_REPO),
             },
             reads_hub=True,
         )

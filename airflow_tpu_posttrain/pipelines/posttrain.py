@@ -25,6 +25,7 @@ from airflow_tpu_posttrain.operators.maxtext import (
 from airflow_tpu_posttrain.operators.quality_gate import QualityGateOperator
 from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
+from airflow_tpu_posttrain.pipelines.inputs import ON_CHANGE, input_assets
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 from airflow_tpu_posttrain.recipes import compute, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
@@ -306,7 +307,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     }
     dag = DAG(
         dag_id=cfg.dag_id,
-        schedule=cfg.schedule,
+        schedule=input_assets(cfg) if cfg.schedule == ON_CHANGE else cfg.schedule,
         start_date=None if cfg.schedule is None else START_DATE,
         catchup=False,
         max_active_runs=1,

@@ -65,7 +65,10 @@ class PipelineConfig:
     layout: str = "split"
     checkpoint_storage: str | None = None
     cpu_accelerator_type: str = "cpu-highmem-16"
+    # A cron expression or preset, None (manual runs only), or "on_change": a run when the Hub shows a new revision
+    # of the base model or the dataset (pipelines/inputs.py), looked at every watch_interval_s seconds.
     schedule: str | None = None
+    watch_interval_s: int = 600
     project_id: str | None = None
     zones: tuple[str, ...] = ("us-east5-b",)
     accelerator_type: str = DEFAULT_ACCELERATOR
@@ -197,6 +200,7 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
                 poll_interval_s=2,
                 checkpoint_period=2,
                 stall_timeout_s=180,
+                watch_interval_s=2,
             )
         for key in ("zones", "overrides", "tags", "ssh_source_ranges"):
             if key in merged:

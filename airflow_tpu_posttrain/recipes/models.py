@@ -21,6 +21,7 @@ class SftDataset:
     eval_split: str | None = None  # hf_eval_split; None keeps MaxText's default (UltraChat's test_sft)
     eval_files: str | None = None  # hf_eval_files: a local file of held-out rows for builders such as 'json'
     eval_steps: int = 50  # batches each evaluation reads (the quality gate's, before the first and after the last step)
+    source_repo: str | None = None  # the Hub dataset local files were taken from (watched by schedule: on_change)
 
     def __post_init__(self) -> None:
         validation.safe_relative_path("hf_path", self.hf_path)
@@ -41,6 +42,7 @@ class RlDataset:
 
     train_files: str | None = None
     eval_files: str | None = None
+    source_repo: str | None = None  # the Hub dataset the files were taken from (watched by schedule: on_change)
 
     def __post_init__(self) -> None:
         if self.train_files is not None:
@@ -51,6 +53,7 @@ class RlDataset:
 
 ULTRACHAT_200K = SftDataset(hf_path="HuggingFaceH4/ultrachat_200k", train_split="train_sft")
 GSM8K = RlDataset()
+GSM8K_REPO = "openai/gsm8k"  # what MaxText's GRPO recipe reads when no files are given
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ TINY_LLAMA_DIMS: Mapping[str, str] = MappingProxyType(
 DEFAULT_TINY_LLAMA_ROOT = "/dev/shm/tiny-llama/source"
 # The tiny model's repo on the local Hub: gated, as Gemma and Llama are, so every step reads it with the token.
 TINY_LLAMA_REPO = "local/tiny-llama"
+# The tiny model's SFT chats as a dataset repo on the local Hub, uploaded with them: what on_change watches.
+TINY_CHATS_REPO = "local/tiny-chats"
 
 
 def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
@@ -123,6 +128,7 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
             eval_split="train",
             eval_files=f"{root}/data/sft_eval.jsonl",
             eval_steps=2,
+            source_repo=TINY_CHATS_REPO,
         ),
         rl_dataset=RlDataset(
             train_files=f"{root}/data/gsm8k/train.parquet", eval_files=f"{root}/data/gsm8k/test.parquet"
