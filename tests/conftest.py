@@ -29,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 HF_TOKEN = "hf_marker_token_7f3a9c2e51d04b8a"
 
 
-# The runs of tests about something else leave the quality gate off: its SFT evaluations add about a minute of
-# compiling on CPU per run. test_pipeline_local, test_preemption and the demo run with the gate on (the default).
-NO_GATE = {"quality_gate": "off"}
+# The conf of runs in tests about something else. The quality gate off: its SFT evaluations add about a minute of
+# compiling on CPU per run (test_pipeline_local, test_preemption and the demo run with the gate on, the default).
+# Training forced: a module's runs share one Airflow DB and one local Hub, so after one run publishes, the next with
+# the same inputs would be skipped (test_pipeline_local tests that).
+FOCUSED_RUN = {"quality_gate": "off", "force": True}
 
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:

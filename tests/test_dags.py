@@ -37,6 +37,7 @@ SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_TINY, RL_TINY)
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
 CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"
 BODY = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
+CHECK = "check_inputs"  # first: a run with the inputs of the last published model creates nothing
 GATE = "quality_gate"  # between the training and the export: needs no VM, and takes no time worth a timeout's share
 ON_TPU = ("install_maxtext", "train")  # split layout: the steps on the TPU VM; the others run on the CPU VM
 POOL = "tpu_vms"
@@ -158,10 +159,10 @@ def test_setup_teardown_pair(dags, dag_id):
 @pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
 def test_seeds_layout_chain(dags, dag_id):
     dag = dags[dag_id]
-    chain = (CREATE, *BODY[:3], GATE, BODY[3], DELETE)
+    chain = (CHECK, CREATE, *BODY[:3], GATE, BODY[3], DELETE)
     for up, down in itertools.pairwise(chain):
         assert up in dag.get_task(down).upstream_task_ids, f"{up} >> {down} is missing"
-    assert dag.get_task(CREATE).upstream_task_ids == set()
+    assert dag.get_task(CHECK).upstream_task_ids == set() and dag.get_task(CREATE).upstream_task_ids == {CHECK}
     assert dag.get_task(BODY[0]).upstream_task_ids == {CREATE}
     assert set(dag.task_ids) == {*chain, WATCHER}
     assert all(dag.get_task(t).checkpoint_storage is None for t in BODY)
@@ -171,9 +172,10 @@ def test_seeds_layout_chain(dags, dag_id):
 def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     dag = dags[dag_id]
     upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
-    assert set(dag.task_ids) == {CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, GATE, WATCHER}
-    # The CPU VM converts while the TPU VM is created and installed; training needs both.
-    assert upstream[CREATE] == upstream[CREATE_CPU] == set()
+    assert set(dag.task_ids) == {CHECK, CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, GATE, WATCHER}
+    # The CPU VM converts while the TPU VM is created and installed; training needs both. Neither is created
+    # when the inputs are those of the last published model.
+    assert upstream[CHECK] == set() and upstream[CREATE] == upstream[CREATE_CPU] == {CHECK}
     # Each step is wired to its VM by the create's XComArg (``vm=create.output``): the create is its upstream.
     assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU, CREATE_CPU}
     assert upstream["install_maxtext"] == {CREATE}
@@ -182,7 +184,9 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     assert upstream[DELETE] == {CREATE, "train"}
     # The quality gate judges the training before anything is exported or published.
     assert upstream[GATE] == {"train"}
-    assert upstream["export_and_publish"] == {GATE, "train", CREATE_CPU}
+    # The export records the inputs it published (wired as the check's XComArg).
+    assert upstream["export_and_publish"] == {GATE, "train", CREATE_CPU, CHECK}
+    assert dag.get_task("export_and_publish").inputs.operator.task_id == CHECK
     assert upstream[DELETE_CPU] == {CREATE_CPU, "export_and_publish"}
     for task_id in (INSTALL_CPU, "convert_to_maxtext", "export_and_publish"):
         assert create_task_id(dag.get_task(task_id)) == CREATE_CPU, task_id

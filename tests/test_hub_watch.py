@@ -7,7 +7,9 @@ remembers what it saw (the asset's state store) and reports a change made while 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import pytest
 
@@ -132,3 +134,61 @@ def test_an_unreachable_hub_is_asked_again_not_a_failed_watch(hub, tmp_path, mon
 
     asyncio.run(scenario())
     assert state.values[REVISION_KEY] == revision
+
+
+# --------------------------------------------------------- on Airflow's real scheduler, triggerer and dag-processor
+
+WATCH_DAG = """
+from datetime import datetime
+
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import DAG
+
+from airflow_tpu_posttrain.pipelines.inputs import input_assets
+from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+# The tiny SFT entry's inputs, as `schedule: on_change` watches them; a DAG that only notes it was started.
+inputs = PipelineConfig(model="tiny-llama", recipe="sft", layout="seeds", hf_conn_id="hf_watch", watch_interval_s=1)
+with DAG("watch_probe", schedule=input_assets(inputs), start_date=datetime(2026, 1, 1), catchup=False):
+    EmptyOperator(task_id="started")
+"""
+
+
+def test_a_new_dataset_revision_on_the_hub_starts_a_run_and_an_unchanged_hub_none(tmp_path):
+    """``schedule: on_change`` end to end: the watchers in the triggerer, the asset events, the scheduler's run."""
+    from airflow_tpu_posttrain.recipes.models import TINY_CHATS_REPO, TINY_LLAMA_REPO
+    from bench.local_airflow import LocalAirflow
+
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "watch_probe.py").write_text(WATCH_DAG)
+    with HubServer(tmp_path / "hub", tokens=[TOKEN]) as hub:
+        _seed(hub.store, TINY_LLAMA_REPO, tmp_path / "model", '{"model_type": "llama"}\n')
+        _seed(hub.datasets, TINY_CHATS_REPO, tmp_path / "v1", '{"messages": []}\n')
+        connection = json.dumps({"conn_type": "generic", "host": hub.url, "password": TOKEN})
+        with LocalAirflow(tmp_path / "airflow", {"AIRFLOW_CONN_HF_WATCH": connection}, dags_folder=dags) as airflow:
+            airflow.wait_for_dags(["watch_probe"], present="watch_probe")
+            airflow.api("PATCH", "/dags/watch_probe", json={"is_paused": False})
+
+            def runs() -> list[dict]:
+                return airflow.api("GET", "/dags/watch_probe/dagRuns").json()["dag_runs"]
+
+            def baselines() -> int:
+                with contextlib.closing(airflow.db()) as db:
+                    return db.execute("SELECT count(*) FROM asset_state_store WHERE key = ?", (REVISION_KEY,)).fetchone()[0]
+
+            deadline = time.monotonic() + 120
+            while baselines() < 2:  # both watches have seen what is there
+                assert time.monotonic() < deadline, airflow.log_tail("triggerer")
+                time.sleep(1)
+            time.sleep(5)  # five more looks at an unchanged Hub
+            assert runs() == []
+
+            _seed(hub.datasets, TINY_CHATS_REPO, tmp_path / "v2", '{"messages": [{"role": "user"}]}\n')
+            deadline = time.monotonic() + 120
+            while not runs():
+                assert time.monotonic() < deadline, airflow.log_tail("triggerer") + airflow.log_tail("scheduler")
+                time.sleep(1)
+            time.sleep(5)
+            [run] = runs()  # one run for one new revision
+            assert run["run_type"] == "asset_triggered", run

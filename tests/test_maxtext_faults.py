@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from conftest import HF_TOKEN, NO_GATE, log_excerpt, storage_has
+from conftest import FOCUSED_RUN, HF_TOKEN, log_excerpt, storage_has
 from test_pipeline_local import SEEDS_ROOT, WORKDIR, before_vm_end, token_probe
 from test_reattach import vm_of_its_own
 
@@ -73,7 +73,7 @@ def _fixed_run_id(run_id: str):
 def _run_pipeline(conf: dict):
     """The faulted/reused run: always the same run_id and logical date, so the second call is a re-run."""
     with _fixed_run_id(RUN_ID):
-        return _dag().test(run_conf={**NO_GATE, **conf}, logical_date=LOGICAL_DATE)
+        return _dag().test(run_conf={**FOCUSED_RUN, **conf}, logical_date=LOGICAL_DATE)
 
 
 def _tis(dag_run):

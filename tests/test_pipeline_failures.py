@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import NO_GATE, REPO, log_excerpt, storage_has
+from conftest import FOCUSED_RUN, REPO, log_excerpt, storage_has
 from test_pipeline_local import SEEDS_ROOT, WORKDIR, VmEnds
 
 from airflow_tpu_posttrain.local.stack import LOCAL_LOGIN
@@ -66,7 +66,7 @@ def run_pipeline(conf: dict | None = None, logical_date: datetime | None = None,
     DAG run."""
     from airflow.models.dagrun import DagRun
 
-    kwargs: dict = {"run_conf": {"steps": STEPS, **NO_GATE, **(conf or {})}}
+    kwargs: dict = {"run_conf": {"steps": STEPS, **FOCUSED_RUN, **(conf or {})}}
     if logical_date is not None:
         kwargs["logical_date"] = logical_date
     with pytest.MonkeyPatch.context() as mp:

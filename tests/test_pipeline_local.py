@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from conftest import HF_TOKEN, NO_GATE, REPO, storage_has, storage_objects
+from conftest import FOCUSED_RUN, HF_TOKEN, REPO, storage_has, storage_objects
 
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
@@ -223,7 +223,30 @@ def test_tiny_sft_end_to_end(stack, capfd):
         assert on_vm["token_in"] == [] and on_vm["secrets_left"] == [], (name, on_vm)
 
 
-def test_tiny_rl_end_to_end(stack, capfd):
+
+def test_unchanged_inputs_skip_the_run_and_a_new_dataset_revision_does_not(stack, capfd):
+    """After test_tiny_sft_end_to_end published (it runs first, in this module's stack and Airflow DB).
+
+    The same inputs again: the run is skipped before any VM is created. Then the dataset's owner pushes a new
+    revision of the chats to the Hub: the check lets the run train."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    inserts_before = len([r for r in stack.compute.requests if r["method"] == "POST"])
+    dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(stack.published_dir)})
+    logs = "".join(capfd.readouterr())
+    assert dr.state == "success" and set(states(dr).values()) == {"skipped"}, states(dr)
+    assert "Inputs unchanged since the last published model" in logs and "Trigger with force=true" in logs
+    assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before  # no VM, no rule
+
+    revision = stack.seed_tiny_chats()
+    dag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag("posttrain_sft__tiny-llama")
+    # Only the check runs; every other task is marked done without running (no VM is created).
+    checked = dag.test(run_conf={"storage_uri": str(stack.published_dir)}, mark_success_pattern=r"^(?!check_inputs$)")
+    logs = "".join(capfd.readouterr())
+    assert states(checked)["check_inputs"] == "success", states(checked)
+    assert xcom(checked, "check_inputs")["revisions"]["dataset:local/tiny-chats"] == revision
+    assert "changed since the last published model: revisions" in logs
+    assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before
     with before_vm_end(stack, token_probe(stack)) as ends:
         dr = run_pipeline("posttrain_rl__tiny-llama")
         logs = "".join(capfd.readouterr())
@@ -274,7 +297,7 @@ def test_tiny_sft_in_the_seeds_layout(stack, capfd):
         return {"under_root": sorted(str(p.relative_to(root)) for p in paths)}
 
     with before_vm_end(stack, probe) as ends:
-        dr = run_pipeline("posttrain_sft__tiny-llama__seeds", NO_GATE)
+        dr = run_pipeline("posttrain_sft__tiny-llama__seeds", FOCUSED_RUN)
         capfd.readouterr()
         assert dr.state == "success", states(dr)
         vm = xcom(dr, "create_tpu_vm")["name"]

@@ -15,7 +15,7 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from conftest import NO_GATE, log_excerpt, storage_has, storage_objects
+from conftest import FOCUSED_RUN, log_excerpt, storage_has, storage_objects
 from test_maxtext_faults import _COMPLETED, JOBS, _dag, _fixed_run_id, _return_value, _tis, _vm_session
 
 DAG_ID = "posttrain_sft__tiny-llama"
@@ -104,7 +104,7 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
     outage.start()
     try:
         with _fixed_run_id(RUN_ID):
-            dag_run = _dag().test(run_conf={"steps": STEPS, **NO_GATE}, logical_date=LOGICAL_DATE)
+            dag_run = _dag().test(run_conf={"steps": STEPS, **FOCUSED_RUN}, logical_date=LOGICAL_DATE)
     finally:
         outage.stop.set()
         outage.join(30)

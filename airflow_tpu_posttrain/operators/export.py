@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
 from airflow_tpu_posttrain.exceptions import RemoteJobError
+from airflow_tpu_posttrain.operators.inputs_check import PUBLISHED_INPUTS_KEY
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -49,7 +50,7 @@ class HfExportOperator(MaxTextJobOperator):
     in XCom ``kept_export``), and a retry or a re-run on a new VM publishes that copy without exporting again.
 
     XCom: ``export_dir``, ``kept_uri``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``,
-    ``validated``.
+    ``validated``; and ``inputs``, what the published model was trained from (``InputsCheckOperator``).
 
     :param trained: the training task's record, wired as its XComArg (``train.output``): its ``checkpoint`` is
         what to export.
@@ -57,12 +58,15 @@ class HfExportOperator(MaxTextJobOperator):
     :param hub_repo_id: ``owner/name`` on the Hub (or None). :param hub_private: create the repo private.
     :param storage_uri: where to copy the model, into ``<storage_uri>/<run name>`` (or None). At least one
         publish target is required.
+    :param inputs: the run's inputs, wired as the inputs check's XComArg (``check.output``): recorded once the
+        model is published, so that a run with the same inputs is skipped.
     """
 
     template_fields: Sequence[str] = (
         *MaxTextJobOperator.template_fields,
         "trained",
         "trained_checkpoint",
+        "inputs",
         "hub_repo_id",
         "storage_uri",
     )
@@ -77,9 +81,11 @@ class HfExportOperator(MaxTextJobOperator):
         hub_repo_id: str | None = None,
         hub_private: bool = True,
         storage_uri: str | None = None,
+        inputs: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.inputs = inputs
         self.trained = trained
         self.trained_checkpoint = trained_checkpoint
         self.hub_repo_id = hub_repo_id
@@ -236,4 +242,6 @@ class HfExportOperator(MaxTextJobOperator):
         link = hub["url"] if hub else published.get("storage_uri")
         if link:
             context["ti"].xcom_push(key=PublishedModelLink().xcom_key, value=link)
+        if isinstance(self.inputs, dict):
+            context["ti"].xcom_push(key=PUBLISHED_INPUTS_KEY, value=self.inputs)
         return published

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from airflow_tpu_posttrain.recipes.models import GSM8K_REPO, model_profile
+from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
 
 if TYPE_CHECKING:
     from airflow.sdk.definitions.asset import BaseAsset
@@ -16,19 +16,6 @@ if TYPE_CHECKING:
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
 ON_CHANGE = "on_change"
-
-
-def watched_repos(cfg: PipelineConfig) -> list[tuple[str, str]]:
-    """``(repo_id, repo_type)`` of the entry's inputs on the Hub: its base model, and its dataset if it is one."""
-    profile = model_profile(cfg.model)
-    repos = [(profile.hf_source, "model")]
-    if cfg.recipe == "sft":
-        dataset = cfg.dataset or profile.sft_dataset.source_repo or profile.sft_dataset.hf_path
-    else:
-        dataset = profile.rl_dataset.source_repo or (None if profile.rl_dataset.train_files else GSM8K_REPO)
-    if dataset and "/" in dataset:
-        repos.append((dataset, "dataset"))
-    return repos
 
 
 def input_assets(cfg: PipelineConfig) -> BaseAsset:
@@ -53,7 +40,7 @@ def input_assets(cfg: PipelineConfig) -> BaseAsset:
                 )
             ],
         )
-        for repo_id, repo_type in watched_repos(cfg)
+        for repo_id, repo_type in input_repos(model_profile(cfg.model), cfg.recipe, cfg.dataset)
     ]
     schedule = assets[0]
     for asset in assets[1:]:

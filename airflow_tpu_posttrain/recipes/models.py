@@ -171,3 +171,19 @@ def model_profile(key: str) -> ModelProfile:
         return MODELS[key]
     except (KeyError, TypeError):
         raise SpecError("model", key, "is not a known model", f"use one of: {', '.join(MODELS)}") from None
+
+
+def input_repos(profile: ModelProfile, recipe: str, dataset: str | None = None) -> list[tuple[str, str]]:
+    """``(repo_id, repo_type)`` of a run's inputs on the Hub: the base model, and the dataset if it is one.
+
+    ``dataset``: the run's SFT dataset, when not the model's."""
+    repos = [(profile.hf_source, "model")]
+    if recipe == "sft":
+        data = profile.sft_dataset
+        dataset = dataset or data.source_repo or data.hf_path
+    else:
+        data = profile.rl_dataset
+        dataset = data.source_repo or (None if data.train_files else GSM8K_REPO)
+    if dataset and "/" in dataset:
+        repos.append((dataset, "dataset"))
+    return repos

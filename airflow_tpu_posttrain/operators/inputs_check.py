@@ -1,0 +1,117 @@
+"""Retrain only when something changed: a run whose inputs equal those of the last published model is skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+
+from airflow_tpu_posttrain.exceptions import InvalidInputError
+from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+PUBLISHED_INPUTS_KEY = "inputs"  # the export's XCom: the inputs of the model it published
+
+
+class InputsCheckOperator(BaseOperator):
+    """Skips the whole run, before any VM is created, when nothing it would train from has changed.
+
+    The inputs: the base model's and the dataset's revisions on the Hub (the commit of each now), the MaxText
+    version and the run's recipe settings. They are compared with those the export recorded (XCom
+    ``inputs`` of ``publish_task_id``) when it last published, in this run or one of an earlier date. XCom: the
+    inputs, for the export to record.
+
+    :param model: model profile key.
+    :param recipe: ``sft`` or ``rl``.
+    :param dataset: the run's SFT dataset (blank: the model's).
+    :param maxtext_version: the run's MaxText release (blank: the model's).
+    :param settings: the run's recipe settings (rendered Params, e.g. steps), compared as given (blank = None).
+    :param hf_conn_id: connection whose password is the Hugging Face token and whose host, if set, the Hub.
+    :param force: train even when nothing changed.
+    :param publish_task_id: the task that records what it published.
+    """
+
+    template_fields: Sequence[str] = ("model", "dataset", "maxtext_version", "settings", "force")
+    ui_color = "#e8e8f4"
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        recipe: str,
+        dataset: str | None = None,
+        maxtext_version: str | None = None,
+        settings: Mapping[str, Any] | None = None,
+        hf_conn_id: str | None = None,
+        force: bool | str = False,
+        publish_task_id: str = "export_and_publish",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.model = model
+        self.recipe = recipe
+        self.dataset = dataset
+        self.maxtext_version = maxtext_version
+        self.settings = settings
+        self.hf_conn_id = hf_conn_id
+        self.force = force
+        self.publish_task_id = publish_task_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        try:
+            profile = model_profile(self.model)
+            force = validation.flag("force", self.force)
+        except SpecError as err:
+            raise InvalidInputError.of(self.task_id, err) from err
+        dataset = validation.blank_to_none(self.dataset) if self.recipe == "sft" else None
+        inputs = {
+            "model": profile.key,
+            "revisions": self._revisions(input_repos(profile, self.recipe, dataset)),
+            "maxtext_version": validation.blank_to_none(self.maxtext_version) or profile.maxtext_version,
+            "settings": {key: _comparable(value) for key, value in sorted((self.settings or {}).items())},
+        }
+        last = context["ti"].xcom_pull(
+            task_ids=self.publish_task_id, key=PUBLISHED_INPUTS_KEY, include_prior_dates=True
+        )
+        if last is None:
+            self.log.info("Inputs %s; no model published yet", inputs)
+            return inputs
+        changed = sorted(key for key in inputs if last.get(key) != inputs[key])
+        if changed:
+            self.log.info("Inputs %s; changed since the last published model: %s", inputs, ", ".join(changed))
+            return inputs
+        if force:
+            self.log.info("Inputs unchanged since the last published model; training anyway (force)")
+            return inputs
+        raise AirflowSkipException(
+            f"Inputs unchanged since the last published model ({inputs}): nothing to train, no VM created. "
+            "Trigger with force=true to train anyway."
+        )
+
+    def _revisions(self, repos: list[tuple[str, str]]) -> dict[str, str]:
+        """``{"<type>:<repo>": commit}`` of each repo now."""
+        from huggingface_hub import HfApi
+
+        endpoint, token = None, None
+        if self.hf_conn_id:
+            from airflow.sdk import BaseHook
+
+            connection = BaseHook.get_connection(self.hf_conn_id)
+            endpoint, token = connection.host or None, connection.password or None
+        api = HfApi(endpoint=endpoint, token=token)
+        return {f"{kind}:{repo}": api.repo_info(repo, repo_type=kind).sha for repo, kind in repos}
+
+
+def _comparable(value: Any) -> Any:
+    """A rendered Param as compared: blank (None, "", "None", []) is None, a list a list."""
+    value = validation.blank_to_none(value)
+    if isinstance(value, (list, tuple)):
+        return list(value) or None
+    return value
