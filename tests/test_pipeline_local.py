@@ -197,6 +197,9 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert f"at revision `{converted['source_revision']}`" in card.text and "SFT, 5 steps" in card.text
     assert f"`posttrain_sft__tiny-llama` / `{dr.run_id}`" in card.text
     assert f"| eval loss on held-out data (base → trained) | {base} → {after} |" in card.text
+    # What training cost: the TPU VM from its creation (Compute's timestamp) to the end of training.
+    assert re.search(r"\| training VM, creation → end of training \| tpu-\S+ \(e2-standard-2, STANDARD\) ran "
+                     r"\d+ min \d+ s: \$0\.\d\d at \$0\.067/h \|", card.text), card.text
     assert "![Training curve](training_curve.png)" in card.text
     curve = Path(hf_hub_download(filename="training_curve.png", **download)).read_bytes()
     assert curve.startswith(b"\x89PNG") and (model_copy / "training_curve.png").read_bytes() == curve

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow_tpu_posttrain.exceptions import RemoteJobError
 from airflow_tpu_posttrain.operators.inputs_check import PUBLISHED_INPUTS_KEY
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
-from airflow_tpu_posttrain.recipes import maxtext, storage, validation
+from airflow_tpu_posttrain.recipes import cost, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 # Copied to the VM's workdir by each try: the publish script first, then the module it imports.
@@ -58,6 +58,8 @@ class HfExportOperator(MaxTextJobOperator):
     :param hub_repo_id: ``owner/name`` on the Hub (or None). :param hub_private: create the repo private.
     :param storage_uri: where to copy the model, into ``<storage_uri>/<run name>`` (or None). At least one
         publish target is required.
+    :param prices: USD per hour by machine type and provisioning model (``recipes/cost.py``; default its
+        table): the model card's cost of the training VM, from its creation to the end of training.
     :param inputs: the run's inputs, wired as the inputs check's XComArg (``check.output``): recorded once the
         model is published, so that a run with the same inputs is skipped.
     """
@@ -82,10 +84,12 @@ class HfExportOperator(MaxTextJobOperator):
         hub_private: bool = True,
         storage_uri: str | None = None,
         inputs: Any = None,
+        prices: Mapping[str, Mapping[str, float]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.inputs = inputs
+        self.prices = prices
         self.trained = trained
         self.trained_checkpoint = trained_checkpoint
         self.hub_repo_id = hub_repo_id
@@ -213,7 +217,22 @@ class HfExportOperator(MaxTextJobOperator):
             "run_id": context["dag_run"].run_id,
             "metrics": trained.get("metrics") or {},
             "evaluation": trained.get("evaluation") or {},
+            "training_cost": self._training_cost(trained),
         }
+
+    def _training_cost(self, trained: dict[str, Any]) -> str | None:
+        """The training VM's time and cost, from its creation to the end of training (the card's line).
+
+        The VM's teardown, which may end after the card is written, logs the billed figure."""
+        vm = trained.get("vm") or {}
+        if not (vm.get("created_at") and trained.get("finished_at") and vm.get("machine_type")):
+            return None
+        instance = {
+            "machineType": vm["machine_type"],
+            "scheduling": {"provisioningModel": vm.get("provisioning_model")},
+            "creationTimestamp": vm["created_at"],
+        }
+        return cost.vm_cost(vm.get("name") or "VM", instance, trained["finished_at"], self.prices).describe()
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         scripts = resources.files("airflow_tpu_posttrain.vm_scripts")

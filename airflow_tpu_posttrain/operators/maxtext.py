@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -198,14 +199,16 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
     def provenance(self, spec: maxtext.RunSpec, dataset: str | None) -> dict[str, Any]:
         """What the export's model card says of this training.
 
-        Recipe, dataset (a Hub id, or None for local files), the accelerator, and the base model's revision
-        the conversion read."""
+        Recipe, dataset (a Hub id, or None for local files), the accelerator, the base model's revision the
+        conversion read, and the VM that trained (for its cost: its machine, provisioning model and creation)."""
         conversion = self.conversion if isinstance(self.conversion, dict) else {}
+        vm = self.vm if isinstance(self.vm, dict) else {}
         return {
             "recipe": self.step_title,
             "dataset": dataset if dataset and "/" in dataset else None,
             "accelerator": spec.accelerator.type,
             "source_revision": conversion.get("source_revision"),
+            "vm": {key: vm.get(key) for key in ("name", "machine_type", "provisioning_model", "created_at")},
         }
 
     def execute(self, context: Context) -> Any:
@@ -243,7 +246,10 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
                 f"(no {committed}); a retry resumes from the newest checkpoint"
             )
         spec = self.resolved(context, self.run_spec(context))
-        return {"evaluation": self.evaluation(vm, spec, metrics, paths.log_file)}
+        return {
+            "evaluation": self.evaluation(vm, spec, metrics, paths.log_file),
+            "finished_at": datetime.now(UTC).isoformat(),
+        }
 
     def _overrides(self) -> list[str]:
         overrides = validation.blank_to_none(self.overrides)

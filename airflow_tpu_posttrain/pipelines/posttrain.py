@@ -236,6 +236,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             task_id="export_and_publish",
             trained=train.output,
             inputs=check.output,
+            prices=cfg.prices,
             hub_repo_id="{{ params.hub_repo_id }}",
             storage_uri="{{ params.storage_uri }}",
             execution_timeout=t.export,

@@ -93,6 +93,8 @@ def write_card(model_dir: Path, facts: dict) -> None:
     before, after = ((evaluation.get(which) or {}).get("eval_loss") for which in ("base", "trained"))
     if before is not None and after is not None:
         rows.append(("eval loss on held-out data (base → trained)", _change(before, after)))
+    if facts.get("training_cost"):
+        rows.append(("training VM, creation → end of training", facts["training_cost"]))
     for key, label in (("accuracy", "accuracy"), ("mean_reward", "mean reward")):
         before, after = (metrics.get("pre_rl") or {}).get(key), (metrics.get("post_rl") or {}).get(key)
         if before is not None and after is not None:
