@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -204,6 +205,11 @@ def test_tiny_sft_end_to_end(stack, capfd):
     curve = Path(hf_hub_download(filename="training_curve.png", **download)).read_bytes()
     assert curve.startswith(b"\x89PNG") and (model_copy / "training_curve.png").read_bytes() == curve
     assert ModelCard.load(model_copy / "README.md").content == card.content
+    if os.environ.get("TPU_POSTTRAIN_SCREENSHOTS"):  # README's example: the card and curve this run published
+        example = REPO / "docs" / "example-model-card"
+        example.mkdir(exist_ok=True)
+        for name in ("README.md", "training_curve.png"):
+            shutil.copy(model_copy / name, example / name)
 
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
     # What each VM cost: its time (Compute's creation to the end of its delete), within the run's, at the price
