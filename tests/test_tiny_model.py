@@ -30,6 +30,7 @@ ARTIFACTS = [
     "tiny-llama/tokenizer_config.json",
     "tiny-llama/chat_template.jinja",
     "data/sft.jsonl",
+    "data/sft_eval.jsonl",
     "data/gsm8k/train.parquet",
     "data/gsm8k/test.parquet",
 ]
@@ -127,7 +128,7 @@ def test_build_writes_every_artifact(built):
 def test_rebuild_skips_existing_artifacts(built):
     before = _digests(built)
     output = _build(built)
-    assert "built:" not in output and output.count("exists:") == 4
+    assert "built:" not in output and output.count("exists:") == 5
     assert _digests(built) == before
 
 
@@ -140,8 +141,15 @@ def test_partial_output_is_completed(built, tmp_path):
     _build(tmp_path)
     (tmp_path / "data" / "gsm8k" / "test.parquet").unlink()
     output = _build(tmp_path)
-    assert output.count("exists:") == 3 and "built:" in output and "test.parquet" in output
+    assert output.count("exists:") == 4 and "built:" in output and "test.parquet" in output
     assert _digests(tmp_path) == _digests(built)
+
+
+def test_the_sft_evaluation_chats_are_held_out(built):
+    """The quality gate's SFT evaluation reads chats the training never sees."""
+    train, held_out = ([json.loads(line) for line in open(built / "data" / name)] for name in ("sft.jsonl", "sft_eval.jsonl"))
+    assert len(held_out) == 8 and all(chat["messages"][-1]["role"] == "assistant" for chat in held_out)
+    assert not [chat for chat in held_out if chat in train]
 
 
 def test_config_has_the_dims_maxtext_runs_use(facts):
