@@ -245,6 +245,25 @@ class RepoStore:
         raise HubError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
 
 
+def _repo_info(repo: str, repo_data: dict, commit: dict, siblings: list[dict], kind: str) -> dict:
+    """What the Hub's ``/api/<kind>/<repo>`` answers of every repo: its head commit, dates and visibility."""
+    return {
+        "_id": hashlib.sha1((repo if kind == "models" else f"{kind}/{repo}").encode()).hexdigest()[:24],
+        "id": repo,
+        "author": repo.split("/")[0],
+        "sha": commit["id"],
+        "lastModified": commit["date"],
+        "createdAt": repo_data["createdAt"],
+        "private": repo_data["private"],
+        "gated": repo_data.get("gated", False),
+        "disabled": False,
+        "downloads": 0,
+        "likes": 0,
+        "tags": [],
+        "siblings": siblings,
+    }
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go out in separate writes
@@ -476,23 +495,8 @@ class _Handler(BaseHTTPRequestHandler):
         datasets = self.server.hub.datasets
         repo_data = self._repo(repo, store=datasets)
         commit = datasets.load_commit(repo, datasets.resolve_revision(repo, repo_data, rev))
-        self._send_json(
-            {
-                "_id": hashlib.sha1(f"datasets/{repo}".encode()).hexdigest()[:24],
-                "id": repo,
-                "author": repo.split("/")[0],
-                "sha": commit["id"],
-                "lastModified": commit["date"],
-                "createdAt": repo_data["createdAt"],
-                "private": repo_data["private"],
-                "gated": repo_data.get("gated", False),
-                "disabled": False,
-                "downloads": 0,
-                "likes": 0,
-                "tags": [],
-                "siblings": [{"rfilename": path} for path in sorted(commit["files"])],
-            }
-        )
+        siblings = [{"rfilename": path} for path in sorted(commit["files"])]
+        self._send_json(_repo_info(repo, repo_data, commit, siblings, "datasets"))
 
     def _model_exists(self, repo_id: str) -> bool:
         try:
@@ -553,20 +557,8 @@ class _Handler(BaseHTTPRequestHandler):
             siblings.append(sibling)
         self._send_json(
             {
-                "_id": hashlib.sha1(repo.encode()).hexdigest()[:24],
-                "id": repo,
+                **_repo_info(repo, repo_data, commit, siblings, "models"),
                 "modelId": repo,
-                "author": repo.split("/")[0],
-                "sha": commit["id"],
-                "lastModified": commit["date"],
-                "createdAt": repo_data["createdAt"],
-                "private": repo_data["private"],
-                "gated": repo_data.get("gated", False),
-                "disabled": False,
-                "downloads": 0,
-                "likes": 0,
-                "tags": [],
-                "siblings": siblings,
                 "usedStorage": sum(entry["size"] for entry in commit["files"].values()),
             }
         )
