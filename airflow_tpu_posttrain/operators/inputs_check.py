@@ -77,8 +77,9 @@ class InputsCheckOperator(BaseOperator):
             "maxtext_version": validation.blank_to_none(self.maxtext_version) or profile.maxtext_version,
             "settings": {key: _comparable(value) for key, value in sorted((self.settings or {}).items())},
         }
+        # The newest one only: without map_indexes, a pull across dates returns every match (a list).
         last = context["ti"].xcom_pull(
-            task_ids=self.publish_task_id, key=PUBLISHED_INPUTS_KEY, include_prior_dates=True
+            task_ids=self.publish_task_id, key=PUBLISHED_INPUTS_KEY, include_prior_dates=True, map_indexes=-1
         )
         if last is None:
             self.log.info("Inputs %s; no model published yet", inputs)
