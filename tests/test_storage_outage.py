@@ -117,10 +117,16 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
     assert tis["train"].try_number == 2
     assert max(outage.try1_steps) < STEPS, outage.try1_steps
 
-    # Try 1 was stopped by the watch for its silence, not by an error of its own.
-    assert f"no output from the job on the VM for {STALL_TIMEOUT_S} s" in logs
-    # The clock ran from the trainer's last line (its clients' errors came after the outage began), not before.
-    assert outage.up_at - outage.down_at >= STALL_TIMEOUT_S
+    # Try 1 ended while storage was down: mostly the trainer goes silent and the watch stops it; when the outage
+    # catches a checkpoint save at another moment, the trainer fails on its own first (full runs of 2026-12-01:
+    # 2 of 3 stopped by the watch). The watch's stop itself is tested in test_reattach.py.
+    stalled = f"no output from the job on the VM for {STALL_TIMEOUT_S} s"
+    failed = re.search(r"SFT failed on the VM with exit code \d+", logs)
+    assert stalled in logs or failed, logs[-3000:]
+    if stalled in logs:
+        # The clock ran from the trainer's last line (its clients' errors came after the outage began), not before.
+        assert outage.up_at - outage.down_at >= STALL_TIMEOUT_S
+    how = log_excerpt(logs, stalled if stalled in logs else failed[0], width=68)
 
     # The retry resumed from the newest step committed before the outage and trained to the end.
     train = _return_value(dag_run, "train")
@@ -131,11 +137,12 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
     assert train["checkpoint"].endswith(f"/checkpoints/{STEPS}/model_params") and storage_has(train["checkpoint"])
     assert _return_value(dag_run, "delete_tpu_vm")["deleted"] is True
     assert stack.compute.instances() == []
+    ended = f"stopped after {STALL_TIMEOUT_S} s silent" if stalled in logs else "the trainer failed"
     fault_matrix.record(
-        f"storage: GCS unreachable after step {max(outage.try1_steps)} (the trainer goes silent) -> stopped after "
-        f"{STALL_TIMEOUT_S} s silent, retry resumes from step {resumed}",
+        f"storage: GCS unreachable after step {max(outage.try1_steps)} -> {ended}, retry resumes from step "
+        f"{resumed}",
         stack.compute.instances() == [],
         dag_run.state,
         storage_has(train["checkpoint"]),
-        f"down {outage.up_at - outage.down_at:.0f} s; " + log_excerpt(logs, "no output from the job", width=68),
+        f"down {outage.up_at - outage.down_at:.0f} s; {how}",
     )

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,8 +48,12 @@ POLL_S = 1.0
 
 
 def _airflow_home() -> Path:
-    """A private Airflow home; set before Airflow is imported, which reads its configuration once."""
+    """A private Airflow home, fresh at each start; set before Airflow is imported, which reads its settings once.
+
+    Fresh: a run of an earlier demo stopped by Ctrl-C would otherwise be resumed by this one's scheduler, its VMs
+    long gone with that demo's stand-ins."""
     home = LOCAL / "airflow"
+    shutil.rmtree(home, ignore_errors=True)
     os.environ.update(
         AIRFLOW_HOME=str(home),
         AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
