@@ -256,6 +256,9 @@ def test_unchanged_inputs_skip_the_run_and_a_new_dataset_revision_does_not(stack
     assert xcom(checked, "check_inputs")["revisions"]["dataset:local/tiny-chats"] == revision
     assert "changed since the last published model: revisions" in logs
     assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before
+
+
+def test_tiny_rl_end_to_end(stack, capfd):
     with before_vm_end(stack, token_probe(stack)) as ends:
         dr = run_pipeline("posttrain_rl__tiny-llama")
         logs = "".join(capfd.readouterr())
