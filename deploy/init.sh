@@ -9,7 +9,11 @@
 set -euo pipefail
 umask 077
 
-secrets_dir=/opt/airflow/secrets
+# The image's paths. tests/test_deployment.py runs this script outside the image, with its own AIRFLOW_HOME and
+# AIRFLOW_IMAGE_ENTRYPOINT empty (the Airflow of its PATH needs no entrypoint).
+airflow_home=${AIRFLOW_HOME:-/opt/airflow}
+entrypoint=${AIRFLOW_IMAGE_ENTRYPOINT-/entrypoint}
+secrets_dir=$airflow_home/secrets
 airflow_uid=${AIRFLOW_UID:-50000}
 
 # write_secret FILE VALUE: VALUE (from .env) when given, else the existing file, else a random value.
@@ -49,12 +53,13 @@ PY
 fi
 
 # The services run as AIRFLOW_UID (group 0); named volumes start out owned by root or by the image's uid.
-chown -R "$airflow_uid:0" "$secrets_dir" /opt/airflow/logs
+chown -R "$airflow_uid:0" "$secrets_dir" "$airflow_home/logs"
 
 # From here on Airflow runs, through the image's entrypoint: it waits for the DB and makes the airflow
 # user's packages importable for root.
-/entrypoint airflow db migrate
-/entrypoint airflow pools set tpu_vms "${TPU_VM_POOL_SLOTS:-2}" "Concurrent TPU VMs"
+$entrypoint airflow db migrate
+# Deferred tasks counted: a training waiting in the triggerer keeps its slot (README, "What caps what").
+$entrypoint airflow pools set --include-deferred tpu_vms "${TPU_VM_POOL_SLOTS:-2}" "Concurrent TPU VM steps"
 
 if [[ ! -r ${TPU_SSH_KEY_FILE:-} ]]; then
   echo "airflow-init: WARNING: TPU_SSH_KEY_FILE (${TPU_SSH_KEY_FILE:-unset}) is not a readable file;" \
@@ -95,4 +100,4 @@ else:
 with open(sys.argv[1], "w") as file:
     json.dump(connections, file)
 PY
-/entrypoint airflow connections import "$connections_file"
+$entrypoint airflow connections import "$connections_file"

@@ -50,6 +50,28 @@ def test_decisions(vm, run_state, delete, reason):
     assert decision.delete is delete and reason in decision.reason
 
 
+@pytest.mark.parametrize("state", ["running", "queued"])
+def test_an_active_run_as_a_workers_task_sdk_answers_keeps_its_vm(state):
+    """A worker's ``ti.get_dagrun_state`` answers the task SDK's DagRunState, whose str() is "DagRunState.RUNNING".
+
+    Read as that string, an active run past the grace period looked finished: its VM was deleted mid-training
+    (found by tests/test_deployment.py; ``dag.test()`` answers the core's DagRunState)."""
+    from airflow.sdk.api.datamodels._generated import DagRunState
+
+    from airflow_tpu_posttrain.operators.reaper import TpuVmReaperOperator
+
+    class WorkerTi:
+        @staticmethod
+        def get_dagrun_state(dag_id, run_id):
+            return DagRunState(state)
+
+    operator = TpuVmReaperOperator(task_id="reap", zones=["z"])
+    run_state = operator._run_state({"ti": WorkerTi()}, instance())
+    assert run_state == state
+    decision = reaper.decide(instance(age_s=3600), run_state, NOW, grace_s=900)
+    assert not decision.delete and decision.reason == f"its DAG run is {state}"
+
+
 def rule(age_s=3600, description="airflow-tpu-posttrain: SSH to instance tpu-x"):
     return {
         "name": "tpu-x-ssh",

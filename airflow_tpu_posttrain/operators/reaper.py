@@ -70,7 +70,9 @@ class TpuVmReaperOperator(ComputeOperator):
         if not dag_id or not run_id:
             return None
         try:
-            return str(context["ti"].get_dagrun_state(dag_id=dag_id, run_id=run_id))
+            state = context["ti"].get_dagrun_state(dag_id=dag_id, run_id=run_id)
+            # A worker's task SDK answers its own DagRunState, a str Enum whose str() is "DagRunState.RUNNING".
+            return str(getattr(state, "value", state))
         except Exception as err:  # noqa: BLE001 - any failure but a 404 leaves the state unknown, never "gone"
             if _status_code(err) == 404:
                 self.log.info("No DAG run %s / %s (Airflow answered 404)", dag_id, run_id)

@@ -1,0 +1,31 @@
+"""Servers started as local processes (Airflow's services, the stand-ins): a free port, and a sure stop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """TERM the process group of ``proc`` (started with ``start_new_session``), wait, then KILL what is left.
+
+    The group, not the process: a server's workers and children end with it. KILL because a server can hang on
+    TERM."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
