@@ -15,13 +15,10 @@ the reaper stay quiet). The scheduler's and triggerer's loop timings are Airflow
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -30,6 +27,8 @@ from pathlib import Path
 from typing import Self
 
 import httpx
+
+from airflow_tpu_posttrain.local.processes import free_port, stop_group
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENTS = {
@@ -42,23 +41,6 @@ USER = "bench"
 START_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """TERM the process group we started (a component and its workers), wait, then KILL what is left of it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-
-
 class LocalAirflow:
     """``with LocalAirflow(home, env) as airflow:`` starts the components and waits until they are healthy.
 
@@ -68,7 +50,7 @@ class LocalAirflow:
     def __init__(self, home: Path, env: dict[str, str], dags_folder: Path = REPO / "dags") -> None:
         self.home = Path(home).absolute()
         self.db_path = self.home / "airflow.db"
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.password = secrets.token_hex(12)
         self.env = {

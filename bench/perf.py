@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import parse_time
-from local_airflow import LocalAirflow, stop_group
+from local_airflow import LocalAirflow
 from run_probe import RunRecord, TrainerKiller, watch_run
 
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
+from airflow_tpu_posttrain.local.processes import stop_group
 from airflow_tpu_posttrain.local.stack import LocalStack
 from airflow_tpu_posttrain.recipes import cost, storage
 

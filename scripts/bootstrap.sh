@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything the local run and the tests need: Debian packages (sshd, docker-compose
-# for validating the compose file, chromium for the trigger form's browser test), uv, the Airflow venv (.venv)
-# and the local "VM"'s MaxText venv.
+# for validating the compose file, chromium for the trigger form's browser test, PostgreSQL and Redis for the
+# compose deployment's test), uv, the Airflow venv (.venv) and the local "VM"'s MaxText venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +10,9 @@ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-s
 command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
 command -v setfacl >/dev/null 2>&1 || need_apt+=(acl)  # the local checkpoint storage: writable by every login
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)  # driven by Playwright in tests/test_trigger_form.py
+# docker-compose.yaml's metadata DB and Celery broker, run as processes by tests/test_deployment.py
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need_apt+=(postgresql)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

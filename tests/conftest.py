@@ -182,6 +182,7 @@ _LONGEST_FIRST = (
     "test_pipeline_reruns.py",
     "test_pipeline_failures.py",
     "test_pipeline_local.py",
+    "test_deployment.py",
     "test_preemption.py",
     "test_storage_outage.py",
     "test_demo.py",

@@ -120,6 +120,7 @@ def test_pipelines_share_the_pool_and_survive_a_worker_killed_while_a_task_waits
     killed, restarted, reaper_triggered = None, False, False
     waits: list[tuple[Task, Task]] = []  # (waiting pool task, the task holding the slot)
     held_by_two: list[list[Task]] = []
+    overtaken: list[Task] = []  # the other run's pool tasks that ran while the SFT training waited to resume
     first_seen: dict[tuple[str, str, str | None], float] = {}  # (dag, task, state) -> seconds since the trigger
     started = time.monotonic()
     deadline = started + RUNS_TIMEOUT_S
@@ -133,6 +134,8 @@ def test_pipelines_share_the_pool_and_survive_a_worker_killed_while_a_task_waits
             held_by_two.append(holders)
         waits += [(task, holders[0]) for task in in_pool if task.state == "scheduled" and holders]
         train = tasks.get((SFT, "train"))
+        if killed and train.state == "scheduled":  # resuming: it needs its slot back
+            overtaken += [task for task in holders if task.dag_id == RL]
         busy = [task for task in tasks.values() if task.state in ("queued", "running")]
         if killed is None and train and train.state == "deferred" and not busy:
             # The training waits in the triggerer; the worker that ran it until then goes away.
@@ -172,6 +175,8 @@ def test_pipelines_share_the_pool_and_survive_a_worker_killed_while_a_task_waits
     assert not held_by_two, held_by_two[:3]
     deferred_waits = [(waiting, holder) for waiting, holder in waits if holder.state == "deferred"]
     assert any(waiting.dag_id == RL for waiting, _ in deferred_waits), waits[:5]
+    # ... and the training, its trigger fired, got the slot back before them (its VM idles until it has).
+    assert not overtaken, overtaken[:3]
 
     # The reaper looked up the runs of the VMs it found through the api-server, and deleted none.
     deadline = time.monotonic() + 300

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from airflow_tpu_posttrain.local.processes import free_port, stop_group
 
 httpx = pytest.importorskip("httpx")
 
@@ -26,30 +26,6 @@ DAG_ID = "posttrain_sft__tiny-llama"
 RL_DAG_ID = "posttrain_rl__tiny-llama"
 USER, PASSWORD = "admin", "admin-test-password"
 DAG_FILES = ("posttrain_dags.py", "local_dags.py", "models.yaml")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """TERM the process group we started, wait, then KILL it (the servers can hang on SIGTERM)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # also any child left in the group
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +46,7 @@ def api(airflow_db, tmp_path_factory):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
         "AIRFLOW__API_AUTH__JWT_SECRET": "test-only-secret-" + "x" * 32,
     }
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     logs = {name: open(work / f"{name}.log", "wb") for name in ("reserialize", "api-server")}
     airflow = [sys.executable, "-m", "airflow"]
@@ -107,7 +83,7 @@ def api(airflow_db, tmp_path_factory):
         yield base, response.json()["access_token"]
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_group(proc, grace=10)
         for log in logs.values():
             log.close()
         for name in DAG_FILES:

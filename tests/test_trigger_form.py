@@ -13,12 +13,9 @@ docs/img/trigger-form.png (the README's).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +28,7 @@ import pytest
 from playwright import sync_api
 from playwright.sync_api import expect
 
+from airflow_tpu_posttrain.local.processes import free_port, stop_group
 from airflow_tpu_posttrain.pipelines.registry import load_registry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,24 +82,6 @@ HOSTILE_BY_RECIPE = {
 TIMEOUT_S = 60.0  # a bound on each wait, not a pause: on a loaded 2-core CI runner the UI is slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """TERM the process group we started, wait, then KILL it (the servers can hang on SIGTERM)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # also any child left in the group
-    proc.wait(timeout=10)
-
-
 def _wait_for(what: str, probe: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not probe():
@@ -144,7 +124,7 @@ def rest(airflow_db, tmp_path_factory) -> Iterator[RestApi]:
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
         "AIRFLOW__API_AUTH__JWT_SECRET": "test-only-secret-" + "x" * 32,
     }
-    port = _free_port()
+    port = free_port()
     airflow = [sys.executable, "-m", "airflow"]
     commands = {
         "dag-processor": [*airflow, "dag-processor"],
@@ -185,7 +165,7 @@ def rest(airflow_db, tmp_path_factory) -> Iterator[RestApi]:
     finally:
         api.http.close()
         for proc in reversed(procs.values()):
-            _stop(proc)
+            stop_group(proc, grace=10)
         for name in DAG_FILES:
             (dags_dir / name).unlink(missing_ok=True)
 

@@ -40,6 +40,7 @@ from airflow_tpu_posttrain.local.demo_view import (
     task_result,
     task_table,
 )
+from airflow_tpu_posttrain.local.processes import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / ".local"
@@ -101,20 +102,6 @@ def _console(verbose: bool, log_file: Path) -> Console:
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM as Ctrl-C: the same clean stop."""
     raise KeyboardInterrupt
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """End a child started in a session of its own, and its children."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-    proc.wait()
 
 
 def _watch(view: ProgressView, dag_id: str, after_id: int, check_runner: Callable[[], None]) -> RunView:
@@ -212,7 +199,7 @@ def _demo(args: argparse.Namespace, console: Console, demo_dir: Path, log_file: 
             runner = subprocess.Popen(
                 command, start_new_session=True
             )  # its output: ours (the log, or terminal)
-            cleanup.callback(_stop_group, runner)
+            cleanup.callback(stop_group, runner)
             check_runner = _exits_with_the_run(runner, dag_id, after_id)
             tail = LogTail(lambda: [] if args.verbose else [log_file])
         cleanup.callback(_ignore_interrupts)  # runs first: a second Ctrl-C does not cut the clean-up short

@@ -8,9 +8,7 @@ children. SimpleAuthManager's all-admins mode: no login, so the api-server liste
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from airflow_tpu_posttrain.local.processes import stop_group
 
 SERVICES = ("dag-processor", "scheduler", "triggerer", "api-server")
 START_TIMEOUT_S = 300.0  # a bound on the wait for the DAG to be served, on a busy 2-core machine
@@ -93,11 +93,4 @@ class AirflowServices:
         """TERM each service's process group, then KILL what is left of it (a service can hang on TERM)."""
         self.http.close()
         for proc in reversed(self.procs.values()):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=15)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_group(proc)

