@@ -172,3 +172,27 @@ def test_no_secret_in_the_file(config: dict[str, Any], raw: dict[str, Any]) -> N
     for option in ["AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY"]:
         assert option not in common
         assert common[f"{option}_CMD"].startswith("cat /opt/airflow/secrets/")
+
+
+def test_the_process_deployment_reads_the_file_as_docker_compose_does(config: dict[str, Any], tmp_path: Path) -> None:
+    """tests/test_deployment.py's services get what docker-compose resolves: environment, command, healthcheck."""
+    from airflow_tpu_posttrain.local.deployment import ComposeDeployment, interpolate
+
+    deployment = ComposeDeployment(tmp_path, {"HF_TOKEN": HF_TOKEN_SENTINEL}, {})
+    for name in AIRFLOW_SERVICES | {"postgres", "redis"}:
+        ours, theirs = deployment.service(name), config["services"][name]
+        environment = {key: interpolate(str(value), deployment.dotenv) for key, value in ours.get("environment", {}).items()}
+        assert environment == theirs.get("environment", {}), name
+        for key in ("command", "entrypoint"):
+            assert ours.get(key) == theirs.get(key), (name, key)
+        if "healthcheck" in ours:  # as written: `docker-compose config` keeps the escaped $$ of a CMD-SHELL
+            assert ours["healthcheck"]["test"] == theirs["healthcheck"]["test"], name
+
+
+def test_interpolation_is_docker_composes() -> None:
+    from airflow_tpu_posttrain.local.deployment import interpolate
+
+    variables = {"SET": "value", "EMPTY": ""}
+    assert interpolate("${SET:-d} ${EMPTY:-d} ${UNSET:-d}", variables) == "value d d"
+    assert interpolate("${SET-d} ${EMPTY-d} ${UNSET-d}", variables) == "value  d"
+    assert interpolate("${SET}/${UNSET} $${HOSTNAME}", variables) == "value/ ${HOSTNAME}"

@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -232,7 +233,9 @@ class ComposeDeployment:
 
     def kill(self, name: str) -> None:
         """SIGKILL the service's whole process group: its container, or its machine, gone at once."""
-        stop_group(self.procs.pop(name), grace=0)
+        proc = self.procs.pop(name)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
     def stop(self) -> None:
         if self.client:
