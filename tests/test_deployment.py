@@ -113,7 +113,7 @@ def test_init_made_the_pool_and_connections(deployment, stack) -> None:
     assert HF_TOKEN not in json.dumps(stored)  # the API shows the token's connection, not the token
 
 
-def test_pipelines_share_the_pool_and_survive_a_worker_killed_while_a_task_waits(deployment, stack) -> None:
+def test_pipelines_share_the_pool_and_survive_a_worker_killed_while_a_task_waits(deployment, stack, fault_matrix) -> None:
     db = MetadataDb(deployment.database_url())
     deployment.trigger(SFT, FOCUSED_RUN)
     rl_run = None
@@ -197,3 +197,8 @@ def test_pipelines_share_the_pool_and_survive_a_worker_killed_while_a_task_waits
     # The Hub token reached the runs only through connections: no service or task log shows it.
     for log in deployment.home.rglob("*.log"):
         assert HF_TOKEN not in log.read_text(errors="replace"), log
+    fault_matrix.record(
+        "deployment: the Celery worker that ran the deferred training is SIGKILLed (PostgreSQL, Redis, 2 workers)",
+        True, "success", True,
+        f"train deferred on {killed}, resumed on {survivor}; reaper kept {max(s['seen'] for s in sweeps)} VMs",
+    )
