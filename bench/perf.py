@@ -8,7 +8,7 @@ the local stack (Compute emulator whose every instance is a machine of its own, 
 checkpoint storage under .local/bench/vm, emptied first) and Airflow's real components with LocalExecutor
 (bench/local_airflow.py, home .local/bench/airflow), started before any clock runs, and these DAG runs, each
 watched by bench/run_probe.py (each with quality_gate=off: the plain script it is compared with runs the
-tutorial's commands, which do not evaluate):
+tutorial's commands, which do not evaluate; and force=true: the warm run's inputs are the cold run's):
 
   cold    posttrain_sft__tiny-llama, first run, nothing cached      P1, P2, P4 cold
   warm    the same DAG, another run id                               P1, P2, P4 warm, conversions repeated
@@ -213,7 +213,8 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
         present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
         # Like for like: the plain script (P4's baseline) runs the tutorial's commands, which do not evaluate.
-        plain = {"quality_gate": "off"}
+        # Forced: the warm run has the cold run's inputs, which check_inputs would skip as already published.
+        plain = {"quality_gate": "off", "force": True}
         plan = [("cold", OURS, plain, None), ("warm", OURS, plain, None), ("seeds", SEEDS, plain, None)]
         if not quick:
             # MaxText saves checkpoints asynchronously: a kill can catch the newest one half-written, so
@@ -229,6 +230,9 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
                 continue
             print(f"perf: running {dag_id} ({label}) ...", file=sys.stderr, flush=True)
             records[label] = watch_run(airflow, stack.compute, dag_id, f"bench-{label}", conf, killer)
+            train = records[label].tasks.get("train")
+            if not train or train.state != "success":  # its figures would measure a run that did not train
+                raise SystemExit(f"perf: {dag_id} ({label}) did not train: train {train}, run {records[label].state}")
     return records, skipped
 
 

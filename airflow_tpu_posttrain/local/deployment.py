@@ -10,6 +10,7 @@ as docker-compose substitutes them), and the compose project is mapped onto this
 - the containers' files: the image's AIRFLOW_HOME, ``/opt/airflow``, is one directory, in which each volume
   is a directory (a named volume) or a link to its source (a bind mount); ``airflow-init`` runs
   ``deploy/init.sh`` without the image's ``/entrypoint``;
+- the containers' own files: each service has its own HOME and TMPDIR (what it writes there, no other sees);
 - the containers' host names: each service's own (``airflow-worker-1``, ``airflow-worker-2``, as
   ``docker-compose up --scale airflow-worker=2`` names them), which Airflow's ``hostname_callable`` reports and
   Celery's node name carries, so that task instances tell the workers apart as they tell containers apart.
@@ -149,10 +150,15 @@ class ComposeDeployment:
             else {},
         )
         path = f"{Path(sys.executable).parent}{os.pathsep}{self.extra_env.get('PATH', os.environ['PATH'])}"
+        # A container's own files: nothing a worker writes to its home or /tmp is seen by another service.
+        private = self.home / "containers" / name
+        for part in ("home", "tmp"):
+            (private / part).mkdir(parents=True, exist_ok=True)
         return {
-            "HOME": os.environ.get("HOME", str(self.home)),
             "LANG": "C.UTF-8",
             **self.extra_env,
+            "HOME": str(private / "home"),
+            "TMPDIR": str(private / "tmp"),
             "PATH": path,
             "AIRFLOW_HOME": str(self.home),
             HOSTNAME_VARIABLE: name,
