@@ -24,11 +24,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Self
 
 import httpx
 
-from airflow_tpu_posttrain.local.processes import free_port, stop_group
+from airflow_tpu_posttrain.local.processes import StartedProcesses, free_port, stop_group
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENTS = {
@@ -41,7 +40,7 @@ USER = "bench"
 START_TIMEOUT_S = 240
 
 
-class LocalAirflow:
+class LocalAirflow(StartedProcesses):
     """``with LocalAirflow(home, env) as airflow:`` starts the components and waits until they are healthy.
 
     ``env``: the local stack's connections and settings; ``dags_folder``: the repository's DAGs unless given.
@@ -72,17 +71,6 @@ class LocalAirflow:
         }
         self.procs: dict[str, subprocess.Popen] = {}
         self.client: httpx.Client | None = None
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)

@@ -34,12 +34,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import httpx
 import yaml
 
-from airflow_tpu_posttrain.local.processes import free_port, stop_group
+from airflow_tpu_posttrain.local.processes import StartedProcesses, free_port, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
@@ -79,7 +79,7 @@ class DeploymentError(RuntimeError):
     """A part of the deployment did not start or stay up; the message names it and its log."""
 
 
-class ComposeDeployment:
+class ComposeDeployment(StartedProcesses):
     """``with ComposeDeployment(home, dotenv, extra_env) as deployment:`` starts it and waits until healthy.
 
     ``dotenv``: what docker-compose would read from .env; ``extra_env``: added to every Airflow service's
@@ -200,17 +200,6 @@ class ComposeDeployment:
             path.symlink_to(local)
 
     # -- starting and stopping ---------------------------------------------------------------------------------
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)

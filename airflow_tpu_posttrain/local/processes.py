@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+from typing import Self
 
 
 def free_port() -> int:
@@ -29,3 +30,26 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+class StartedProcesses:
+    """``with`` support for a set of servers: ``start()`` on entry, and ``stop()`` on exit or when starting fails.
+
+    ``stop()`` must end whatever part ``start()`` got to."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
