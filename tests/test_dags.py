@@ -672,7 +672,7 @@ def test_a_new_model_is_a_profile_and_a_registry_line(tmp_path, monkeypatch):
     from airflow_tpu_posttrain.recipes.runtime import tpu_runtime
 
     qwen = models.ModelProfile(
-        key="qwen3-8b", maxtext_model_name="qwen3-8b", hf_export_name="qwen3-8b", hf_source="Qwen/Qwen3-8B",
+        key="qwen3-8b", maxtext_model_name="qwen3-8b", hf_source="Qwen/Qwen3-8B",
         maxtext_version="0.2.5", sft_steps=300,
     )
     monkeypatch.setattr(models, "MODELS", MappingProxyType({**models.MODELS, qwen.key: qwen}))

@@ -444,3 +444,77 @@ def test_publishes_a_model_card_with_its_training_curve(tmp_path, hub, token, to
 
     assert publish() == first
     assert len(HfApi(endpoint=hub.url, token=token).list_repo_commits(REPO_ID, revision=BRANCH)) >= 1
+
+
+# MaxText 0.2.2's to_huggingface for gemma3-4b (``use_multimodal=False``): the Gemma3Config of its
+# hf_model_configs.py (sizes under text_config, a vision_config kept), tensors under model.language_model,
+# the output head tied to the embeddings (no lm_head). Tiny sizes, same keys.
+TINY_GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+    "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 16, "num_hidden_layers": 6, "vocab_size": 512,
+        "sliding_window": 32, "sliding_window_pattern": 6,
+    },
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 1},
+}
+
+
+def tiny_gemma3_shapes() -> dict[str, tuple[int, ...]]:
+    hidden, q_out, kv_out, intermediate, vocab, head_dim = 64, 4 * 16, 16, 128, 512, 16
+    shapes = {"model.language_model.embed_tokens.weight": (vocab, hidden),
+              "model.language_model.norm.weight": (hidden,)}
+    for layer in range(6):
+        prefix = f"model.language_model.layers.{layer}."
+        shapes |= {
+            prefix + "self_attn.q_proj.weight": (q_out, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_out, hidden),
+            prefix + "self_attn.v_proj.weight": (kv_out, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, q_out),
+            prefix + "self_attn.q_norm.weight": (head_dim,),
+            prefix + "self_attn.k_norm.weight": (head_dim,),
+            prefix + "mlp.gate_proj.weight": (intermediate, hidden),
+            prefix + "mlp.up_proj.weight": (intermediate, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, intermediate),
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "pre_feedforward_layernorm.weight": (hidden,),
+            prefix + "post_feedforward_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def make_gemma3_export(folder: Path, *, drop_tensor: str | None = None) -> Path:
+    make_export(folder)
+    (folder / "config.json").write_text(json.dumps(TINY_GEMMA3_CONFIG, indent=2))
+    shapes = tiny_gemma3_shapes()
+    shapes.pop(drop_tensor, None)
+    write_safetensors(folder / "model.safetensors", shapes)
+    return folder
+
+
+def test_publishes_a_gemma3_export_in_maxtexts_shape(tmp_path, run_publish):
+    """The SFT seed model's export: Gemma3ForConditionalGeneration, language model under text_config."""
+    export = make_gemma3_export(tmp_path / "gemma3")
+    base_config = tmp_path / "base_config.json"
+    base_config.write_text(json.dumps(TINY_GEMMA3_CONFIG))
+    result_file = tmp_path / "r.json"
+    proc = run_publish("--model-dir", str(export), "--result-file", str(result_file),
+                       "--expect-tensors-from", str(base_config), "--storage-uri", str(tmp_path / "kept"))
+    assert proc.returncode == 0, proc.stderr
+    validated = json.loads(result_file.read_text())["validated"]
+    assert validated["model_type"] == "gemma3" and validated["n_tensors"] == len(tiny_gemma3_shapes())
+    assert (tmp_path / "kept" / "model.safetensors").is_file()
+
+    broken = make_gemma3_export(tmp_path / "broken", drop_tensor="model.language_model.layers.5.self_attn.k_norm.weight")
+    proc = run_publish("--model-dir", str(broken), "--result-file", str(tmp_path / "r2.json"),
+                       "--expect-tensors-from", str(base_config))
+    assert proc.returncode == 1
+    assert "missing tensor model.language_model.layers.5.self_attn.k_norm.weight [16]" in proc.stderr
+
+    bigger = tmp_path / "bigger_config.json"
+    bigger.write_text(json.dumps(TINY_GEMMA3_CONFIG | {"text_config": TINY_GEMMA3_CONFIG["text_config"] | {"hidden_size": 128}}))
+    proc = run_publish("--model-dir", str(export), "--result-file", str(tmp_path / "r3.json"),
+                       "--expect-tensors-from", str(bigger))
+    assert proc.returncode == 1
+    assert "config.json has hidden_size=64, expected 128" in proc.stderr

@@ -169,7 +169,22 @@ def test_rl_seed_commands():
     assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_RL_TO_MAXTEXT))
     assert list(maxtext.train_rl(spec).argv) == _argv(SEED_RL_TRAIN)
     export = maxtext.to_huggingface(spec, spec.layout.rl_params(50))
-    assert list(export.argv) == _argv(SEED_RL_TO_HUGGINGFACE)
+    # Deliberate deviation: the trained model's name, so to_huggingface (0.2.3 knows it) takes the tokenizer
+    # and chat template of meta-llama/Llama-3.1-8B-Instruct, not of the base model's separately gated repo.
+    seed = _argv(SEED_RL_TO_HUGGINGFACE.replace('model_name="llama3.1-8b"', 'model_name="llama3.1-8b-Instruct"'))
+    assert list(export.argv) == seed
+
+
+def test_to_maxtext_converts_the_revision_it_is_given():
+    spec = _seed_spec("gemma3-4b")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    command = maxtext.to_maxtext(spec, revision=sha)
+    assert command.argv[-1] == f"--revision={sha}"
+    assert command.argv[:-1] == maxtext.to_maxtext(spec).argv
+    for hostile in ("main", "$(id)", sha[:-1], sha.upper()):
+        with pytest.raises(SpecError) as err:
+            maxtext.to_maxtext(spec, revision=hostile)
+        assert err.value.field == "revision"
 
 
 def test_training_env_is_the_seeds_exports():
@@ -186,9 +201,10 @@ def test_training_env_is_the_seeds_exports():
     spec = _seed_spec("gemma3-4b")
     for command in (maxtext.train_sft(spec), maxtext.train_rl(_seed_spec("llama3.1-8b-Instruct"))):
         assert command.env == tpu_env(accelerator("v6e-8"))
-    # The conversions run on the VM's CPU with no TPU environment, as in the tutorials.
+    # The conversion runs on the VM's CPU before the TPU environment is exported, as in the tutorials; the
+    # export runs after training, in the shell that still holds it.
     assert maxtext.to_maxtext(spec).env == {}
-    assert maxtext.to_huggingface(spec, spec.layout.sft_params(1000)).env == {}
+    assert maxtext.to_huggingface(spec, spec.layout.sft_params(1000)).env == tpu_env(accelerator("v6e-8"))
 
 
 def test_training_script_exports_what_the_seed_exports():
@@ -356,7 +372,13 @@ def test_conversions_on_a_cpu_vm_are_the_seeds_commands_with_jax_on_the_cpu():
     assert maxtext.to_maxtext(on_tpu).env == {}
     assert maxtext.to_maxtext(on_cpu_vm).env == {"JAX_PLATFORMS": "cpu"}
     trained = on_tpu.layout.sft_params(1000)
-    assert maxtext.to_huggingface(on_cpu_vm, trained).argv == maxtext.to_huggingface(on_tpu, trained).argv
+    # The export on a CPU VM: MaxText's flags for a conversion on a CPU (convert_checkpoint.md), without which
+    # its pyconfig calls jax.distributed.initialize() and fails off a TPU.
+    on_cpu_export = maxtext.to_huggingface(on_cpu_vm, trained)
+    assert on_cpu_export.argv == (
+        *maxtext.to_huggingface(on_tpu, trained).argv, "hardware=cpu", "skip_jax_distributed_system=true"
+    )
+    assert on_cpu_export.env == {"JAX_PLATFORMS": "cpu"}
     assert accelerator("cpu-highmem-16").machine_type == "n2-highmem-16"
 
 

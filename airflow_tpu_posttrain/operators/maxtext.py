@@ -141,13 +141,15 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         return HfApi(endpoint=self._hub_endpoint(), token=token).model_info(model.hf_source).sha
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
-        command = maxtext.to_maxtext(spec, use_pathways=self.use_pathways)
         outputs = {"converted_params": spec.layout.converted_params}
+        revision = None
         if spec.layout.conversion_key:
             outputs["conversion_key"] = spec.layout.conversion_key
             # Known once resolved (not yet when the job is only validated, with a placeholder key).
             stashed = context["ti"].xcom_pull(task_ids=self.task_id, key="conversion") or {}
-            outputs["source_revision"] = stashed.get("source_revision")
+            revision = outputs["source_revision"] = stashed.get("source_revision")
+        # The revision the cache key names is the one converted.
+        command = maxtext.to_maxtext(spec, use_pathways=self.use_pathways, revision=revision)
         return Job(
             command.script(),
             f"{spec.layout.converted_dir}/.complete",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from airflow_tpu_posttrain.recipes import storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import CPU_JAX_ENV, Accelerator, tpu_env
@@ -25,6 +26,8 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 # max_num_checkpoints_to_keep.
 DEFAULT_SFT_CHECKPOINT_PERIOD = 200
 PROFILERS = ("xplane", "nsys", "")
+# How MaxText's conversions run on a machine without a TPU (its convert_checkpoint.md; the tutorials' to_maxtext).
+CPU_CONVERSION_ARGS: Mapping[str, str] = MappingProxyType({"hardware": "cpu", "skip_jax_distributed_system": "true"})
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,11 @@ def _command(
         args[key] = value
     if training:
         spec.runtime.check_accelerator(spec.accelerator)
+    if training or (step is Step.TO_HUGGINGFACE and spec.accelerator.is_tpu):
+        # The export on the TPU VM (seeds layout) runs in the tutorial's shell, which still holds the
+        # training's TPU environment: without it JAX would ask the metadata server what the TPU is.
         env = {**tpu_env(spec.accelerator), **spec.runtime.env}
-    else:  # conversions run on the host CPU: on a TPU VM as in the tutorials, or on a CPU VM
+    else:  # the conversion on the host CPU (as in the tutorials), or any step on a CPU VM
         env = {**({} if spec.accelerator.is_tpu else CPU_JAX_ENV), **spec.runtime.env}
     argv = spec.runtime.entry_point(step) + tuple(f"{key}={value}" for key, value in args.items())
     return RemoteCommand(argv=argv, env=env, venv=spec.runtime.venv)
@@ -93,31 +99,31 @@ def _count(field: str, value: int | None, default: int) -> str:
 
 
 def to_maxtext(
-    spec: RunSpec, *, use_pathways: bool = False, lazy_load_tensors: bool = False
+    spec: RunSpec, *, use_pathways: bool = False, lazy_load_tensors: bool = False, revision: str | None = None
 ) -> RemoteCommand:
     """Converts the Hugging Face checkpoint to MaxText's format, into ``layout.converted_dir``.
 
     Deviation from the tutorials: no ``hf_access_token=$HF_TOKEN`` argument, which would put the token in the
     process list. MaxText reads ``HF_TOKEN`` from the environment when the argument is absent, so the job
     wrapper exports it (from a 0600 file) instead.
+
+    ``revision``: the Hub commit to convert (``--revision``, which to_maxtext takes at 0.2.2 and 0.2.3), so
+    a conversion cached under a revision holds that revision's weights, not whatever ``main`` became since.
     """
     storage_flag = str(1 - int(use_pathways))  # the tutorials' $((1 - USE_PATHWAYS))
-    return _command(
-        spec,
-        Step.TO_MAXTEXT,
-        {
-            "model_name": spec.model.maxtext_model_name,
-            "base_output_directory": spec.layout.converted_dir,
-            "scan_layers": "True",
-            "use_multimodal": "False",
-            "hardware": "cpu",
-            "skip_jax_distributed_system": "true",
-            "checkpoint_storage_use_zarr3": storage_flag,
-            "checkpoint_storage_use_ocdbt": storage_flag,
-            "--lazy_load_tensors": str(lazy_load_tensors),
-        },
-        training=False,
-    )
+    args = {
+        "model_name": spec.model.maxtext_model_name,
+        "base_output_directory": spec.layout.converted_dir,
+        "scan_layers": "True",
+        "use_multimodal": "False",
+        **CPU_CONVERSION_ARGS,
+        "checkpoint_storage_use_zarr3": storage_flag,
+        "checkpoint_storage_use_ocdbt": storage_flag,
+        "--lazy_load_tensors": str(lazy_load_tensors),
+    }
+    if revision is not None:
+        args["--revision"] = validation.hub_revision("revision", revision)
+    return _command(spec, Step.TO_MAXTEXT, args, training=False)
 
 
 def train_sft(
@@ -203,17 +209,23 @@ def train_rl(
 def to_huggingface(spec: RunSpec, trained_params: str) -> RemoteCommand:
     """Exports trained parameters to ``layout.export_dir`` in Hugging Face format.
 
-    The parameters are ``layout.sft_params(...)`` or ``layout.rl_params(...)``."""
-    return _command(
-        spec,
-        Step.TO_HUGGINGFACE,
-        {
-            "model_name": spec.model.hf_export_name,
-            "load_parameters_path": _checkpoint(trained_params, "trained_params"),
-            "base_output_directory": spec.layout.export_dir,
-            "scan_layers": "True",
-            "use_multimodal": "False",
-            "weight_dtype": "bfloat16",
-        },
-        training=False,
-    )
+    The parameters are ``layout.sft_params(...)`` or ``layout.rl_params(...)``. ``model_name`` is the trained
+    model's: it picks the Hub repo to_huggingface takes the tokenizer and chat template from (MaxText's
+    ``HF_IDS``), so the GRPO export of ``llama3.1-8b-Instruct`` gets the Instruct tokenizer (the RL tutorial's
+    ``llama3.1-8b`` would fetch the base model's, from another gated repo).
+
+    On a CPU VM (the split layout) it runs as MaxText's ``convert_checkpoint.md`` runs conversions on a CPU:
+    with ``hardware=cpu skip_jax_distributed_system=true``. Without them MaxText's pyconfig calls a bare
+    ``jax.distributed.initialize()`` (0.2.2 ``pyconfig.py`` → ``max_utils.py``), which off a TPU raises
+    ``coordinator_address should be defined``."""
+    args = {
+        "model_name": spec.model.maxtext_model_name,
+        "load_parameters_path": _checkpoint(trained_params, "trained_params"),
+        "base_output_directory": spec.layout.export_dir,
+        "scan_layers": "True",
+        "use_multimodal": "False",
+        "weight_dtype": "bfloat16",
+    }
+    if not spec.accelerator.is_tpu:
+        args.update(CPU_CONVERSION_ARGS)
+    return _command(spec, Step.TO_HUGGINGFACE, args, training=False)

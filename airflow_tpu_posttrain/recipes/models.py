@@ -60,7 +60,6 @@ GSM8K_REPO = "openai/gsm8k"  # what MaxText's GRPO recipe reads when no files ar
 class ModelProfile:
     key: str
     maxtext_model_name: str
-    hf_export_name: str  # the model_name to_huggingface is given (it picks the Hub config and tokenizer)
     hf_source: str  # the Hub id the conversion, the trainers' tokenizer and the export read
     maxtext_version: str  # the MaxText release the recipe was written for
     sft_dataset: SftDataset = ULTRACHAT_200K
@@ -76,7 +75,6 @@ class ModelProfile:
     def __post_init__(self) -> None:
         validation.safe_name("model", self.key)
         validation.safe_name("maxtext_model_name", self.maxtext_model_name)
-        validation.safe_name("hf_export_name", self.hf_export_name)
         validation.hf_repo_id("hf_source", self.hf_source)
         validation.package_version("maxtext_version", self.maxtext_version)
         validation.positive_int("steps", self.sft_steps)
@@ -117,7 +115,6 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
     return ModelProfile(
         key="tiny-llama",
         maxtext_model_name="llama3.1-8b",
-        hf_export_name="llama3.1-8b",
         hf_source=TINY_LLAMA_REPO,
         maxtext_version="0.2.5",
         # A JSON file loads as the split "train"; the held-out chats are a file of their own.
@@ -148,15 +145,12 @@ MODELS: Mapping[str, ModelProfile] = MappingProxyType(
             ModelProfile(
                 key="gemma3-4b",
                 maxtext_model_name="gemma3-4b",
-                hf_export_name="gemma3-4b",
                 hf_source="google/gemma-3-4b-it",
                 maxtext_version="0.2.2",
             ),
             ModelProfile(
                 key="llama3.1-8b-Instruct",
                 maxtext_model_name="llama3.1-8b-Instruct",
-                # As in the RL tutorial; MaxText's Hub table maps it to meta-llama/Llama-3.1-8B's config.
-                hf_export_name="llama3.1-8b",
                 hf_source="meta-llama/Llama-3.1-8B-Instruct",
                 maxtext_version="0.2.3",
             ),

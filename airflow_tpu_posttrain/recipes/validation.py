@@ -29,6 +29,7 @@ _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
 _OVERRIDE_KEY = re.compile(f"^{OVERRIDE_KEY_RE}$")
 _OVERRIDE_VALUE = re.compile(f"^{OVERRIDE_VALUE_RE}$")
+_HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[A-Za-z0-9._=-]+)*/?$")
 
 
@@ -108,6 +109,13 @@ def hf_repo_id(field: str, value: str) -> str:
     if name.count("/") != 1 or len(name) > 96:
         raise SpecError(field, value, "is not a Hub repo id", "use 'owner/name' (at most 96 characters)")
     return name
+
+
+def hub_revision(field: str, value: str) -> str:
+    """A Hub commit: the 40 hexadecimal digits the Hub's API answers as a repo's ``sha``."""
+    if not isinstance(value, str) or not _HUB_COMMIT.fullmatch(value):
+        raise SpecError(field, value, "is not a Hub commit", "give the 40-hex-digit sha the Hub reports")
+    return value
 
 
 def storage_uri(field: str, value: str) -> str:

@@ -112,8 +112,21 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
+def language_model(config: dict) -> tuple[dict, str]:
+    """The language model's config and the prefix of its tensors.
+
+    A multimodal checkpoint (Gemma 3's ``Gemma3ForConditionalGeneration``, as MaxText's to_huggingface writes
+    ``gemma3-4b`` even with ``use_multimodal=False``) keeps the sizes under ``text_config`` and the tensors
+    under ``model.language_model.``; a text-only one (Llama) has both at the top."""
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict):
+        return text_config, "model.language_model."
+    return config, "model."
+
+
 def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Weights a Llama/Gemma-style HF checkpoint must hold, with shapes, derived from config.json."""
+    config, prefix = language_model(config)
     missing_keys = [key for key in REQUIRED_CONFIG_KEYS if not isinstance(config.get(key), int)]
     if missing_keys:
         raise PublishError(f"config.json lacks integer values for: {', '.join(missing_keys)}")
@@ -126,30 +139,30 @@ def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     tied = config.get("tie_word_embeddings", model_type.startswith("gemma"))
 
     shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab, hidden),
-        "model.norm.weight": (hidden,),
+        f"{prefix}embed_tokens.weight": (vocab, hidden),
+        f"{prefix}norm.weight": (hidden,),
     }
     if not tied:
         shapes["lm_head.weight"] = (vocab, hidden)
     for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
+        layer_prefix = f"{prefix}layers.{layer}."
         shapes |= {
-            f"{prefix}self_attn.q_proj.weight": (heads * head_dim, hidden),
-            f"{prefix}self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            f"{prefix}self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            f"{prefix}self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{prefix}mlp.gate_proj.weight": (intermediate, hidden),
-            f"{prefix}mlp.up_proj.weight": (intermediate, hidden),
-            f"{prefix}mlp.down_proj.weight": (hidden, intermediate),
-            f"{prefix}input_layernorm.weight": (hidden,),
-            f"{prefix}post_attention_layernorm.weight": (hidden,),
+            f"{layer_prefix}self_attn.q_proj.weight": (heads * head_dim, hidden),
+            f"{layer_prefix}self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            f"{layer_prefix}self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            f"{layer_prefix}self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{layer_prefix}mlp.gate_proj.weight": (intermediate, hidden),
+            f"{layer_prefix}mlp.up_proj.weight": (intermediate, hidden),
+            f"{layer_prefix}mlp.down_proj.weight": (hidden, intermediate),
+            f"{layer_prefix}input_layernorm.weight": (hidden,),
+            f"{layer_prefix}post_attention_layernorm.weight": (hidden,),
         }
         if model_type in ("gemma2", "gemma3_text"):
-            shapes[f"{prefix}pre_feedforward_layernorm.weight"] = (hidden,)
-            shapes[f"{prefix}post_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{layer_prefix}pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{layer_prefix}post_feedforward_layernorm.weight"] = (hidden,)
         if model_type == "gemma3_text":
-            shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
-            shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
+            shapes[f"{layer_prefix}self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{layer_prefix}self_attn.k_norm.weight"] = (head_dim,)
     return shapes
 
 
@@ -169,10 +182,12 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
     expected_config = config
     if expected_config_path is not None:
         expected_config = read_json_file(expected_config_path, "expected config")
+        exported, _ = language_model(config)
+        wanted, _ = language_model(expected_config)
         problems += [
-            f"config.json has {key}={config.get(key)!r}, expected {expected_config[key]!r}"
+            f"config.json has {key}={exported.get(key)!r}, expected {wanted[key]!r}"
             for key in SHAPE_CONFIG_KEYS
-            if key in expected_config and config.get(key) != expected_config[key]
+            if key in wanted and exported.get(key) != wanted[key]
         ]
     expected = expected_tensor_shapes(expected_config)
 
