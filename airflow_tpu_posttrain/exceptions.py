@@ -92,3 +92,9 @@ class QualityGateError(AirflowFailException):
     """The trained model did not pass the quality gate: nothing was published, and a retry would judge the same.
 
     The message gives the numbers and where the trained checkpoint stays."""
+
+
+class HubAccessError(AirflowFailException):
+    """The Hugging Face token cannot read a run's input: no retry helps, so nothing is created.
+
+    A gated repo without a grant, a private or missing repo."""

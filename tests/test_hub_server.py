@@ -12,12 +12,13 @@ from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
 from airflow_tpu_posttrain.local.hub_server import HubServer
 
 TOKEN = "hub-test-token"  # a test credential of the local Hub server only
+OTHER_USER = "hub-test-other-user"  # accepted, never granted the gated repo
 REPO = "org/gated-model"
 
 
 @pytest.fixture
 def hub(tmp_path):
-    with HubServer(tmp_path / "hub", tokens=[TOKEN]) as server:
+    with HubServer(tmp_path / "hub", tokens=[TOKEN, OTHER_USER]) as server:
         api = HfApi(endpoint=server.url, token=TOKEN)
         api.create_repo(REPO)
         api.upload_file(path_or_fileobj=b'{"model_type": "llama"}', path_in_repo="config.json", repo_id=REPO)
@@ -42,6 +43,23 @@ def test_gated_files_need_an_accepted_token(hub, tmp_path):
     assert not isinstance(wrong_token.value, GatedRepoError)
 
     assert _download(hub, tmp_path, token=TOKEN) == '{"model_type": "llama"}'
+
+
+def test_gated_files_need_a_grant_and_auth_check_says_so(hub, tmp_path):
+    """A valid token without the repo's grant: 403 GatedRepo on a download and on HfApi.auth_check."""
+    with pytest.raises(GatedRepoError) as no_grant:
+        _download(hub, tmp_path, token=OTHER_USER)
+    assert no_grant.value.response.status_code == 403
+    assert "not in the authorized list" in no_grant.value.server_message
+    with pytest.raises(GatedRepoError):
+        HfApi(endpoint=hub.url, token=OTHER_USER).auth_check(REPO)
+    with pytest.raises(GatedRepoError):
+        HfApi(endpoint=hub.url, token=False).auth_check(REPO)
+    HfApi(endpoint=hub.url, token=TOKEN).auth_check(REPO)  # the creator's
+
+    hub.grant(OTHER_USER, REPO)
+    HfApi(endpoint=hub.url, token=OTHER_USER).auth_check(REPO)
+    assert _download(hub, tmp_path, token=OTHER_USER) == '{"model_type": "llama"}'
 
 
 def test_gated_repo_info_and_file_list_are_public(hub):

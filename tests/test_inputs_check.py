@@ -16,6 +16,9 @@ from airflow_tpu_posttrain.operators.inputs_check import PUBLISHED_INPUTS_KEY, I
 
 
 class Check(InputsCheckOperator):
+    def _check_access(self, repos):  # tests/test_hub_access.py checks it against the local Hub
+        pass
+
     def _revisions(self, repos):
         return {f"{kind}:{repo}": os.environ["HUB_REVISION"] for repo, kind in repos}
 

@@ -288,6 +288,36 @@ def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd, fault_mat
     )
 
 
+def test_a_token_without_the_gated_models_grant_fails_before_any_vm(stack, capfd, fault_matrix):
+    """A token without the grant of the gated base model: the run fails at its first task, before any VM.
+
+    The model is gated as Gemma and Llama are: the Hub shows its card but refuses its files."""
+    from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO
+
+    inserts_before = len(instance_inserts(stack))
+    stack.hub.revoke(stack.hf_token, TINY_LLAMA_REPO)
+    try:
+        dr = run_pipeline({"force": True})
+    finally:
+        stack.hub.grant(stack.hf_token, TINY_LLAMA_REPO)
+    logs = "".join(capfd.readouterr())
+    st = states(dr)
+    assert dr.state == "failed", st
+    assert st["check_inputs"] == "failed", st
+    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, "create_tpu_vm", "create_cpu_vm")), st
+    assert len(instance_inserts(stack)) == inserts_before and stack.compute.instances() == []
+    assert f"The model {TINY_LLAMA_REPO} is gated and the token of connection 'local_hub' has no access" in logs
+    assert "accept the licence at" in logs and "No VM was created" in logs
+    assert stack.hf_token not in logs
+    # One try: no retry can grant access.
+    [check] = [ti for ti in dr.get_task_instances() if ti.task_id == "check_inputs"]
+    assert check.try_number == 1
+    fault_matrix.record(
+        "pipeline: the token has no grant for the gated base model (no VM created)", None, dr.state, None,
+        log_excerpt(logs, f"The model {TINY_LLAMA_REPO} is gated"),
+    )
+
+
 def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, vm_ends, capfd, fault_matrix):
     dr = run_pipeline({"maxtext_version": "9.9.9"})
     logs = "".join(capfd.readouterr())

@@ -11,8 +11,10 @@ Repos live on disk under the root directory::
 
 Writes need ``Authorization: Bearer <token>``, and so do reads of private repos. A gated repo (``gated``
 ``auto``/``manual``, set through the repo settings as on the real Hub) shows its info and file list to anyone but
-serves its files only with an accepted token: without one, 401 ``X-Error-Code: GatedRepo``, which huggingface_hub
-raises as ``GatedRepoError``. Every accepted token has been granted access. LFS uploads go to a signed URL without
+serves its files only to a token granted access to it (:meth:`HubServer.grant`; the token that created the repo
+has it): without a token 401, with one that has no grant 403, both ``X-Error-Code: GatedRepo``, which
+huggingface_hub raises as ``GatedRepoError`` (``/api/models/<repo>/auth-check`` answers the same, as
+``HfApi.auth_check`` asks it). LFS uploads go to a signed URL without
 a token, like the pre-signed storage URLs of the real Hub. Every request is kept
 in ``HubServer.requests`` with the token value redacted, so a test can check where a token went.
 """
@@ -75,6 +77,8 @@ _ROUTES = [
     ("GET", rf"/api/datasets/{_REPO}", "dataset_info"),
     ("GET", rf"/api/datasets/{_REPO}/revision/{_REV}", "dataset_info"),
     ("GET", rf"/api/models/{_REPO}/refs", "list_refs"),
+    ("GET", rf"/api/models/{_REPO}/auth-check", "auth_check"),
+    ("GET", rf"/api/datasets/{_REPO}/auth-check", "dataset_auth_check"),
     ("POST", rf"/api/models/{_REPO}/branch/{_REV}", "create_branch"),
     ("PUT", rf"/api/models/{_REPO}/settings", "update_settings"),
     ("GET", rf"/api/models/{_REPO}/tree/{_REV}(?:/(?P<path>.+))?", "list_tree"),
@@ -431,6 +435,22 @@ class _Handler(BaseHTTPRequestHandler):
             )
         if not self.server.hub.accepts(token):
             raise HubError(401, "Invalid credentials in Authorization header")
+        if not self.server.hub.granted(token, repo_id):
+            raise HubError(
+                403,
+                f"Access to model {repo_id} is restricted and you are not in the authorized list. Visit "
+                f"{self.server.hub.url}/{repo_id} to ask for access.",
+                "GatedRepo",
+            )
+
+    def _auth_check(self, repo: str) -> None:
+        """``HfApi.auth_check``: whether this caller may download the repo's files."""
+        self._check_gate(repo, self._repo(repo))
+        self._send_json({})
+
+    def _dataset_auth_check(self, repo: str) -> None:
+        self._check_gate(repo, self._repo(repo, store=self.server.hub.datasets))
+        self._send_json({})
 
     def _head_commit(self, repo_id: str, rev: str) -> dict:
         repo = self._repo(repo_id)
@@ -453,6 +473,7 @@ class _Handler(BaseHTTPRequestHandler):
         url = f"{self.server.hub.url}/{repo_id}"
         if not self.store.create_repo(repo_id, private):
             raise HubError(409, "You already created this model repo", extra={"url": url})
+        self.server.hub.grant(self._token(), repo_id)  # its creator reads it, gated or not
         self._send_json({"url": url, "name": repo_id, "id": repo_id})
 
     def _validate_yaml(self) -> None:
@@ -783,6 +804,7 @@ class HubServer:
         self.requests: list[RecordedRequest] = []
         self._tokens = frozenset(tokens) if tokens is not None else None
         self._read_only_tokens = frozenset(read_only_tokens)
+        self._grants: dict[str, set[str]] = {}  # token -> the gated repos it was granted
         self._signing_key = secrets.token_bytes(32)
         self._httpd = _HubHTTPServer(("127.0.0.1", port), _Handler)
         self._httpd.hub = self
@@ -801,6 +823,16 @@ class HubServer:
 
     def can_write(self, token: str) -> bool:
         return token not in self._read_only_tokens
+
+    def grant(self, token: str, repo_id: str) -> None:
+        """Access to a gated repo's files, as the repo's authors grant a user's request on the real Hub."""
+        self._grants.setdefault(token, set()).add(repo_id)
+
+    def revoke(self, token: str, repo_id: str) -> None:
+        self._grants.get(token, set()).discard(repo_id)
+
+    def granted(self, token: str, repo_id: str) -> bool:
+        return repo_id in self._grants.get(token, ())
 
     def sign(self, repo_id: str, oid: str, size: int) -> str:
         """Signature of a one-object LFS upload URL (stands in for a pre-signed storage URL)."""

@@ -159,6 +159,8 @@ class LocalStack:
         self.compute.start()
         self.hub.start()
         self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
+        for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted
+            self.hub.grant(token, TINY_LLAMA_REPO)
         self.seed_tiny_chats()
         return self.environment()
 

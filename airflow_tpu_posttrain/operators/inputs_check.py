@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
-from airflow_tpu_posttrain.exceptions import InvalidInputError
+from airflow_tpu_posttrain.exceptions import HubAccessError, InvalidInputError
 from airflow_tpu_posttrain.recipes import validation
 from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -19,7 +19,10 @@ PUBLISHED_INPUTS_KEY = "inputs"  # the export's XCom: the inputs of the model it
 
 
 class InputsCheckOperator(BaseOperator):
-    """Skips the whole run, before any VM is created, when nothing it would train from has changed.
+    """Checks the run's inputs before any VM is created: readable with the token, and changed.
+
+    Fails when the token cannot download a base model's or dataset's files (a gated repo without a grant),
+    and skips the whole run when nothing it would train from has changed.
 
     The inputs: the base model's and the dataset's revisions on the Hub (the commit of each now), the MaxText
     version and the run's recipe settings. They are compared with those the export recorded (XCom
@@ -71,9 +74,11 @@ class InputsCheckOperator(BaseOperator):
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
         dataset = validation.blank_to_none(self.dataset) if self.recipe == "sft" else None
+        repos = input_repos(profile, self.recipe, dataset)
+        self._check_access(repos)
         inputs = {
             "model": profile.key,
-            "revisions": self._revisions(input_repos(profile, self.recipe, dataset)),
+            "revisions": self._revisions(repos),
             "maxtext_version": validation.blank_to_none(self.maxtext_version) or profile.maxtext_version,
             "settings": {key: _comparable(value) for key, value in sorted((self.settings or {}).items())},
         }
@@ -96,8 +101,7 @@ class InputsCheckOperator(BaseOperator):
             "Trigger with force=true to train anyway."
         )
 
-    def _revisions(self, repos: list[tuple[str, str]]) -> dict[str, str]:
-        """``{"<type>:<repo>": commit}`` of each repo now."""
+    def _hub_api(self) -> Any:
         from huggingface_hub import HfApi
 
         endpoint, token = None, None
@@ -106,8 +110,37 @@ class InputsCheckOperator(BaseOperator):
 
             connection = BaseHook.get_connection(self.hf_conn_id)
             endpoint, token = connection.host or None, connection.password or None
-        api = HfApi(endpoint=endpoint, token=token)
+        return HfApi(endpoint=endpoint, token=token)
+
+    def _revisions(self, repos: list[tuple[str, str]]) -> dict[str, str]:
+        """``{"<type>:<repo>": commit}`` of each repo now."""
+        api = self._hub_api()
         return {f"{kind}:{repo}": api.repo_info(repo, repo_type=kind).sha for repo, kind in repos}
+
+    def _check_access(self, repos: list[tuple[str, str]]) -> None:
+        """Fails before any VM when the token cannot download an input's files.
+
+        A gated repo shows its card to anyone; only its files need the grant, and the conversion would find
+        out on the VM, on every retry. ``HfApi.auth_check`` asks the Hub exactly that."""
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        api = self._hub_api()
+        who = f"the token of connection {self.hf_conn_id!r}" if self.hf_conn_id else "no token (anonymous)"
+        for repo, kind in repos:
+            page = f"{api.endpoint}/{'datasets/' if kind == 'dataset' else ''}{repo}"
+            try:
+                api.auth_check(repo, repo_type=kind)
+            except GatedRepoError:
+                raise HubAccessError(
+                    f"The {kind} {repo} is gated and {who} has no access to its files. Fix: with the Hub account "
+                    f"the token belongs to, accept the licence at {page} (wait for the grant), or set a token of "
+                    "an account that has access in the connection; then trigger again. No VM was created."
+                ) from None
+            except RepositoryNotFoundError:
+                raise HubAccessError(
+                    f"The {kind} {repo} is not found with {who} (private, or misspelt). Fix: check the id, or "
+                    f"set a token of an account that can read {page}; then trigger again. No VM was created."
+                ) from None
 
 
 def _comparable(value: Any) -> Any:
