@@ -81,6 +81,47 @@ def test_custom_mode_network_without_subnetwork_fails_before_the_insert(
     )
 
 
+def test_a_vm_without_external_ip_needs_cloud_nat_and_private_google_access_before_the_insert(
+    emulator, run_dag, capfd, fault_matrix
+):
+    """network_path internal without Cloud NAT or Private Google Access: refused before anything is created.
+
+    No external IP, so the install and the Hub download need Cloud NAT and every gs:// step needs Private Google
+    Access; Google makes neither for you."""
+    def run(dag_id: str):
+        zones = ("us-east5-b", "us-east5-a")
+        return run_dag(dag_id, lifecycle(dag_id, zones, tasks="create", create_kwargs='network_path="internal"'))
+
+    dr = run("access_no_egress")
+    logs = "".join(capfd.readouterr())
+    assert dr.state == "failed" and task_states(dr)["create_tpu_vm"] == "failed"
+    assert "subnetwork 'default' in us-east5 has no Private Google Access" in logs
+    assert "--enable-private-ip-google-access" in logs
+    assert "no Cloud NAT covers subnetwork 'default' in us-east5" in logs
+    assert "gcloud compute routers nats create" in logs
+    assert inserts(emulator) == []
+
+    # A NAT for another subnetwork only does not cover it; one that lists it does.
+    emulator.add_subnetwork("default", "us-east5", private_google_access=True)
+    emulator.add_router("other-nat", "us-east5", nat_subnetworks=["other-subnet"])
+    dr = run("access_nat_elsewhere")
+    logs = "".join(capfd.readouterr())
+    assert dr.state == "failed" and "no Cloud NAT covers subnetwork 'default'" in logs
+    assert "Private Google Access" not in logs
+    assert inserts(emulator) == []
+    emulator.add_router("posttrain-nat", "us-east5", nat_subnetworks=["default"])
+    dr = run("access_egress")
+    assert dr.state == "success", task_states(dr)
+    assert len(inserts(emulator)) == 1
+    fault_matrix.record(
+        "access: no external IP without Cloud NAT / Private Google Access -> refused before the insert",
+        None,
+        "failed",
+        None,
+        "no Cloud NAT covers subnetwork 'default' in us-east5",
+    )
+
+
 def test_vm_without_guest_environment_fails_the_create_and_is_deleted(emulator, run_dag, capfd, fault_matrix):
     emulator.set_faults(no_guest_environment=True)
     kwargs = "ready_timeout=__import__('datetime').timedelta(seconds=8)"
@@ -180,6 +221,8 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
     write_gcloud_stand_in(tmp_path / "bin")  # gcloud compute start-iap-tunnel, reading the emulator
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
+    emulator.add_subnetwork("default", "us-east5", private_google_access=True)
+    emulator.add_router("nat-router", "us-east5")
     dr = run_dag("access_iap", lifecycle("access_iap", tasks="create", create_kwargs='network_path="iap"'))
     assert dr.state == "success", task_states(dr)
     vm = xcom(dr, "create_tpu_vm")

@@ -141,6 +141,21 @@ class TpuVmHook(GoogleBaseHook):
         except NotFound:
             return None
 
+    def get_subnetwork(self, project: str, region: str, name: str) -> dict | None:
+        from google.api_core.exceptions import NotFound
+
+        client = self._client("SubnetworksClient")
+        try:
+            return _message_to_dict(
+                client.get(project=project, region=region, subnetwork=name, retry=self.retry)
+            )
+        except NotFound:
+            return None
+
+    def list_routers(self, project: str, region: str) -> list[dict]:
+        pages = self._client("RoutersClient").list(project=project, region=region, retry=self.retry)
+        return [_message_to_dict(router) for router in pages]
+
     def list_instances(self, project: str, zone: str, label_filter: str) -> list[dict]:
         pages = self.instances.list(
             request={"project": project, "zone": zone, "filter": label_filter}, retry=self.retry

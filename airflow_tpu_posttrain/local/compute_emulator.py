@@ -255,6 +255,7 @@ class ComputeEmulator:
         self._thread: threading.Thread | None = None
         zonal = r"/projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)"
         global_ = r"/projects/(?P<project>[^/]+)/global"
+        regional = r"/projects/(?P<project>[^/]+)/regions/(?P<region>[^/]+)"
         # path pattern -> {HTTP method: (handler, kind of request for transient_errors)}
         routes = {
             f"{zonal}/instances": {
@@ -269,6 +270,8 @@ class ComputeEmulator:
                 "GET": (self._get_guest_attributes, "get"),
             },
             f"{global_}/networks/(?P<name>[^/]+)": {"GET": (self._get_network, None)},
+            f"{regional}/subnetworks/(?P<name>[^/]+)": {"GET": (self._get_subnetwork, None)},
+            f"{regional}/routers": {"GET": (self._list_routers, "list")},
             f"{zonal}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
             f"{zonal}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
             f"{global_}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
@@ -421,6 +424,28 @@ class ComputeEmulator:
         with self._lock:
             self._networks[(project, name)] = {"autoCreateSubnetworks": not custom_mode}
 
+    def add_subnetwork(
+        self, name: str, region: str, network: str = "default", *, private_google_access: bool = False,
+        project: str | None = None,
+    ) -> None:
+        """A subnetwork of ``network`` in ``region``; an auto-mode network has one named after it in every region.
+
+        Private Google Access is off unless asked for, as for the subnetworks Google makes."""
+        with self._lock:
+            self._subnetworks[(project, region, name)] = {
+                "network": network, "privateIpGoogleAccess": private_google_access
+            }
+
+    def add_router(
+        self, name: str, region: str, network: str = "default", *, nat_subnetworks: list[str] | None = None,
+        project: str | None = None,
+    ) -> None:
+        """A Cloud Router with one Cloud NAT, for the subnetworks of its region.
+
+        ``nat_subnetworks`` None: all of them (``--nat-all-subnet-ip-ranges``); else the named ones only."""
+        with self._lock:
+            self._routers[(project, region, name)] = {"network": network, "natSubnetworks": nat_subnetworks}
+
     def reset(self) -> None:
         """Forget all resources, operations, recorded requests and faults."""
         with self._lock:
@@ -435,6 +460,10 @@ class ComputeEmulator:
             self._networks: dict[tuple[str | None, str], dict[str, Any]] = {
                 (None, "default"): {"autoCreateSubnetworks": True}
             }
+            # (project or None, region, name) -> {"network", "privateIpGoogleAccess"}: subnetworks made explicitly
+            self._subnetworks: dict[tuple[str | None, str, str], dict[str, Any]] = {}
+            # (project or None, region, name) -> {"network", "natSubnetworks"}: Cloud Routers with a NAT
+            self._routers: dict[tuple[str | None, str, str], dict[str, Any]] = {}
             self._operations: dict[tuple[str, str | None, str], _Operation] = {}
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
@@ -916,6 +945,66 @@ class ComputeEmulator:
             "selfLink": f"{API_ROOT}/{path}",
             "autoCreateSubnetworks": network["autoCreateSubnetworks"],
         }
+
+    def _subnetwork(self, project: str, region: str, name: str) -> dict[str, Any] | None:
+        found = self._subnetworks.get((project, region, name)) or self._subnetworks.get((None, region, name))
+        if found is not None:
+            return found
+        network = self._network(project, name)
+        if network is not None and network["autoCreateSubnetworks"]:
+            return {"network": name, "privateIpGoogleAccess": False}
+        return None
+
+    def _get_subnetwork(self, query: dict, body: dict, project: str, region: str, name: str):
+        """``subnetworks.get``; an auto-mode network's subnetwork of each region exists, Private Google Access off."""
+        path = f"projects/{project}/regions/{region}/subnetworks/{name}"
+        with self._lock:
+            subnetwork = self._subnetwork(project, region, name)
+        if subnetwork is None:
+            raise _not_found(path)
+        return 200, {
+            "kind": "compute#subnetwork",
+            "name": name,
+            "network": f"{API_ROOT}/projects/{project}/global/networks/{subnetwork['network']}",
+            "region": f"{API_ROOT}/projects/{project}/regions/{region}",
+            "privateIpGoogleAccess": subnetwork["privateIpGoogleAccess"],
+            "selfLink": f"{API_ROOT}/{path}",
+        }
+
+    def _list_routers(self, query: dict, body: dict, project: str, region: str):
+        """``routers.list`` of a region, each router with its NAT in the API's shape."""
+        items = []
+        with self._lock:
+            routers = [
+                (name, router)
+                for (router_project, router_region, name), router in sorted(self._routers.items(), key=str)
+                if router_region == region and router_project in (None, project)
+            ]
+        for name, router in routers:
+            nat: dict[str, Any] = {"name": f"{name}-nat", "natIpAllocateOption": "AUTO_ONLY"}
+            if router["natSubnetworks"] is None:
+                nat["sourceSubnetworkIpRangesToNat"] = "ALL_SUBNETWORKS_ALL_IP_RANGES"
+            else:
+                nat["sourceSubnetworkIpRangesToNat"] = "LIST_OF_SUBNETWORKS"
+                nat["subnetworks"] = [
+                    {
+                        "name": f"{API_ROOT}/projects/{project}/regions/{region}/subnetworks/{subnetwork}",
+                        "sourceIpRangesToNat": ["ALL_IP_RANGES"],
+                    }
+                    for subnetwork in router["natSubnetworks"]
+                ]
+            items.append(
+                {
+                    "kind": "compute#router",
+                    "name": name,
+                    "network": f"{API_ROOT}/projects/{project}/global/networks/{router['network']}",
+                    "region": f"{API_ROOT}/projects/{project}/regions/{region}",
+                    "nats": [nat],
+                    "selfLink": f"{API_ROOT}/projects/{project}/regions/{region}/routers/{name}",
+                }
+            )
+        listing = {"kind": "compute#routerList", "id": f"projects/{project}/regions/{region}/routers"}
+        return 200, {**listing, **({"items": items} if items else {})}
 
     def _get_instance(self, query: dict, body: dict, project: str, zone: str, name: str):
         with self._lock:

@@ -40,6 +40,7 @@ from airflow_tpu_posttrain.recipes.models import TINY_CHATS_REPO, TINY_LLAMA_REP
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
+LOCAL_REGION = "local-cpu1"  # the region of the local entries' zones (dags/models.yaml)
 LOCAL_LOGIN = "posttrain"  # the VMs' guest agent creates this account from the ssh-keys metadata
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 
@@ -157,6 +158,10 @@ class LocalStack:
         self.gcs.start()
         self.fleet.vm_environment = client_environment(self.gcs.url)
         self.compute.start()
+        # What README asks of a network whose VMs have no external IP (network_path internal or iap), done for the
+        # local entries' region: Private Google Access on its subnetwork and a Cloud NAT.
+        self.compute.add_subnetwork("default", LOCAL_REGION, private_google_access=True)
+        self.compute.add_router("posttrain-nat", LOCAL_REGION)
         self.hub.start()
         self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
         for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted

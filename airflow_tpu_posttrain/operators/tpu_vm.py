@@ -261,6 +261,49 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
                     "name the subnetwork of the zones' region the VMs go in",
                 ),
             )
+        if spec.network_path != "external":
+            self._check_egress(spec)
+
+    def _check_egress(self, spec: compute.TpuVmSpec) -> None:
+        """Refuses VMs without an external IP where their network gives them no way out.
+
+        Such a VM reaches the internet only through Cloud NAT and Google's APIs only with Private Google Access
+        (cloud.google.com/nat/docs/overview, cloud.google.com/vpc/docs/private-google-access).
+
+        Without NAT the install (apt, PyPI, uv) and the Hub download fail on the VM, without Private Google Access
+        every ``gs://`` read and write: refused here, for each zone's region, before anything is created."""
+        problems = []
+        for region, subnetwork in sorted({compute.subnetwork_of(spec, zone) for zone in spec.zones}):
+            found = self.hook.get_subnetwork(spec.project_id, region, subnetwork)
+            if found is None:
+                problems.append(f"subnetwork {subnetwork!r} does not exist in region {region}")
+                continue
+            if not found.get("privateIpGoogleAccess"):
+                problems.append(
+                    f"subnetwork {subnetwork!r} in {region} has no Private Google Access, so the VMs reach no "
+                    f"Cloud Storage: gcloud compute networks subnets update {subnetwork} --region={region} "
+                    "--enable-private-ip-google-access"
+                )
+            routers = self.hook.list_routers(spec.project_id, region)
+            if not compute.nat_covers(routers, spec.network, region, subnetwork):
+                problems.append(
+                    f"no Cloud NAT covers subnetwork {subnetwork!r} in {region}, so the VMs reach no package index "
+                    f"and no Hugging Face Hub: gcloud compute routers create posttrain-nat --network={spec.network} "
+                    f"--region={region} && gcloud compute routers nats create posttrain-nat --router=posttrain-nat "
+                    f"--region={region} --auto-allocate-nat-external-ips --nat-all-subnet-ip-ranges"
+                )
+        if problems:
+            raise InvalidInputError.of(
+                self.task_id,
+                SpecError(
+                    "network_path",
+                    spec.network_path,
+                    "gives the VMs no external IP, and their network lacks what they need instead: "
+                    + "; ".join(problems),
+                    "run the gcloud commands above (README: Google Cloud, the VMs' network), or use "
+                    "network_path external",
+                ),
+            )
 
     def execute(self, context: Context) -> Any:
         spec = self._spec(context)

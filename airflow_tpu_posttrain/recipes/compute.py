@@ -403,3 +403,34 @@ def describe_errors(errors: list[dict]) -> str:
     return (
         "; ".join(f"{e.get('code', '?')}: {e.get('message', '')}".strip() for e in errors) or "unknown error"
     )
+
+
+def subnetwork_of(spec: TpuVmSpec, zone: str) -> tuple[str, str]:
+    """``(region, subnetwork name)`` of a VM in ``zone``: the one named, or an auto-mode network's own."""
+    path = spec.subnetwork_path(zone)
+    if path is None:
+        return zone.rsplit("-", 1)[0], spec.network
+    parts = path.split("/")
+    return parts[parts.index("regions") + 1], parts[-1]
+
+
+# Cloud NAT's settings that translate every subnetwork of the router's region (the API's
+# sourceSubnetworkIpRangesToNat); LIST_OF_SUBNETWORKS names them.
+_NAT_ALL_SUBNETWORKS = ("ALL_SUBNETWORKS_ALL_IP_RANGES", "ALL_SUBNETWORKS_ALL_PRIMARY_IP_RANGES")
+
+
+def nat_covers(routers: list[dict], network: str, region: str, subnetwork: str) -> bool:
+    """Whether a Cloud NAT of ``routers`` (``routers.list`` of ``region``) translates ``subnetwork``'s addresses."""
+    for router in routers:
+        if router.get("network", "").rsplit("/", 1)[-1] != network:
+            continue
+        for nat in router.get("nats", []):
+            scope = nat.get("sourceSubnetworkIpRangesToNat")
+            if scope in _NAT_ALL_SUBNETWORKS:
+                return True
+            listed = {item.get("name", "") for item in nat.get("subnetworks", [])}
+            if scope == "LIST_OF_SUBNETWORKS" and any(
+                name.endswith(f"/regions/{region}/subnetworks/{subnetwork}") for name in listed
+            ):
+                return True
+    return False
