@@ -133,6 +133,25 @@ def token_probe(stack):
     return probe
 
 
+def files_holding(secret: str, *roots: Path) -> tuple[int, list[str]]:
+    """``(files searched, those holding secret)``: every byte of every file under ``roots``."""
+    searched, holding = 0, []
+    for root in roots:
+        for path in (p for p in root.rglob("*") if p.is_file()):
+            searched += 1
+            if secret.encode() in path.read_bytes():
+                holding.append(str(path))
+    return searched, holding
+
+
+def token_in_storage_and_hub(stack) -> tuple[int, list[str]]:
+    """The token in what the runs left behind, byte by byte.
+
+    The local GCS server's objects (checkpoints, TensorBoard events, conversions, kept exports, metrics), the
+    shared storage directories and the local Hub's repos."""
+    return files_holding(HF_TOKEN, stack.vm_dir / "gcs", stack.vm_dir / "hub", stack.storage_dir, stack.published_dir)
+
+
 def test_tiny_sft_end_to_end(stack, capfd):
     published_dir = stack.published_dir
     with before_vm_end(stack, token_probe(stack)) as ends:
@@ -230,6 +249,12 @@ def test_tiny_sft_end_to_end(stack, capfd):
         on_vm = ends.seen[name]
         assert on_vm["workdir_files"], f"{name}: no job files under {WORKDIR}"
         assert on_vm["token_in"] == [] and on_vm["secrets_left"] == [], (name, on_vm)
+    # Nor in storage or on the Hub: the trainer ran without it (MaxText writes its whole config, a token in it
+    # included, to TensorBoard beside the checkpoints).
+    assert any(o.startswith(f"post-train/{run}/tensorboard/") for o in objects)
+    searched, holding = token_in_storage_and_hub(stack)
+    print(f"token search after SFT: {searched} files in storage and on the Hub")
+    assert searched > 50 and holding == [], holding
 
 
 
@@ -298,6 +323,9 @@ def test_tiny_rl_end_to_end(stack, capfd):
     for name in vms:
         on_vm = ends.seen[name]
         assert on_vm["token_in"] == [] and on_vm["secrets_left"] == [], (name, on_vm)
+    searched, holding = token_in_storage_and_hub(stack)
+    print(f"token search after GRPO: {searched} files in storage and on the Hub")
+    assert searched > 50 and holding == [], holding
 
 
 def test_tiny_sft_in_the_seeds_layout(stack, capfd):

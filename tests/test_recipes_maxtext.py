@@ -158,7 +158,8 @@ def test_sft_seed_commands():
     spec = _seed_spec("gemma3-4b")
     assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_SFT_TO_MAXTEXT))
     sft = maxtext.train_sft(spec)
-    pipeline_extra = ["checkpoint_period=200"]
+    # The tokenizer from the VM's copy of the base model's files: the trainer runs without the token.
+    pipeline_extra = ["checkpoint_period=200", "tokenizer_path=/dev/shm/gemma3-4b/base-model-files"]
     assert list(sft.argv) == _argv(SEED_SFT_TRAIN) + pipeline_extra
     export = maxtext.to_huggingface(spec, spec.layout.sft_params(1000))
     assert list(export.argv) == _argv(SEED_SFT_TO_HUGGINGFACE)
@@ -167,7 +168,8 @@ def test_sft_seed_commands():
 def test_rl_seed_commands():
     spec = _seed_spec("llama3.1-8b-Instruct")
     assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_RL_TO_MAXTEXT))
-    assert list(maxtext.train_rl(spec).argv) == _argv(SEED_RL_TRAIN)
+    rl_extra = ["tokenizer_path=/dev/shm/llama3.1-8b-Instruct/base-model-files"]
+    assert list(maxtext.train_rl(spec).argv) == _argv(SEED_RL_TRAIN) + rl_extra
     export = maxtext.to_huggingface(spec, spec.layout.rl_params(50))
     # Deliberate deviation: the trained model's name, so to_huggingface (0.2.3 knows it) takes the tokenizer
     # and chat template of meta-llama/Llama-3.1-8B-Instruct, not of the base model's separately gated repo.
@@ -295,9 +297,9 @@ def test_cpu_runtime_commands():
         "profiler=xplane",
         "hf_train_files=/dev/shm/tiny-llama/source/data/sft.jsonl",
         "checkpoint_period=200",
+        "tokenizer_path=/dev/shm/tiny-llama/base-model-files",
         *dims,
         *cpu,
-        f"tokenizer_path={model_dir}",
         "max_target_length=128",
     )
     assert sft.env == {"JAX_PLATFORMS": "cpu"}
@@ -321,9 +323,9 @@ def test_cpu_runtime_commands():
         "rollout_tensor_parallelism=-1",
         "hf_train_files=/dev/shm/tiny-llama/source/data/gsm8k/train.parquet",
         "hf_eval_files=/dev/shm/tiny-llama/source/data/gsm8k/test.parquet",
+        "tokenizer_path=/dev/shm/tiny-llama/base-model-files",
         *dims,
         *cpu,
-        f"tokenizer_path={model_dir}",
         "max_prefill_predict_length=128",
         "max_target_length=160",
         "use_pathways=false",

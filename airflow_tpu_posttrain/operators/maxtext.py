@@ -198,6 +198,10 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         if not self.converted_params and isinstance(self.conversion, dict):
             self.converted_params = self.conversion.get("converted_params")
 
+    def _source_revision(self) -> str | None:
+        """The Hub commit the conversion read (split layout), so the tokenizer comes from the same one."""
+        return self.conversion.get("source_revision") if isinstance(self.conversion, dict) else None
+
     def provenance(self, spec: maxtext.RunSpec, dataset: str | None) -> dict[str, Any]:
         """What the export's model card says of this training.
 
@@ -346,7 +350,7 @@ class SftTrainOperator(_TrainOperator):
                 "steps": steps,
                 **self.provenance(spec, None if dataset.train_files else dataset.hf_path),
             },
-            reads_hub=True,
+            prefetch=maxtext.fetch_base_model_files(spec, self._source_revision()),
         )
 
 
@@ -396,5 +400,5 @@ class GrpoTrainOperator(_TrainOperator):
                 # MaxText reads GSM8K from the Hub unless the profile names local files.
                 **self.provenance(spec, None if spec.model.rl_dataset.train_files else GSM8K_REPO),
             },
-            reads_hub=True,
+            prefetch=maxtext.fetch_base_model_files(spec, self._source_revision()),
         )

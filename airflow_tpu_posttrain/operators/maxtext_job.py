@@ -56,12 +56,14 @@ class Job:
         *,
         reads_hub: bool = False,
         token_file: bool = False,
+        prefetch: str | None = None,
     ):
         self.script = script
         self.done_marker = done_marker
         self.outputs = outputs
         self.reads_hub = reads_hub  # MaxText / transformers download the model: HF_TOKEN and HF_ENDPOINT set
         self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
+        self.prefetch = prefetch  # run with HF_TOKEN before the step, which then runs without it
 
 
 class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
@@ -254,16 +256,16 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
 
     def _job_script(self, job: Job, paths: RemoteJobPaths) -> tuple[str, str | None]:
         """The script the detached job runs, and where the token file goes (if the step needs one)."""
-        token_file = (
-            f"{self.workdir}/secrets/{paths.job_id}.token" if job.reads_hub or job.token_file else None
-        )
+        needs_token = job.reads_hub or job.token_file or job.prefetch
+        token_file = f"{self.workdir}/secrets/{paths.job_id}.token" if needs_token else None
         script = remote_job.wrapper_script(
             f"{paths.job_dir}.step.sh",
             paths.log_file,
             token_file=token_file,
             token_in_env=job.reads_hub,
             keep_token_file=job.token_file,
-            hub_endpoint=self._hub_endpoint() if job.reads_hub else None,
+            prefetch=job.prefetch,
+            hub_endpoint=self._hub_endpoint() if job.reads_hub or job.prefetch else None,
             done_marker=job.done_marker,
             storage_tool=self.storage_tool if job.done_marker and storage.is_gcs(job.done_marker) else None,
         )

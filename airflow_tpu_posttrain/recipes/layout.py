@@ -91,6 +91,11 @@ class RunLayout:
         return f"{self.storage}/exports/{self.run_name}" if self.storage else None
 
     @property
+    def base_model_files_dir(self) -> str:
+        """The training VM's copy of the base model's tokenizer and configs (the trainers' ``tokenizer_path``)."""
+        return f"{self.root}/base-model-files"
+
+    @property
     def export_dir(self) -> str:
         """to_huggingface's output (HF_EXPORT), one per run so runs sharing a root never mix exports."""
         return f"{self.root}/hf-trained/{self.run_name}"

@@ -26,6 +26,15 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 # max_num_checkpoints_to_keep.
 DEFAULT_SFT_CHECKPOINT_PERIOD = 200
 PROFILERS = ("xplane", "nsys", "")
+# What the trainers read of the base model's Hub repo besides the converted weights: tokenizer, chat template and
+# configs (train_rl also hands its tokenizer_path to vLLM as the model). Fetched with the token before training;
+# the trainer itself runs without the token, because MaxText's pyconfig copies HF_TOKEN into hf_access_token and
+# add_config_to_summary_writer writes every config key, that one included, to TensorBoard in checkpoint storage.
+BASE_MODEL_FILES = ("*.json", "*.model", "*.jinja", "*.txt", "*.tiktoken")
+_FETCH_FILES = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3], allow_patterns=sys.argv[4:])"
+)
 # How MaxText's conversions run on a machine without a TPU (its convert_checkpoint.md; the tutorials' to_maxtext).
 CPU_CONVERSION_ARGS: Mapping[str, str] = MappingProxyType({"hardware": "cpu", "skip_jax_distributed_system": "true"})
 
@@ -89,6 +98,16 @@ def _command(
     return RemoteCommand(argv=argv, env=env, venv=spec.runtime.venv)
 
 
+def fetch_base_model_files(spec: RunSpec, revision: str | None = None) -> str:
+    """The shell line that copies the base model's ``BASE_MODEL_FILES`` into ``layout.base_model_files_dir``.
+
+    At ``revision`` (default: its main). Run with ``HF_TOKEN`` set, before the trainer, which gets no token."""
+    python = remote_path(f"{spec.runtime.venv}/bin/python")
+    revision = validation.hub_revision("revision", revision) if revision else ""
+    arguments = [spec.model.hf_source, revision, spec.layout.base_model_files_dir, *BASE_MODEL_FILES]
+    return f"{python} -c {shlex.quote(_FETCH_FILES)} {shlex.join(arguments)}"
+
+
 def _checkpoint(path: str, field: str = "converted_params") -> str:
     """A checkpoint MaxText loads: a path on the VM or in ``gs://`` storage."""
     return storage.checkpoint_uri(field, path)
@@ -140,7 +159,9 @@ def train_sft(
 ) -> RemoteCommand:
     """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``).
 
-    Steps and dataset default to the model's. ``evaluate``: MaxText evaluates on the dataset's held-out rows
+    Deviation from the tutorial: ``tokenizer_path`` is the VM's copy of the base model's files
+    (:func:`fetch_base_model_files`), so the trainer needs no token. Steps and dataset default to the model's.
+    ``evaluate``: MaxText evaluates on the dataset's held-out rows
     (``eval_steps`` batches) before the first step and after the last (``eval_interval`` = the steps), for the
     quality gate; the tutorial does not."""
     data = dataset or spec.model.sft_dataset
@@ -172,6 +193,7 @@ def train_sft(
         if data.eval_split is not None:
             args["hf_eval_split"] = data.eval_split
     args["checkpoint_period"] = str(validation.positive_int("checkpoint_period", checkpoint_period))
+    args["tokenizer_path"] = spec.layout.base_model_files_dir
     return _command(spec, Step.TRAIN_SFT, args, training=True, overrides=overrides)
 
 
@@ -186,7 +208,8 @@ def train_rl(
 ) -> RemoteCommand:
     """GRPO from the converted checkpoint (default: ``layout.converted_params``).
 
-    The batch counts and dataset default to the model's."""
+    The batch counts and dataset default to the model's. Deviation from the tutorial: ``tokenizer_path``, as for
+    :func:`train_sft`."""
     data = dataset or spec.model.rl_dataset
     args = {
         "model_name": spec.model.maxtext_model_name,
@@ -203,6 +226,7 @@ def train_rl(
         args["hf_train_files"] = data.train_files
     if data.eval_files is not None:
         args["hf_eval_files"] = data.eval_files
+    args["tokenizer_path"] = spec.layout.base_model_files_dir
     return _command(spec, Step.TRAIN_RL, args, training=True, overrides=overrides)
 
 

@@ -100,6 +100,7 @@ def wrapper_script(
     token_file: str | None = None,
     token_in_env: bool = False,
     keep_token_file: bool = False,
+    prefetch: str | None = None,
     hub_endpoint: str | None = None,
     done_marker: str | None = None,
     storage_tool: storage.GcsTool | None = None,
@@ -108,14 +109,17 @@ def wrapper_script(
 
     The token goes from its 0600 file into ``HF_TOKEN`` (MaxText's config and huggingface_hub read it from the
     environment, never from argv) and/or is named by ``HF_TOKEN_FILE`` until the job ends, the file deleted as
-    soon as it is not needed. Then the step; then, with a ``done_marker``, the log's metric lines kept in
+    soon as it is not needed. A ``prefetch`` command gets the token in its environment alone, before the step
+    (which then runs without it). Then the step; then, with a ``done_marker``, the log's metric lines kept in
     storage beside it (a later run on another VM reads them there) and the marker (``storage_tool``: how the
     VM writes a ``gs://`` marker)."""
     lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
     if token_file and token_in_env:
         lines.append(f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"')
-    if token_in_env and hub_endpoint:
+    if hub_endpoint:
         lines.append(export_line("HF_ENDPOINT", hub_endpoint))
+    if token_file and prefetch:
+        lines.append(f'HF_TOKEN="$(cat {shlex.quote(token_file)})" {prefetch}')
     if token_file and keep_token_file:
         lines += [
             f"export HF_TOKEN_FILE={shlex.quote(token_file)}",

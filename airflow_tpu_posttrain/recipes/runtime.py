@@ -123,9 +123,8 @@ class Runtime:
         per_step = {
             # False (the tutorials') loads through torch, which the CPU environment does not have.
             Step.TO_MAXTEXT: {"--hf_model_path": repo, "--lazy_load_tensors": "True"},
-            Step.TRAIN_SFT: {"tokenizer_path": repo, "max_target_length": "128"},
+            Step.TRAIN_SFT: {"max_target_length": "128"},
             Step.TRAIN_RL: {
-                "tokenizer_path": repo,
                 "max_prefill_predict_length": "128",
                 "max_target_length": "160",
                 "use_pathways": "false",
