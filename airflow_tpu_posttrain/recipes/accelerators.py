@@ -11,6 +11,9 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 
 # What makes JAX use the host CPU; libtpu, when installed, otherwise probes for a TPU first.
 CPU_JAX_ENV: Mapping[str, str] = MappingProxyType({"JAX_PLATFORMS": "cpu"})
+# How MaxText's steps run on a machine without a TPU (its convert_checkpoint.md; the tutorials' to_maxtext): without
+# them its pyconfig calls jax.distributed.initialize(), which needs a coordinator off a TPU.
+CPU_CONVERSION_ARGS: Mapping[str, str] = MappingProxyType({"hardware": "cpu", "skip_jax_distributed_system": "true"})
 
 
 @dataclass(frozen=True)

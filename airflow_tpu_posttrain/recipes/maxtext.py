@@ -9,10 +9,9 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from airflow_tpu_posttrain.recipes import storage, validation
-from airflow_tpu_posttrain.recipes.accelerators import CPU_JAX_ENV, Accelerator, tpu_env
+from airflow_tpu_posttrain.recipes.accelerators import CPU_CONVERSION_ARGS, CPU_JAX_ENV, Accelerator, tpu_env
 from airflow_tpu_posttrain.recipes.layout import RunLayout
 from airflow_tpu_posttrain.recipes.models import ModelProfile, RlDataset, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step
@@ -35,8 +34,6 @@ _FETCH_FILES = (
     "import sys; from huggingface_hub import snapshot_download; "
     "snapshot_download(sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3], allow_patterns=sys.argv[4:])"
 )
-# How MaxText's conversions run on a machine without a TPU (its convert_checkpoint.md; the tutorials' to_maxtext).
-CPU_CONVERSION_ARGS: Mapping[str, str] = MappingProxyType({"hardware": "cpu", "skip_jax_distributed_system": "true"})
 
 
 @dataclass(frozen=True)

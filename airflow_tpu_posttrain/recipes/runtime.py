@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from airflow_tpu_posttrain.recipes import validation
-from airflow_tpu_posttrain.recipes.accelerators import CPU_JAX_ENV, Accelerator
+from airflow_tpu_posttrain.recipes.accelerators import CPU_CONVERSION_ARGS, CPU_JAX_ENV, Accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -41,9 +41,7 @@ _CPU_LAUNCHERS: Mapping[Step, str] = MappingProxyType(
     }
 )
 # attention=dot_product: MaxText 0.2.3's autoselect picks a GPU kernel on a CPU; safe on 0.2.5 too.
-_CPU_ARGS: Mapping[str, str] = MappingProxyType(
-    {"hardware": "cpu", "skip_jax_distributed_system": "true", "attention": "dot_product"}
-)
+_CPU_ARGS: Mapping[str, str] = MappingProxyType({**CPU_CONVERSION_ARGS, "attention": "dot_product"})
 
 
 @dataclass(frozen=True)
