@@ -94,6 +94,16 @@ def alive_sampler(emulator) -> tuple[threading.Event, list[int]]:
     return stop, counts
 
 
+def test_the_first_created_holds_across_the_autumn_clock_change():
+    """2026-11-01, US-Pacific: 01:50 PDT (08:50 UTC) comes before 01:10 PST (09:10 UTC), whatever the text says."""
+    group = [
+        {"name": "later", "status": "RUNNING", "creationTimestamp": "2026-11-01T01:10:00.000-08:00"},
+        {"name": "earlier", "status": "RUNNING", "creationTimestamp": "2026-11-01T01:50:00.000-07:00"},
+    ]
+    assert [i["name"] for i in capacity.holders(group)] == ["earlier", "later"]
+    assert capacity.over_cap("later", group, 1) and not capacity.over_cap("earlier", group, 1)
+
+
 def test_pure_ordering_keeps_the_first_created():
     group = [
         {"name": "b", "status": "RUNNING", "creationTimestamp": "2026-11-30T10:00:01.000+00:00"},

@@ -36,6 +36,7 @@ SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_TINY, RL_TINY)
 
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
 CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"
+INSTALL = "install_maxtext"
 BODY = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
 CHECK = "check_inputs"  # first: a run with the inputs of the last published model creates nothing
 GATE = "quality_gate"  # between the training and the export: needs no VM, and takes no time worth a timeout's share
@@ -137,23 +138,39 @@ def test_serializes_like_the_dag_processor(dags, dag_id):
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_setup_teardown_pair(dags, dag_id):
     dag = dags[dag_id]
-    pairs = [(CREATE, DELETE), (CREATE_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [(CREATE, DELETE)]
-    for setup_id, teardown_id in pairs:
+    pairs = [(CREATE, INSTALL, DELETE), (CREATE_CPU, INSTALL_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [
+        (CREATE, INSTALL, DELETE)
+    ]
+    for setup_id, install_id, teardown_id in pairs:
         create, delete = dag.get_task(setup_id), dag.get_task(teardown_id)
         assert create.is_setup and not create.is_teardown
         assert delete.is_teardown and not delete.is_setup
         assert delete.on_failure_fail_dagrun  # a VM that could not be deleted makes the run FAILED, not green
-        # The pairing: the teardown's setup is its create task, and it deletes that task's VM.
-        assert [t.task_id for t in delete.upstream_list if t.is_setup] == [setup_id]
+        # The pairing: the teardown's setups are its VM's create and install, and it deletes the create's VM.
+        assert sorted(t.task_id for t in delete.upstream_list if t.is_setup) == sorted([setup_id, install_id])
         assert delete.create_task_id == setup_id and delete.name_prefix == create.name_prefix
         assert delete.trigger_rule == "all_done_setup_success"
-    assert sorted(t.task_id for t in dag.tasks if t.is_setup) == sorted(s for s, _ in pairs)
-    assert sorted(t.task_id for t in dag.tasks if t.is_teardown) == sorted(d for _, d in pairs)
+    assert sorted(t.task_id for t in dag.tasks if t.is_setup) == sorted(s for p in pairs for s in p[:2])
+    assert sorted(t.task_id for t in dag.tasks if t.is_teardown) == sorted(d for *_, d in pairs)
     # Every step that uses the TPU VM is in its setup's scope: downstream of create, upstream of delete.
     create, delete = dag.get_task(CREATE), dag.get_task(DELETE)
     for task_id in ON_TPU if dag_id in SPLIT_DAGS else BODY:
         assert task_id in create.get_flat_relative_ids(upstream=False)
         assert task_id in delete.get_flat_relative_ids(upstream=True)
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+@pytest.mark.parametrize("step", ["train", "export_and_publish"])
+def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step):
+    """What the UI's "Clear" of one step re-runs (its downstream, and the setups in its scope): each VM it clears
+    is created anew, so its install runs again, or the fresh VM has no MaxText and every try fails."""
+    cleared = set(dags[dag_id].partial_subset([step], include_downstream=True, include_upstream=False).task_ids)
+    vms = [(CREATE, INSTALL, DELETE)] + ([(CREATE_CPU, INSTALL_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [])
+    recreated = [(create, install) for create, install, _ in vms if create in cleared]
+    assert recreated, cleared  # the step runs on a VM that the clear re-creates
+    for create, install in recreated:
+        assert install in cleared, f"clearing {step} re-creates {create} without {install}: {sorted(cleared)}"
+    assert {delete for create, _, delete in vms if create in cleared} <= cleared  # and deletes them again
 
 
 @pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
@@ -181,13 +198,13 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     assert upstream["install_maxtext"] == {CREATE}
     assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE}
     # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.
-    assert upstream[DELETE] == {CREATE, "train"}
+    assert upstream[DELETE] == {CREATE, INSTALL, "train"}
     # The quality gate judges the training before anything is exported or published.
     assert upstream[GATE] == {"train"}
     # The export records the inputs it published (wired as the check's XComArg).
     assert upstream["export_and_publish"] == {GATE, "train", CREATE_CPU, CHECK}
     assert dag.get_task("export_and_publish").inputs.operator.task_id == CHECK
-    assert upstream[DELETE_CPU] == {CREATE_CPU, "export_and_publish"}
+    assert upstream[DELETE_CPU] == {CREATE_CPU, INSTALL_CPU, "export_and_publish"}
     for task_id in (INSTALL_CPU, "convert_to_maxtext", "export_and_publish"):
         assert create_task_id(dag.get_task(task_id)) == CREATE_CPU, task_id
     for task_id in ON_TPU:
@@ -217,14 +234,15 @@ def test_watcher_fails_the_run_when_a_body_step_fails(dags, dag_id):
     watcher = dag.get_task(WATCHER)
     assert watcher.trigger_rule == "one_failed"
     assert watcher.retries == 0
-    assert {*BODY, GATE} <= watcher.upstream_task_ids
-    if dag_id in SPLIT_DAGS:
-        assert INSTALL_CPU in watcher.upstream_task_ids
+    # Every body step is upstream; the installs (setups) through the steps that follow them.
+    assert {*BODY, GATE} - {INSTALL} <= watcher.upstream_task_ids
+    for install in (INSTALL, INSTALL_CPU) if dag_id in SPLIT_DAGS else (INSTALL,):
+        assert set(dag.get_task(install).downstream_task_ids) & watcher.upstream_task_ids
     assert watcher.downstream_task_ids == set()
     # Teardowns do not count toward the run's state: the watcher must not wait for (or depend on) a teardown,
     assert not {DELETE, DELETE_CPU} & set(watcher.get_flat_relative_ids(upstream=True))
     # and a non-ALL_SUCCESS task may not follow a setup directly.
-    assert not {CREATE, CREATE_CPU} & watcher.upstream_task_ids
+    assert not {CREATE, CREATE_CPU, INSTALL, INSTALL_CPU} & watcher.upstream_task_ids
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)

@@ -267,6 +267,33 @@ def test_vms_have_own_address_host_keys_and_disk(make_vm, keys, tmp_path):
         _connect(vm_b, keys["user"][0], host_keys=vm_a.host_keys)
 
 
+def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeypatch):
+    """A step trusts the keys the VM it created published, and nothing else.
+
+    A recycled address has a stale ``~/.ssh/known_hosts`` entry on the workers, or a planted one."""
+    from airflow_tpu_posttrain.exceptions import VmHostKeyMismatchError
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.recipes.access import known_hosts
+
+    _, public_key = _keypair(tmp_path, "worker")
+    vm, other = (make_vm(name, f"{LOGIN}:{public_key}\n") for name in ("vm-now-at-address", "vm-before"))
+    connection = {"conn_type": "ssh", "login": LOGIN, "port": vm.port, "extra": {"key_file": str(tmp_path / "worker")}}
+    monkeypatch.setenv("AIRFLOW_CONN_PINNED_VM", json.dumps(connection))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    worker_known_hosts = tmp_path / ".ssh" / "known_hosts"
+
+    # Stale: the address's earlier machine. The VM there now published its own keys, and is reached.
+    worker_known_hosts.write_text(known_hosts(vm.address, vm.port, other.host_keys))
+    with VmHook("pinned_vm", remote_host=vm.address, host_keys=vm.host_keys) as hook:
+        assert hook.run("hostname; echo reached").split()[-1] == "reached"
+    # Planted: known_hosts vouches for the machine at the address; the VM published other keys: refused.
+    worker_known_hosts.write_text(known_hosts(vm.address, vm.port, vm.host_keys))
+    with pytest.raises(VmHostKeyMismatchError, match="not the one the VM published"):
+        with VmHook("pinned_vm", remote_host=vm.address, host_keys=other.host_keys):
+            pass
+
+
 def test_sshd_answers_only_after_boot_delay(make_vm, keys):
     boot_delay = 1.5
     vm = make_vm("vm-slow", boot=False, boot_delay=boot_delay, guest_attributes=False)

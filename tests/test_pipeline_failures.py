@@ -126,8 +126,8 @@ def _vm_end_probe(vm) -> dict:
 class _ModuleVmEnds(VmEnds):
     """Every VM of the module, probed at its end (a name can come back: the re-run's VM)."""
 
-    def __init__(self) -> None:
-        super().__init__(_vm_end_probe)
+    def __init__(self, fleet) -> None:
+        super().__init__(fleet, _vm_end_probe)
         self.history: list[tuple[str, dict]] = []
 
     def __call__(self, vm) -> None:
@@ -144,7 +144,7 @@ class _ModuleVmEnds(VmEnds):
 
 @pytest.fixture(scope="module")
 def vm_ends(stack):
-    ends = _ModuleVmEnds()
+    ends = _ModuleVmEnds(stack.fleet)
     stack.fleet.before_end = ends
     try:
         yield ends

@@ -80,7 +80,8 @@ def vm_files(vm, stack, places=VM_PLACES) -> dict[str, Path]:
 class VmEnds:
     """``stack.fleet.before_end``: what ``probe(vm)`` saw on each VM just before it was destroyed."""
 
-    def __init__(self, probe: Callable) -> None:
+    def __init__(self, fleet, probe: Callable) -> None:
+        self.fleet = fleet
         self.probe = probe
         self.seen: dict[str, object] = {}  # VM name -> what the probe returned
         self.disks: dict[str, Path] = {}  # VM name -> its disk on this machine
@@ -93,14 +94,17 @@ class VmEnds:
             self.errors.append(f"{vm.name}: {err!r}")
         self.disks[vm.name] = vm.disk_dir
 
-    def wait_gone(self, names: list[str], timeout: float = 180.0) -> None:
-        """Until each named VM was probed and its disk deleted (the end runs in the background)."""
+    def wait_gone(self, names: list[str], timeout: float = 600.0) -> None:
+        """Until each named VM was probed, its processes killed and its disk deleted.
+
+        The end runs in the background; each of its steps is bounded, so the timeout is only a backstop."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(n in self.disks and not self.disks[n].exists() for n in names) or self.errors:
-                break
-            time.sleep(0.2)
+        while not set(names) <= set(self.disks) and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.2)  # the delete's operation is DONE before the fleet starts the VM's end
+        still_ending = self.fleet.wait_ended(names, max(0.0, deadline - time.monotonic()))
         assert self.errors == [], self.errors
+        assert still_ending == [], f"still ending after {timeout:.0f} s: {still_ending}"
+        assert {n: e for n, e in self.fleet.end_errors.items() if n in names} == {}
         assert set(names) <= set(self.seen), f"never probed before its end: {set(names) - set(self.seen)}"
         # Nothing survives a deleted VM: its disk (its /tmp, /var/tmp, /home, /root) is gone.
         assert [n for n in names if self.disks[n].exists()] == []
@@ -108,7 +112,7 @@ class VmEnds:
 
 @contextlib.contextmanager
 def before_vm_end(stack, probe: Callable) -> Iterator[VmEnds]:
-    ends = VmEnds(probe)
+    ends = VmEnds(stack.fleet, probe)
     stack.fleet.before_end = ends
     try:
         yield ends

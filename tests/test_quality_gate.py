@@ -70,10 +70,10 @@ class _Ti:
         self.pushed[key] = value
 
 
-def _gate(rule, minimum="1"):
+def _gate(rule, minimum="1", checkpoint="gs://b/p/run/checkpoints/5/model_params"):
     trained = {
         "recipe": "SFT",
-        "checkpoint": "gs://b/p/run/checkpoints/5/model_params",
+        "checkpoint": checkpoint,
         "evaluation": {"base": SFT_BASE, "trained": SFT_TRAINED},
     }
     return QualityGateOperator(task_id="quality_gate", trained=trained, rule=rule, min_improvement_pct=minimum)
@@ -86,6 +86,16 @@ def test_operator_fails_naming_the_numbers_and_the_checkpoint_and_keeps_them_in_
     assert "6.297 → 6.291" in str(failed.value) and "nothing was published" in str(failed.value)
     assert "gs://b/p/run/checkpoints/5/model_params" in str(failed.value)
     assert ti.pushed["return_value"]["passed"] is False and ti.pushed["return_value"]["min_improvement"] == 50
+
+
+def test_a_checkpoint_on_the_vm_is_not_said_to_be_kept():
+    """The tutorials' layout: the checkpoint is on the TPU VM's /dev/shm, which the teardown deletes."""
+    with pytest.raises(QualityGateError) as failed:
+        _gate("min_improvement", "50", "/dev/shm/tiny-llama/run/checkpoints/5/items").execute({"ti": _Ti()})
+    message = str(failed.value)
+    assert "stays" not in message
+    assert "/dev/shm/tiny-llama/run/checkpoints/5/items is on the TPU VM and is deleted with it" in message
+    assert "use the split layout (models.yaml: layout: split, checkpoint_storage: gs://bucket/prefix)" in message
 
 
 def test_operator_passes_and_returns_the_verdict():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 import uuid
@@ -343,7 +344,8 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     assert (deleted["name"], deleted["zone"], set(deleted["instance"])) == (
         "tpu-r", "us-east5-b", {"creationTimestamp", "machineType", "scheduling"}
     )
-    assert deleted["ended"] >= deleted["instance"]["creationTimestamp"]
+    ended, created = deleted["ended"], deleted["instance"]["creationTimestamp"]
+    assert dt.datetime.fromisoformat(ended) >= dt.datetime.fromisoformat(created)
     assert emulator.instances() == []
     again = ComputeDeleteTrigger(project_id=PROJECT, deletes=[{**deletes[0], "request_id": str(uuid.uuid4())}],
                                  poll_interval=0.1)

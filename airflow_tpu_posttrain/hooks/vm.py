@@ -79,13 +79,50 @@ class VmHook(SSHHook):
             ssh_conn_id=ssh_conn_id, remote_host=remote_host or "", host_proxy_cmd=proxy_command, **kwargs
         )
         self._client: Any = None
+        self.pinned_host_keys = dict(host_keys or {})
         if host_keys:
-            import paramiko
-
-            key_type = next(t for t in HOST_KEY_TYPES if t in host_keys)
-            self.host_key = paramiko.PKey.from_type_string(key_type, base64.b64decode(host_keys[key_type]))
             self.no_host_key_check = False
             self.allow_host_key_change = False
+
+    def get_conn(self) -> Any:
+        """SSHHook's connection; with ``host_keys``, verified against those keys alone.
+
+        SSHHook loads ``~/.ssh/known_hosts``, which paramiko consults before any key added to the client: a
+        stale entry for a recycled address would refuse the new VM, and a planted one would be trusted."""
+        if not self.pinned_host_keys:
+            return super().get_conn()
+        if self.client is not None and (transport := self.client.get_transport()) and transport.is_active():
+            return self.client
+        import paramiko
+        from tenacity import Retrying, retry_if_not_exception_type, stop_after_attempt, wait_fixed
+
+        client = paramiko.SSHClient()
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        known = client.get_host_keys()
+        name = self.remote_host if self.port == SSH_PORT else f"[{self.remote_host}]:{self.port}"
+        for key_type in HOST_KEY_TYPES:
+            if key_type in self.pinned_host_keys:
+                data = base64.b64decode(self.pinned_host_keys[key_type])
+                known.add(name, key_type, paramiko.PKey.from_type_string(key_type, data))
+        options: dict[str, Any] = {
+            "hostname": self.remote_host, "port": self.port, "username": self.username, "sock": self.host_proxy,
+            "timeout": self.conn_timeout, "banner_timeout": self.banner_timeout, "auth_timeout": self.auth_timeout,
+            "look_for_keys": self.look_for_keys, "compress": self.compress, "pkey": self.pkey,
+            "key_filename": self.key_file, "password": self.password.strip() if self.password else None,
+            "disabled_algorithms": self.disabled_algorithms,
+        }
+        for attempt in Retrying(
+            reraise=True,
+            retry=retry_if_not_exception_type(paramiko.BadHostKeyException),
+            stop=stop_after_attempt(self.conn_retry_attempts),
+            wait=wait_fixed(3),
+        ):
+            with attempt:
+                client.connect(**options)
+        if self.keepalive_interval:
+            client.get_transport().set_keepalive(self.keepalive_interval)
+        self.client = client
+        return client
 
     def __enter__(self) -> VmHook:
         import paramiko

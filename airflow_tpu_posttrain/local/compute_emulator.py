@@ -43,10 +43,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 from urllib.parse import parse_qsl, unquote, urlsplit
+from zoneinfo import ZoneInfo
 
 from airflow_tpu_posttrain.local import compute_schema
 from airflow_tpu_posttrain.local.oslogin import OsLoginDirectory, OsLoginError
@@ -59,6 +60,9 @@ API_ROOT = "https://www.googleapis.com/compute/v1"
 WAIT_TIMEOUT_SECONDS = 2.0
 """How long ``operations/{op}/wait`` blocks before returning a not-yet-DONE operation."""
 MAX_PENDING_SECONDS = 1.0
+# Compute's timestamps are "RFC3339 text" (the v1 reference); what the API and gcloud print carries the US-Pacific
+# offset of the moment (-07:00 or -08:00), so text order is not time order across the autumn clock change.
+_COMPUTE_TIMEZONE = ZoneInfo("America/Los_Angeles")
 """An operation is PENDING for half its time, but at most this long, then RUNNING until DONE."""
 
 GUEST_OSLOGIN_PATH = "/computeMetadata/v1/oslogin/"
@@ -149,7 +153,8 @@ class _Operation:
 
 
 def _timestamp(epoch_seconds: float) -> str:
-    return datetime.fromtimestamp(epoch_seconds, UTC).isoformat(timespec="milliseconds")
+    """RFC 3339 in US-Pacific time, as Compute writes its timestamps (``2026-11-01T01:10:00.000-08:00``)."""
+    return datetime.fromtimestamp(epoch_seconds, _COMPUTE_TIMEZONE).isoformat(timespec="milliseconds")
 
 
 def _numeric_id() -> str:

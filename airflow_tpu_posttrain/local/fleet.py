@@ -10,6 +10,7 @@ processes and disk are gone, as on Google Cloud.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -50,7 +51,9 @@ class LocalFleet:
         self.port = port
         self._addresses: dict[InstanceKey, str] = {}
         self._vms: dict[InstanceKey, LocalVm] = {}
-        self._endings: list[threading.Thread] = []
+        self._endings: list[tuple[str, threading.Thread]] = []  # (VM name, the thread ending it)
+        self.end_errors: dict[str, str] = {}
+        """VM name -> what its end raised (its processes outlived the kill, its disk could not be deleted)."""
         self._lock = threading.Lock()
         self.before_end: Callable[[LocalVm], None] | None = None
         """Tests: called with each machine just before it ends (its files still readable, e.g. ``guest_path``)."""
@@ -103,16 +106,31 @@ class LocalFleet:
             if vm is None:
                 return
             ending = threading.Thread(target=self._end, args=(vm, self.before_end), name=f"end-{key[2]}")
-            self._endings.append(ending)
+            self._endings.append((vm.name, ending))
         ending.start()
 
-    @staticmethod
-    def _end(vm: LocalVm, before_end: Callable[[LocalVm], None] | None) -> None:
+    def _end(self, vm: LocalVm, before_end: Callable[[LocalVm], None] | None) -> None:
         try:
-            if before_end is not None and vm.is_running:
-                before_end(vm)
-        finally:
-            vm.destroy()
+            try:
+                if before_end is not None and vm.is_running:
+                    before_end(vm)
+            finally:
+                vm.destroy()
+        except Exception as error:
+            self.end_errors[vm.name] = repr(error)
+            raise
+
+    def wait_ended(self, names: Sequence[str], timeout: float) -> list[str]:
+        """Wait until the ends of the named VMs are over; the names of those still ending at ``timeout``.
+
+        Each ending's own steps are bounded: the timeout is a backstop."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            endings = [thread for name, thread in self._endings if name in names]
+        for thread in endings:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            return sorted({name for name, thread in self._endings if name in names and thread.is_alive()})
 
     def guest_attributes(self, key: InstanceKey) -> list[dict]:
         with self._lock:
@@ -128,6 +146,6 @@ class LocalFleet:
         """End every machine and wait until all are gone."""
         for key in list(self._vms):
             self.end(key)
-        for ending in list(self._endings):
+        for _, ending in list(self._endings):
             ending.join()
         self._endings.clear()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
 from airflow_tpu_posttrain.exceptions import RemoteJobError
-from airflow_tpu_posttrain.operators.inputs_check import PUBLISHED_INPUTS_KEY
+from airflow_tpu_posttrain.operators.inputs_check import record_published
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import cost, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -262,5 +262,5 @@ class HfExportOperator(MaxTextJobOperator):
         if link:
             context["ti"].xcom_push(key=PublishedModelLink().xcom_key, value=link)
         if isinstance(self.inputs, dict):
-            context["ti"].xcom_push(key=PUBLISHED_INPUTS_KEY, value=self.inputs)
+            record_published(context, self.inputs)
         return published

@@ -18,6 +18,32 @@ if TYPE_CHECKING:
 PUBLISHED_INPUTS_KEY = "inputs"  # the export's XCom: the inputs of the model it published
 
 
+def published_inputs_variable(dag_id: str) -> str:
+    """The Airflow Variable holding what the DAG's last published model was trained from.
+
+    A Variable, not the export's XCom across runs: Airflow pulls prior XComs by logical date, which runs
+    triggered on a change or through the REST API do not have (their order then differs between PostgreSQL and
+    SQLite), and a backfill sees only earlier dates. The last published model is the one published last."""
+    return f"airflow_tpu_posttrain.published_inputs.{dag_id}"
+
+
+def record_published(context: Context, inputs: dict[str, Any]) -> None:
+    """After a publish: ``inputs`` are what the DAG's newest published model was trained from."""
+    from datetime import UTC, datetime
+
+    from airflow.sdk import Variable
+
+    dag_run = context["dag_run"]
+    record = {"inputs": inputs, "run_id": dag_run.run_id, "published_at": datetime.now(UTC).isoformat()}
+    Variable.set(
+        published_inputs_variable(dag_run.dag_id),
+        record,
+        description="What the last published model was trained from (airflow-tpu-posttrain's check_inputs)",
+        serialize_json=True,
+    )
+    context["ti"].xcom_push(key=PUBLISHED_INPUTS_KEY, value=inputs)
+
+
 class InputsCheckOperator(BaseOperator):
     """Checks the run's inputs before any VM is created: readable with the token, and changed.
 
@@ -25,18 +51,18 @@ class InputsCheckOperator(BaseOperator):
     and skips the whole run when nothing it would train from has changed.
 
     The inputs: the base model's and the dataset's revisions on the Hub (the commit of each now), the MaxText
-    version and the run's recipe settings. They are compared with those the export recorded (XCom
-    ``inputs`` of ``publish_task_id``) when it last published, in this run or one of an earlier date. XCom: the
-    inputs, for the export to record.
+    version and the run's settings, publish targets included (a new target has nothing of this model yet). They
+    are compared with those the export recorded when the DAG last published, whichever run that was
+    (:func:`published_inputs_variable`). XCom: the inputs, for the export to record.
 
     :param model: model profile key.
     :param recipe: ``sft`` or ``rl``.
     :param dataset: the run's SFT dataset (blank: the model's).
     :param maxtext_version: the run's MaxText release (blank: the model's).
-    :param settings: the run's recipe settings (rendered Params, e.g. steps), compared as given (blank = None).
+    :param settings: the run's recipe settings and publish targets (rendered Params, e.g. steps, hub_repo_id),
+        compared as given (blank = None).
     :param hf_conn_id: connection whose password is the Hugging Face token and whose host, if set, the Hub.
     :param force: train even when nothing changed.
-    :param publish_task_id: the task that records what it published.
     """
 
     template_fields: Sequence[str] = ("model", "dataset", "maxtext_version", "settings", "force")
@@ -52,7 +78,6 @@ class InputsCheckOperator(BaseOperator):
         settings: Mapping[str, Any] | None = None,
         hf_conn_id: str | None = None,
         force: bool | str = False,
-        publish_task_id: str = "export_and_publish",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -63,7 +88,6 @@ class InputsCheckOperator(BaseOperator):
         self.settings = settings
         self.hf_conn_id = hf_conn_id
         self.force = force
-        self.publish_task_id = publish_task_id
 
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowSkipException
@@ -82,13 +106,12 @@ class InputsCheckOperator(BaseOperator):
             "maxtext_version": validation.blank_to_none(self.maxtext_version) or profile.maxtext_version,
             "settings": {key: _comparable(value) for key, value in sorted((self.settings or {}).items())},
         }
-        # The newest one only: without map_indexes, a pull across dates returns every match (a list).
-        last = context["ti"].xcom_pull(
-            task_ids=self.publish_task_id, key=PUBLISHED_INPUTS_KEY, include_prior_dates=True, map_indexes=-1
-        )
+        last = _last_published(context["dag_run"].dag_id)
         if last is None:
             self.log.info("Inputs %s; no model published yet", inputs)
             return inputs
+        self.log.info("The last published model: run %s, at %s", last["run_id"], last["published_at"])
+        last = last["inputs"]
         changed = sorted(key for key in inputs if last.get(key) != inputs[key])
         if changed:
             self.log.info("Inputs %s; changed since the last published model: %s", inputs, ", ".join(changed))
@@ -141,6 +164,12 @@ class InputsCheckOperator(BaseOperator):
                     f"The {kind} {repo} is not found with {who} (private, or misspelt). Fix: check the id, or "
                     f"set a token of an account that can read {page}; then trigger again. No VM was created."
                 ) from None
+
+
+def _last_published(dag_id: str) -> dict[str, Any] | None:
+    from airflow.sdk import Variable
+
+    return Variable.get(published_inputs_variable(dag_id), default=None, deserialize_json=True)
 
 
 def _comparable(value: Any) -> Any:

@@ -62,9 +62,22 @@ class QualityGateOperator(BaseOperator):
             context["ti"].xcom_push(key="return_value", value=verdict.as_xcom())  # the numbers, failed or not
             raise QualityGateError(
                 f"The trained model did not pass the quality gate ({verdict.message}); nothing was published. "
-                f"Its checkpoint stays at {trained.get('checkpoint')}"
+                + _where_the_checkpoint_stays(str(trained.get("checkpoint") or ""))
             )
         return verdict.as_xcom()
+
+
+def _where_the_checkpoint_stays(checkpoint: str) -> str:
+    """What the failed gate's message says of the checkpoint: kept in checkpoint storage, or deleted with the VM.
+
+    In the tutorials' layout it is on the TPU VM's /dev/shm, which the teardown deletes."""
+    if checkpoint.startswith("gs://"):
+        return f"Its checkpoint stays at {checkpoint}"
+    return (
+        f"Its checkpoint {checkpoint} is on the TPU VM and is deleted with it (the tutorials' layout keeps nothing "
+        "after the run). To keep a model that fails the gate, use the split layout (models.yaml: layout: split, "
+        "checkpoint_storage: gs://bucket/prefix)."
+    )
 
 
 def _float(field: str, value: float | str) -> float:

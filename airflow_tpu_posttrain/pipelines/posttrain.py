@@ -158,7 +158,10 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             recipe=cfg.recipe,
             dataset="{{ params.dataset }}" if cfg.recipe == "sft" else None,
             maxtext_version="{{ params.maxtext_version }}",
-            settings={name: f"{{{{ params.{name} }}}}" for name in ("accelerator_type", *settings)},
+            settings={
+                name: f"{{{{ params.{name} }}}}"
+                for name in ("accelerator_type", *settings, "hub_repo_id", "storage_uri")
+            },
             hf_conn_id=cfg.hf_conn_id,
             force="{{ params.force }}",
             execution_timeout=timedelta(minutes=5),
@@ -254,12 +257,15 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             retries=0,
             execution_timeout=timedelta(minutes=5),
         )
+        # Each VM's setups are its create and its install: clearing a step (a re-run of train or of the export)
+        # clears the setups in its scope, so the fresh VMs get MaxText too. A setup is followed by all_success
+        # tasks only: a failed install reaches the watcher as its steps' upstream_failed.
         teardown = {"on_failure_fail_dagrun": True}
         check >> create_tpu
         if not split:
             create_tpu >> install_tpu >> convert >> train >> judge >> export
-            export >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
-            [install_tpu, convert, train, judge, export] >> watcher
+            export >> delete_tpu.as_teardown(setups=[create_tpu, install_tpu], **teardown)
+            [convert, train, judge, export] >> watcher
             return dag
 
         install_cpu = MaxTextInstallOperator(
@@ -273,7 +279,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         delete_cpu = delete_vm("cpu")
         check >> create_cpu >> install_cpu >> convert >> train
         create_tpu >> install_tpu >> train
-        train >> delete_tpu.as_teardown(setups=create_tpu, **teardown)
-        train >> judge >> export >> delete_cpu.as_teardown(setups=create_cpu, **teardown)
-        [install_cpu, install_tpu, convert, train, judge, export] >> watcher
+        train >> delete_tpu.as_teardown(setups=[create_tpu, install_tpu], **teardown)
+        train >> judge >> export >> delete_cpu.as_teardown(setups=[create_cpu, install_cpu], **teardown)
+        [convert, train, judge, export] >> watcher
     return dag

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
+from datetime import UTC, datetime
 
 from airflow_tpu_posttrain.recipes.compute import LIVE_STATES
 
@@ -45,9 +46,18 @@ def reservation_names(reservation: str) -> list[str]:
 
 
 def holders(instances: Iterable[dict]) -> list[dict]:
-    """The group's instances that hold capacity, first created first (ties broken by name)."""
+    """The group's instances that hold capacity, first created first (ties broken by name).
+
+    By instant, not by text: Compute writes ``creationTimestamp`` with a US-Pacific offset, so in the hour the
+    clocks go back an earlier VM's text (``01:50-07:00``) sorts after a later one's (``01:10-08:00``)."""
     live = [i for i in instances if i.get("status") in HOLDING_STATES]
-    return sorted(live, key=lambda i: (i.get("creationTimestamp", ""), i.get("name", "")))
+    return sorted(live, key=lambda i: (_created(i), i.get("name", "")))
+
+
+def _created(instance: dict) -> datetime:
+    """When the instance was created; one without a timestamp (not yet answered) counts as the newest."""
+    stamp = instance.get("creationTimestamp")
+    return datetime.fromisoformat(stamp) if stamp else datetime.max.replace(tzinfo=UTC)
 
 
 def over_cap(name: str, instances: Iterable[dict], cap: int) -> bool:
