@@ -174,12 +174,18 @@ def test_instance_name_is_deterministic_valid_and_distinct_per_run():
     first = compute.instance_name(dag_id, "manual__2026-11-29T10:00:00+00:00")
     assert first == compute.instance_name(dag_id, "manual__2026-11-29T10:00:00+00:00")
     assert first != compute.instance_name(dag_id, "manual__2026-11-29T11:00:00+00:00")
+    # The same DAG run of two deployments sharing the project (same DAG files, same schedule): two VMs.
+    scheduled = "scheduled__2026-11-29T00:00:00+00:00"
+    staging, production = (compute.instance_name(dag_id, scheduled, "tpu", d) for d in ("airflow-stg", "airflow-prd"))
+    assert staging != production and len(staging) == len(production)
     assert len(first) <= 63 and re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", first)
 
 
 def test_ownership_labels_are_valid_compute_labels():
-    labels = compute.ownership_labels("Posttrain.SFT", "scheduled__2026-11-29T00:00:00+00:00", "create_tpu_vm", 1_800_000_000)
-    assert labels["managed-by"] == "airflow-tpu-posttrain"
+    labels = compute.ownership_labels(
+        "Posttrain.SFT", "scheduled__2026-11-29T00:00:00+00:00", "create_tpu_vm", 1_800_000_000, "airflow-prd"
+    )
+    assert labels["managed-by"] == "airflow-tpu-posttrain" and labels["airflow-deployment"] == "airflow-prd"
     assert labels["expires-at"] == "1800000000"
     for key, value in labels.items():
         assert re.match(r"^[a-z][a-z0-9_-]{0,62}$", key) and re.match(r"^[a-z0-9_-]{0,63}$", value)

@@ -162,8 +162,10 @@ def test_setup_teardown_pair(dags, dag_id):
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 @pytest.mark.parametrize("step", ["train", "export_and_publish"])
 def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step):
-    """What the UI's "Clear" of one step re-runs (its downstream, and the setups in its scope): each VM it clears
-    is created anew, so its install runs again, or the fresh VM has no MaxText and every try fails."""
+    """Each VM that the UI's "Clear" of one step re-creates gets MaxText again.
+
+    The clear re-runs the step's downstream and the setups in its scope; without the install among them the
+    fresh VM has no MaxText and every try fails."""
     cleared = set(dags[dag_id].partial_subset([step], include_downstream=True, include_upstream=False).task_ids)
     vms = [(CREATE, INSTALL, DELETE)] + ([(CREATE_CPU, INSTALL_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [])
     recreated = [(create, install) for create, install, _ in vms if create in cleared]

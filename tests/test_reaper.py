@@ -17,8 +17,11 @@ from airflow_tpu_posttrain.recipes import reaper
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
 
-def instance(age_s=3600, expires_in_s=3600, ours=True):
-    labels = {"expires-at": str(int(NOW.timestamp() + expires_in_s))}
+DEPLOYMENT = "airflow-prod"
+
+
+def instance(age_s=3600, expires_in_s=3600, ours=True, deployment=DEPLOYMENT):
+    labels = {"expires-at": str(int(NOW.timestamp() + expires_in_s)), "airflow-deployment": deployment}
     if ours:
         labels["managed-by"] = "airflow-tpu-posttrain"
     return {
@@ -43,10 +46,15 @@ def instance(age_s=3600, expires_in_s=3600, ours=True):
         (instance(expires_in_s=-7200), None, True, "expired"),  # ... but not past its expiry
         (instance(expires_in_s=-7200), "running", True, "expired"),  # the run hangs past its deadline
         (instance(expires_in_s=-60), "running", False, "is running"),  # expired by less than the grace
+        # Another deployment sharing the project (staging beside production): its runs are not this Airflow's,
+        # whatever this Airflow says of a run with the same ids; its VM goes on its expiry only.
+        (instance(deployment="airflow-staging"), reaper.RUN_ABSENT, False, "made by Airflow deployment"),
+        (instance(deployment="airflow-staging"), "failed", False, "not this one ('airflow-prod')"),
+        (instance(deployment="airflow-staging", expires_in_s=-7200), None, True, "expired"),
     ],
 )
 def test_decisions(vm, run_state, delete, reason):
-    decision = reaper.decide(vm, run_state, NOW, grace_s=900)
+    decision = reaper.decide(vm, run_state, NOW, grace_s=900, deployment=DEPLOYMENT)
     assert decision.delete is delete and reason in decision.reason
 
 
@@ -68,7 +76,7 @@ def test_an_active_run_as_a_workers_task_sdk_answers_keeps_its_vm(state):
     operator = TpuVmReaperOperator(task_id="reap", zones=["z"])
     run_state = operator._run_state({"ti": WorkerTi()}, instance())
     assert run_state == state
-    decision = reaper.decide(instance(age_s=3600), run_state, NOW, grace_s=900)
+    decision = reaper.decide(instance(age_s=3600), run_state, NOW, grace_s=900, deployment=DEPLOYMENT)
     assert not decision.delete and decision.reason == f"its DAG run is {state}"
 
 
@@ -158,6 +166,31 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
     )
     fault_matrix.record(
         "reaper: an instance without our label is spared", False, wet.state, None, "'not-ours' still there; list filtered by the managed-by label",
+    )
+
+
+def test_two_deployments_sharing_a_project_keep_to_their_own_vms(emulator, run_dag, monkeypatch, fault_matrix):
+    """Staging and production: the same DAG file, the same run id, one project.
+
+    Each deployment's create makes its own VM (never "reuses" the other's), and production's reaper, whose own
+    run with those ids is over, deletes production's VM only."""
+    run_id = "manual__2026-12-01T00:00:00+00:00"  # as a scheduled run's id is, the same in both deployments
+    names = {}
+    for deployment in ("airflow-staging", "airflow-production"):
+        monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", deployment)
+        created = run_dag("reaper_victim", CREATE_ONLY, run_id=run_id)
+        assert created.state == "success"
+        names[deployment] = created.get_task_instance("create_tpu_vm").xcom_pull(task_ids="create_tpu_vm")["name"]
+    assert names["airflow-staging"] != names["airflow-production"]
+    labels = {i["name"]: i["labels"]["airflow-deployment"] for i in emulator.instances()}
+    assert labels == {name: deployment for deployment, name in names.items()}
+
+    reaped = run_dag("reaper_wet", REAPER.format(mode="wet", dry_run=False))  # production's reaper
+    assert reap_counts(reaped) == {"seen": 2, "deleted": 1, "kept": 1, "firewalls_deleted": 0, "dry_run": False}
+    assert _wait_until(lambda: [i["name"] for i in emulator.instances()] == [names["airflow-staging"]])
+    fault_matrix.record(
+        "reaper: two deployments share a project (same DAG, same run id): each keeps to its own VM",
+        True, reaped.state, None, f"2 VMs made, 1 reaped (production's); staging's {names['airflow-staging']} kept"[:80],
     )
 
 

@@ -56,6 +56,17 @@ def lifecycle(
     )
 
 
+def this_deployment() -> str:
+    """The deployment id of the tests' Airflow (their metadata DB): the Variable its first create draws."""
+    from airflow.models import Variable
+
+    from airflow_tpu_posttrain.operators.compute_base import DEPLOYMENT_VARIABLE
+
+    if Variable.get(DEPLOYMENT_VARIABLE, default_var=None) is None:
+        Variable.set(DEPLOYMENT_VARIABLE, "airflow-tests")
+    return Variable.get(DEPLOYMENT_VARIABLE)
+
+
 def task_states(dag_run):
     return {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
 
@@ -281,14 +292,21 @@ def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag, f
     from google.cloud import compute_v1
 
     from airflow_tpu_posttrain.recipes.access import ssh_keys_metadata
-    from airflow_tpu_posttrain.recipes.compute import TpuVmSpec, instance_body, instance_name
+    from airflow_tpu_posttrain.recipes.compute import (
+        TpuVmSpec,
+        instance_body,
+        instance_name,
+        ownership_labels,
+    )
 
-    name = instance_name("lifecycle_half_insert", "manual__half_insert")
+    deployment = this_deployment()
+    name = instance_name("lifecycle_half_insert", "manual__half_insert", "tpu", deployment)
     client = compute_v1.InstancesClient(
         transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
     )
     spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation="my-reservation")
-    body = instance_body(spec, name, "us-east5-b", {}, ssh_keys=ssh_keys_metadata(*_client(), 2_000_000_000))
+    labels = ownership_labels("lifecycle_half_insert", "manual__half_insert", "create_tpu_vm", 2_000_000_000, deployment)
+    body = instance_body(spec, name, "us-east5-b", labels, ssh_keys=ssh_keys_metadata(*_client(), 2_000_000_000))
     client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance.from_json(json.dumps(body)))
     dr = run_dag("lifecycle_half_insert", lifecycle("lifecycle_half_insert", tasks="create"), run_id="manual__half_insert")
     assert dr.state == "success"

@@ -26,6 +26,41 @@ DEFAULT_MAX_RUN_DURATION = timedelta(hours=12)
 _REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 
 
+DEPLOYMENT_VARIABLE = "airflow_tpu_posttrain.deployment_id"
+
+
+def deployment_id() -> str:
+    """The id of the Airflow deployment running the task, in its VMs' names and labels.
+
+    Deployments sharing a project (staging and production, with the same DAG files on the same schedule) then
+    never find, reuse, delete or reap each other's VMs. ``[tpu_posttrain] deployment_id`` (environment:
+    ``AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID``), or else an id drawn at the deployment's first create and kept as
+    the Airflow Variable ``airflow_tpu_posttrain.deployment_id``."""
+    import secrets
+
+    from airflow.sdk import Variable
+    from airflow.sdk.configuration import conf
+
+    from airflow_tpu_posttrain.recipes import validation
+
+    configured = conf.get("tpu_posttrain", "deployment_id", fallback="")
+    try:
+        if configured:
+            return validation.gce_name("[tpu_posttrain] deployment_id", configured)
+        kept = Variable.get(DEPLOYMENT_VARIABLE, default=None)
+        if kept:
+            return validation.gce_name(DEPLOYMENT_VARIABLE, kept)
+    except SpecError as err:
+        raise InvalidInputError(str(err)) from err
+    Variable.set(
+        DEPLOYMENT_VARIABLE,
+        f"airflow-{secrets.token_hex(4)}",
+        description="This deployment's id in its TPU VMs' names and labels (airflow-tpu-posttrain); keep it",
+    )
+    # Two first-ever creates at the same moment may each use the id they drew; the Variable keeps the last.
+    return Variable.get(DEPLOYMENT_VARIABLE)
+
+
 def vm_expires_at(spec: compute.TpuVmSpec) -> int:
     """When the VM (and the key that lets Airflow in) expires."""
     return compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, as_list
+from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, as_list, deployment_id
 from airflow_tpu_posttrain.recipes import compute, cost, reaper
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ class TpuVmReaperOperator(ComputeOperator):
     """List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones``; delete stale ones.
 
     Stale: the expiry label has passed, or Airflow's API says the DAG run is over or absent, after a grace
-    period; a run state that cannot be read keeps the VM (until it expires). Then delete the project's SSH
+    period; a run state that cannot be read keeps the VM (until it expires), and so does another deployment's
+    VM (``[tpu_posttrain] deployment_id``). Then delete the project's SSH
     firewall rules made by this provider whose instance is gone from every zone. Nothing without our label or
     description is touched. One log line per decision; XCom: counts.
 
@@ -92,12 +93,13 @@ class TpuVmReaperOperator(ComputeOperator):
     def execute(self, context: Context) -> dict:
         now = datetime.now(UTC)
         counts = {"seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": self.dry_run}
+        deployment = deployment_id()
         for zone in as_list(self.zones):
             for instance in self.hook.list_instances(self.project, zone, reaper.LABEL_FILTER):
                 counts["seen"] += 1
-                decision = reaper.decide(
-                    instance, self._run_state(context, instance), now, self.grace_period_s
-                )
+                ours = reaper.of_deployment(instance, deployment)
+                run_state = self._run_state(context, instance) if ours else None
+                decision = reaper.decide(instance, run_state, now, self.grace_period_s, deployment)
                 name = instance["name"]
                 if not decision.delete:
                     counts["kept"] += 1

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import VmDeleteError
-from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, as_list
+from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, as_list, deployment_id
 from airflow_tpu_posttrain.recipes import compute, cost
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class TpuDeleteOperator(ComputeOperator):
             zones = list(dict.fromkeys(filter(None, [record.get("zone"), *(record.get("zones") or [])])))
             return record["name"], zones or as_list(self.zones), record.get("firewall")
         name = self.instance_name or compute.instance_name(
-            context["dag"].dag_id, context["run_id"], self.name_prefix
+            context["dag"].dag_id, context["run_id"], self.name_prefix, deployment_id()
         )
         self.log.info("No XCom from %s: looking for %s by its deterministic name", self.create_task_id, name)
         return name, as_list(self.zones), compute.firewall_name(name) if self.firewall else None

@@ -19,6 +19,7 @@ from airflow_tpu_posttrain.operators.compute_base import (
     DEFAULT_MAX_RUN_DURATION,
     ComputeOperator,
     as_list,
+    deployment_id,
     seconds,
     vm_expires_at,
 )
@@ -220,7 +221,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
                 return validation.gce_name("instance_name", self.instance_name)
             except SpecError as err:
                 raise InvalidInputError.of(self.task_id, err) from err
-        return compute.instance_name(context["dag"].dag_id, context["run_id"], self.name_prefix)
+        return compute.instance_name(context["dag"].dag_id, context["run_id"], self.name_prefix, deployment_id())
 
     def _record(
         self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str | None, **more: Any
@@ -314,6 +315,13 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             existing = self.hook.get_instance(spec.project_id, zone, name)
             if existing is None:
                 continue
+            owner = (existing.get("labels") or {}).get(compute.DEPLOYMENT_LABEL)
+            if owner != deployment_id():
+                raise VmCreateError(
+                    f"Instance {name} in {zone} exists but was made by Airflow deployment {owner!r}, not this one "
+                    f"({deployment_id()!r}): refusing to use or delete it. Give each deployment sharing project "
+                    f"{spec.project_id} its own [tpu_posttrain] deployment_id."
+                )
             status = existing.get("status")
             progress = Progress(zone_index=spec.zones.index(zone))
             if status in compute.LIVE_STATES:
@@ -356,7 +364,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
         expires_at = vm_expires_at(spec)
-        labels = compute.ownership_labels(context["dag"].dag_id, context["run_id"], self.task_id, expires_at)
+        labels = compute.ownership_labels(
+            context["dag"].dag_id, context["run_id"], self.task_id, expires_at, deployment_id()
+        )
         labels[capacity.GROUP_LABEL] = self._group(spec)
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
         ssh_keys, _ = self._authorize_key(spec, expires_at)

@@ -47,15 +47,21 @@ def _slug(value: str, max_len: int) -> str:
     return slug[:max_len].rstrip("-")
 
 
-def run_hash(dag_id: str, run_id: str) -> str:
-    """Short stable hash of a DAG run: the part of every id that keeps two runs apart."""
-    return hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:10]
+def run_hash(dag_id: str, run_id: str, deployment: str = "") -> str:
+    """Short stable hash of a DAG run: the part of every id that keeps two runs apart.
+
+    With ``deployment``, also apart from the same DAG run of another Airflow deployment (the same DAG files on
+    the same schedule give the same ids) sharing the project."""
+    key = f"{deployment}\0{dag_id}\0{run_id}" if deployment else f"{dag_id}\0{run_id}"
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
-def instance_name(dag_id: str, run_id: str, prefix: str = "tpu") -> str:
-    """Deterministic Compute name for the VM of one DAG run: ``<prefix>-<dag slug>-<hash>`` (<= 63 chars)."""
+def instance_name(dag_id: str, run_id: str, prefix: str = "tpu", deployment: str = "") -> str:
+    """Deterministic Compute name for the VM of one DAG run of one deployment (<= 63 chars).
+
+    ``<prefix>-<dag slug>-<hash>``, the hash of the deployment and the run."""
     validation.gce_name("name_prefix", prefix)
-    digest = run_hash(dag_id, run_id)
+    digest = run_hash(dag_id, run_id, deployment)
     room = 63 - len(prefix) - len(digest) - 2
     middle = _slug(dag_id, room)
     return "-".join(part for part in (prefix, middle, digest) if part)
@@ -78,13 +84,19 @@ def firewall_instance(rule: dict) -> str | None:
     return description.removeprefix(_FIREWALL_DESCRIPTION) or None
 
 
-def ownership_labels(dag_id: str, run_id: str, task_id: str, expires_at: int) -> dict[str, str]:
-    """Labels that say the VM is ours, which DAG run and task made it, and when it may be reaped."""
+DEPLOYMENT_LABEL = "airflow-deployment"
+
+
+def ownership_labels(
+    dag_id: str, run_id: str, task_id: str, expires_at: int, deployment: str
+) -> dict[str, str]:
+    """Labels that say the VM is ours, which deployment, DAG run and task made it, and when it may be reaped."""
     return {
         "managed-by": MANAGED_BY,
+        DEPLOYMENT_LABEL: deployment,
         "airflow-dag": _slug(dag_id, 63),
         "airflow-run": _slug(run_id, 63),
-        "airflow-run-hash": run_hash(dag_id, run_id),
+        "airflow-run-hash": run_hash(dag_id, run_id, deployment),
         "airflow-task": _slug(task_id, 63),
         "expires-at": str(int(expires_at)),
     }

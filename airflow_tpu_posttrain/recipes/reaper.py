@@ -4,7 +4,9 @@ The in-DAG teardown cannot cover a user marking a run failed, a scheduler or wor
 the reaper does, on a short schedule. It only ever considers instances labelled ``managed-by`` by this
 provider (and SSH firewall rules whose description names one), and deletes only on positive evidence: Airflow
 answered that the run is over or does not exist, or the instance's expiry has passed. A run state it could not
-read (the API down, an error) keeps the VM: deleting on doubt would kill a live run's training.
+read (the API down, an error) keeps the VM: deleting on doubt would kill a live run's training. Only the VMs of
+its own deployment are asked about: another deployment's run is unknown to this Airflow (a 404) or, worse, is
+one of its own runs with the same id; those VMs go on their expiry only.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from airflow_tpu_posttrain.recipes.compute import MANAGED_BY, firewall_instance
+from airflow_tpu_posttrain.recipes.compute import DEPLOYMENT_LABEL, MANAGED_BY, firewall_instance
 
 LABEL_FILTER = f"labels.managed-by = {MANAGED_BY}"
 ACTIVE_RUN_STATES = frozenset({"queued", "running"})
@@ -40,16 +42,28 @@ def _age_s(resource: dict, now: datetime) -> float:
     return (now - datetime.fromisoformat(resource["creationTimestamp"])).total_seconds()
 
 
-def decide(instance: dict, run_state: str | None, now: datetime, grace_s: int) -> Decision:
+def of_deployment(instance: dict, deployment: str) -> bool:
+    """Whether the instance was made by the Airflow deployment ``deployment`` (its runs are this Airflow's)."""
+    return (instance.get("labels") or {}).get(DEPLOYMENT_LABEL) == deployment
+
+
+def decide(instance: dict, run_state: str | None, now: datetime, grace_s: int, deployment: str) -> Decision:
     """``run_state``: the DAG run's state, ``RUN_ABSENT`` or None.
 
-    ``RUN_ABSENT`` when Airflow answered that the run does not exist; None when it could not be read."""
+    ``RUN_ABSENT`` when Airflow answered that the run does not exist; None when it could not be read (or was
+    not asked: another deployment's VM)."""
     labels = instance.get("labels", {})
     if labels.get("managed-by") != MANAGED_BY:
         return Decision(False, "not ours (no managed-by label)")
     expires_at = labels.get("expires-at", "")
     if expires_at.isdigit() and now.timestamp() > int(expires_at) + grace_s:
         return Decision(True, f"expired at {expires_at} (+{grace_s} s grace)")
+    if not of_deployment(instance, deployment):
+        return Decision(
+            False,
+            f"made by Airflow deployment {labels.get(DEPLOYMENT_LABEL)!r}, not this one ({deployment!r}): "
+            f"its runs are not this Airflow's; kept until it expires at {expires_at}",
+        )
     if run_state in ACTIVE_RUN_STATES:
         return Decision(False, f"its DAG run is {run_state}")
     if run_state is None:
