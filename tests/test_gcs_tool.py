@@ -135,3 +135,17 @@ def test_gs_commands_need_the_tool_and_quote_the_uri():
     assert storage.read_command(uri, tool) == (
         "\"$HOME\"/maxtext_venv/bin/python /tmp/w/vm_scripts/gcs_tool.py cat 'gs://bucket/run name/.complete-10.metrics'"
     )
+
+
+def test_a_restarted_server_serves_what_it_held_once_started(tmp_path, monkeypatch):
+    """The fault tests stop and start the server mid-run; a start returns only once its buckets are served."""
+    from google.cloud import storage as gcs_client
+
+    server = GcsServer(tmp_path / "objects", buckets=(BUCKET,))
+    with server:
+        for name, value in client_environment(server.url).items():
+            monkeypatch.setenv(name, value)
+        gcs_client.Client().bucket(BUCKET).blob("kept/object").upload_from_string(b"kept")
+    for _ in range(5):
+        with server:  # at once, as the outage thread does
+            assert [b.name for b in gcs_client.Client().list_blobs(BUCKET)] == ["kept/object"]

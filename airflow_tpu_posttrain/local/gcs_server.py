@@ -105,9 +105,12 @@ class GcsServer:
             self._process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self._wait_until_serving()
+        # A restart serves what it held: the server answers before it has read its buckets back from disk.
+        held = sorted(path.name for path in self.root.iterdir() if path.is_dir())
+        self._wait_until_serving(held)
         for bucket in self.buckets:
-            self.create_bucket(bucket)
+            if bucket not in held:
+                self.create_bucket(bucket)
         return self
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -119,18 +122,22 @@ class GcsServer:
         with opener.open(request, timeout=10) as answer:
             return json.load(answer)
 
-    def _wait_until_serving(self) -> None:
+    def _wait_until_serving(self, buckets: list[str]) -> None:
+        """Until the server answers, and serves each of ``buckets`` (``buckets.get``)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self._process is None or self._process.poll() is not None:
                 raise GcsServerError(f"fake-gcs-server exited: {self.log_path.read_text()[-2000:]}")
             try:
                 self._request("GET", "/storage/v1/b")
+                for bucket in buckets:
+                    self._request("GET", f"/storage/v1/b/{bucket}")
                 return
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError):  # HTTPError (a 404 for a bucket not yet read) included
                 if time.monotonic() > deadline:
                     raise GcsServerError(
-                        f"fake-gcs-server did not answer on {self.url} within {START_TIMEOUT_S} s"
+                        f"fake-gcs-server did not serve {buckets or 'its API'} on {self.url} within "
+                        f"{START_TIMEOUT_S} s"
                     ) from None
                 time.sleep(0.05)
 
