@@ -222,7 +222,9 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         lost = self.vm_lost(context)
         if lost:
             return self.recover(context, lost)
-        self.adopt_current_vm(context)
+        adopted = self.adopt_current_vm(context)
+        if adopted:
+            return self.train_on_adopted_vm(context, adopted)
         return super().execute(context)
 
     def start_on_vm(self, context: Context) -> Any:

@@ -140,39 +140,42 @@ class VmRecoveryMixin:
         if vm:
             self._point_at(self, vm)
 
-    def adopt_current_vm(self, context: Context) -> None:
-        """On a later try the recovered VM is known to Compute only: read its address and host keys there."""
+    def adopt_current_vm(self, context: Context) -> dict | None:
+        """On a later try the VM an earlier try's recovery made is known to Compute only: use it.
+
+        The VM Compute has under the run's name is compared with the create's record by its published host
+        keys, not only its zone and address: a new VM can get the lost one's internal or IAP address, never its
+        host keys. Returns the adopted VM (then MaxText must be made sure of on it: the recovery that made it
+        may have failed before its install ended), or None when the recorded VM is still the one."""
         record = self._vm_record(context)
         if not record or not record.get("host_keys"):
-            return
+            return None
         zone, instance = self._find_vm(context)
         if instance is None or instance.get("status") != "RUNNING":
-            return
+            return None
         network_path = record.get("network_path") or "external"
         address = access.ssh_address(instance, network_path)
-        if zone == record.get("zone") and address == record.get("ssh_address"):
-            return
         hook, project = self._compute(context)
         host_keys = hook.get_host_keys(project, zone, record["name"])
-        if not host_keys:
-            return
+        if not host_keys or (zone, address, host_keys) == (
+            record.get("zone"), record.get("ssh_address"), record["host_keys"]
+        ):
+            return None
         self.log.info(
-            "The VM was created again by an earlier recovery: using %s in %s (%s)",
+            "The VM was created again by an earlier recovery: using %s in %s (%s), with the host keys it published",
             record["name"],
             zone,
             address,
         )
         proxy = access.iap_proxy_command(project, zone, record["name"]) if network_path == "iap" else ""
-        self._point_at(
-            self,
-            {
-                **record,
-                "zone": zone,
-                "ssh_address": address,
-                "host_keys": host_keys,
-                "ssh_proxy_command": proxy,
-            },
-        )
+        vm = {**record, "zone": zone, "ssh_address": address, "host_keys": host_keys, "ssh_proxy_command": proxy}
+        self._point_at(self, vm)
+        return vm
+
+    def train_on_adopted_vm(self, context: Context, vm: dict) -> Any:
+        """Install MaxText on an adopted VM (a no-op where the recovery's install finished), then start."""
+        context["ti"].xcom_push(key=RECOVERED_VM, value={key: vm.get(key) for key in VM_FIELDS})
+        return self._delegate(context, "install", "execute", None)
 
     @staticmethod
     def _point_at(task: Any, vm: dict) -> None:
