@@ -73,7 +73,7 @@ def test_an_active_run_as_a_workers_task_sdk_answers_keeps_its_vm(state):
         def get_dagrun_state(dag_id, run_id):
             return DagRunState(state)
 
-    operator = TpuVmReaperOperator(task_id="reap", zones=["z"])
+    operator = TpuVmReaperOperator(task_id="reap")
     run_state = operator._run_state({"ti": WorkerTi()}, instance())
     assert run_state == state
     decision = reaper.decide(instance(age_s=3600), run_state, NOW, grace_s=900, deployment=DEPLOYMENT)
@@ -122,7 +122,7 @@ from airflow.sdk import DAG
 from airflow_tpu_posttrain.operators.reaper import TpuVmReaperOperator
 
 with DAG("reaper_{mode}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
-    TpuVmReaperOperator(task_id="reap", zones=["us-east5-b"], grace_period_s=0, dry_run={dry_run})
+    TpuVmReaperOperator(task_id="reap", grace_period_s=0, dry_run={dry_run})
 """
 
 

@@ -162,6 +162,19 @@ class TpuVmHook(GoogleBaseHook):
         )
         return [_message_to_dict(instance) for instance in pages]
 
+    def list_project_instances(self, project: str, label_filter: str) -> list[tuple[str, dict]]:
+        """``(zone, instance)`` of the project's instances matching ``label_filter``, in every zone.
+
+        One ``instances.aggregatedList``."""
+        pages = self.instances.aggregated_list(
+            request={"project": project, "filter": label_filter}, retry=self.retry
+        )
+        return [
+            (scope.removeprefix("zones/"), _message_to_dict(instance))
+            for scope, scoped in pages
+            for instance in scoped.instances
+        ]
+
     def find_instances(self, project: str, name: str) -> list[dict]:
         """The project's instances named ``name``, in any zone (``instances.aggregatedList``)."""
         pages = self.instances.aggregated_list(

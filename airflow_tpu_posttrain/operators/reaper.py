@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, as_list, deployment_id
+from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, deployment_id
 from airflow_tpu_posttrain.recipes import compute, cost, reaper
 
 if TYPE_CHECKING:
@@ -32,7 +32,9 @@ def _status_code(err: Exception) -> int | None:
 
 
 class TpuVmReaperOperator(ComputeOperator):
-    """List the instances labelled ``managed-by=airflow-tpu-posttrain`` in ``zones``; delete stale ones.
+    """List the project's instances labelled ``managed-by=airflow-tpu-posttrain``; delete stale ones.
+
+    Every zone is swept (``instances.aggregatedList``): a run's zones are a Param, not the registry's.
 
     Stale: the expiry label has passed, or Airflow's API says the DAG run is over or absent, after a grace
     period; a run state that cannot be read keeps the VM (until it expires), and so does another deployment's
@@ -40,27 +42,24 @@ class TpuVmReaperOperator(ComputeOperator):
     firewall rules made by this provider whose instance is gone from every zone. Nothing without our label or
     description is touched. One log line per decision; XCom: counts.
 
-    :param zones: zones to sweep (a list, or a comma-separated string).
     :param grace_period_s: an instance younger than this, or expired by less than this, is kept.
     :param dry_run: log the decisions, delete nothing.
     :param prices: USD per hour by machine type and provisioning model, for the log line that says what each
         deleted orphan had cost; None: ``recipes.cost.DEFAULT_PRICES``.
     """
 
-    template_fields: Sequence[str] = ("project_id", "zones", "api_endpoint", "dry_run")
+    template_fields: Sequence[str] = ("project_id", "api_endpoint", "dry_run")
     ui_color = "#f0e4d5"
 
     def __init__(
         self,
         *,
-        zones: Sequence[str] | str,
         grace_period_s: int = 900,
         dry_run: bool = False,
         prices: Mapping[str, Mapping[str, float]] | None = None,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        self.zones = zones
         self.grace_period_s = grace_period_s
         self.dry_run = dry_run
         self.prices = prices
@@ -94,26 +93,23 @@ class TpuVmReaperOperator(ComputeOperator):
         now = datetime.now(UTC)
         counts = {"seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": self.dry_run}
         deployment = deployment_id()
-        for zone in as_list(self.zones):
-            for instance in self.hook.list_instances(self.project, zone, reaper.LABEL_FILTER):
-                counts["seen"] += 1
-                ours = reaper.of_deployment(instance, deployment)
-                run_state = self._run_state(context, instance) if ours else None
-                decision = reaper.decide(instance, run_state, now, self.grace_period_s, deployment)
-                name = instance["name"]
-                if not decision.delete:
-                    counts["kept"] += 1
-                    self.log.info("keep   %s in %s: %s", name, zone, decision.reason)
-                    continue
-                if self.dry_run:
-                    self.log.info("WOULD delete %s in %s: %s (dry run)", name, zone, decision.reason)
-                    continue
-                spent = cost.vm_cost(name, instance, now.isoformat(), self.prices)
-                self.log.warning(
-                    "delete %s in %s: %s; cost so far: %s", name, zone, decision.reason, spent.describe()
-                )
-                self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
-                counts["deleted"] += 1
+        for zone, instance in self.hook.list_project_instances(self.project, reaper.LABEL_FILTER):
+            counts["seen"] += 1
+            ours = reaper.of_deployment(instance, deployment)
+            run_state = self._run_state(context, instance) if ours else None
+            decision = reaper.decide(instance, run_state, now, self.grace_period_s, deployment)
+            name = instance["name"]
+            if not decision.delete:
+                counts["kept"] += 1
+                self.log.info("keep   %s in %s: %s", name, zone, decision.reason)
+                continue
+            if self.dry_run:
+                self.log.info("WOULD delete %s in %s: %s (dry run)", name, zone, decision.reason)
+                continue
+            spent = cost.vm_cost(name, instance, now.isoformat(), self.prices)
+            self.log.warning("delete %s in %s: %s; cost so far: %s", name, zone, decision.reason, spent.describe())
+            self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
+            counts["deleted"] += 1
         for rule in self.hook.list_firewalls(self.project):
             instance = compute.firewall_instance(rule)
             if instance is None:

@@ -66,6 +66,9 @@ SHAPES = {
 }
 
 
+MAX_RETRY_DELAY = timedelta(minutes=20)
+
+
 def build_dag(cfg: PipelineConfig) -> DAG:
     if cfg.recipe not in RECIPES:
         raise ValueError(f"recipe={cfg.recipe!r}: use one of {RECIPES}")
@@ -77,7 +80,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "retries": cfg.retries,
         "retry_delay": timedelta(seconds=cfg.retry_delay_s),
         "retry_exponential_backoff": True,
-        "max_retry_delay": timedelta(minutes=20),
+        "max_retry_delay": MAX_RETRY_DELAY,
         # Later steps first. A deferred training that resumes needs a tpu_vms slot again; by the default rule
         # ("downstream") another run's install outranks it, and its VM idled for that run's whole training
         # (tests/test_deployment.py).
@@ -89,7 +92,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         start_date=None if cfg.schedule is None else START_DATE,
         catchup=False,
         max_active_runs=1,
-        dagrun_timeout=t.run + wait_for_capacity,
         default_args=default_args,
         params=trigger_form(cfg),
         render_template_as_native_obj=True,
@@ -130,7 +132,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "ssh_key_mode": cfg.ssh_key_mode,
         "oslogin_user": cfg.oslogin_user,
         "service_account": cfg.service_account,
-        "max_run_duration": t.run + wait_for_capacity + timedelta(minutes=30),
+        "max_run_duration": t.vm_lifetime(cfg.retries, MAX_RETRY_DELAY) + wait_for_capacity + timedelta(minutes=30),
         "execution_timeout": t.create,
     }
 
@@ -259,12 +261,14 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         )
         # Each VM's setups are its create and its install: clearing a step (a re-run of train or of the export)
         # clears the setups in its scope, so the fresh VMs get MaxText too. A setup is followed by all_success
-        # tasks only: a failed install reaches the watcher as its steps' upstream_failed.
+        # tasks only: a failed install reaches the watcher as its steps' upstream_failed. A teardown runs unless
+        # its run was skipped (nothing changed, no VM made), a failed create included: it may have inserted its VM.
         teardown = {"on_failure_fail_dagrun": True}
         check >> create_tpu
         if not split:
             create_tpu >> install_tpu >> convert >> train >> judge >> export
             export >> delete_tpu.as_teardown(setups=[create_tpu, install_tpu], **teardown)
+            delete_tpu.trigger_rule = TriggerRule.NONE_SKIPPED
             [convert, train, judge, export] >> watcher
             return dag
 
@@ -281,5 +285,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         create_tpu >> install_tpu >> train
         train >> delete_tpu.as_teardown(setups=[create_tpu, install_tpu], **teardown)
         train >> judge >> export >> delete_cpu.as_teardown(setups=[create_cpu, install_cpu], **teardown)
+        delete_tpu.trigger_rule = delete_cpu.trigger_rule = TriggerRule.NONE_SKIPPED
         [convert, train, judge, export] >> watcher
     return dag

@@ -11,10 +11,8 @@ from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 
 
 def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry_run: bool = False) -> DAG:
-    """``tpu_vm_reaper``: every few minutes, one sweep per (connection, project) over the zones the pipelines use."""
-    sweeps: dict[tuple[str, str | None], set[str]] = {}
-    for cfg in configs:
-        sweeps.setdefault((cfg.gcp_conn_id, cfg.project_id), set()).update(cfg.zones)
+    """``tpu_vm_reaper``: every few minutes, one sweep per (connection, project), over all of its zones."""
+    sweeps = sorted({(cfg.gcp_conn_id, cfg.project_id) for cfg in configs}, key=str)
     dag = DAG(
         dag_id="tpu_vm_reaper",
         schedule=timedelta(minutes=every_minutes),
@@ -36,12 +34,11 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
         "(a user marked the run failed, a crash, a deleted DAG). Never touches other instances.",
     )
     with dag:
-        for i, ((conn_id, project_id), zones) in enumerate(sorted(sweeps.items(), key=str)):
+        for i, (conn_id, project_id) in enumerate(sweeps):
             TpuVmReaperOperator(
                 task_id=f"reap_{i}_{conn_id}",
                 gcp_conn_id=conn_id,
                 project_id=project_id,
-                zones=sorted(zones),
                 dry_run="{{ params.dry_run }}",
                 prices=configs[0].prices if configs else None,
                 retries=1,

@@ -23,7 +23,10 @@ START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 
 @dataclass(frozen=True)
 class StepTimeouts:
-    """Execution timeouts per step; the DAG run's timeout and the VM's cloud-side deadline derive from them."""
+    """Execution timeouts per step; the VM's cloud-side deadline derives from them.
+
+    A run has no run-level timeout: when ``dagrun_timeout`` fires, Airflow marks every unfinished task SKIPPED,
+    the teardowns included. Each step is bounded by its timeout and its retries, so the run is too."""
 
     create: timedelta = timedelta(hours=1)  # FLEX_START can wait for capacity
     install: timedelta = timedelta(minutes=45)
@@ -32,9 +35,17 @@ class StepTimeouts:
     export: timedelta = timedelta(hours=1)
     delete: timedelta = timedelta(minutes=30)
 
-    @property
-    def run(self) -> timedelta:
-        return self.create + self.install + self.convert + self.train + self.export + self.delete
+    def vm_lifetime(self, retries: int, max_retry_delay: timedelta) -> timedelta:
+        """The longest a run's VM may live, its ``maxRunDuration``: Google's deadline never ends a live try.
+
+        Its create, every step at every try with the waits between tries, and its delete."""
+        steps = (self.install, self.convert, self.train, self.export)
+        return (
+            self.create
+            + sum(steps, timedelta()) * (retries + 1)
+            + max_retry_delay * retries * len(steps)
+            + self.delete
+        )
 
 
 LOCAL_TIMEOUTS = StepTimeouts(
