@@ -181,6 +181,26 @@ def test_instance_name_is_deterministic_valid_and_distinct_per_run():
     assert len(first) <= 63 and re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", first)
 
 
+def test_firewall_rules_of_two_runs_of_a_long_named_dag_stay_apart():
+    """Two runs' rules never share a name, however long the DAG's.
+
+    Instance names differ only in their hash's 10 characters at the end; a rule name cut to 56 characters kept a
+    few of them, and runs collided (found here among a few thousand run ids)."""
+    dag_id = "posttrain_sft__a_model_whose_name_is_long_enough_to_be_cut_short"
+    seen: dict[str, str] = {}
+    for day in range(20_000):
+        name = compute.instance_name(dag_id, f"manual__run-{day}")
+        if name[:56] in seen:
+            first, second = seen[name[:56]], name
+            break
+        seen[name[:56]] = name
+    assert len(first) > 56 and first != second
+    rules = [compute.firewall_name(name) for name in (first, second)]
+    assert rules[0] != rules[1]
+    assert all(len(r) <= 63 and re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", r) for r in rules)
+    assert compute.firewall_name("tpu-short-0123456789") == "tpu-short-0123456789-ssh"
+
+
 def test_ownership_labels_are_valid_compute_labels():
     labels = compute.ownership_labels(
         "Posttrain.SFT", "scheduled__2026-11-29T00:00:00+00:00", "create_tpu_vm", 1_800_000_000, "airflow-prd"

@@ -68,7 +68,14 @@ def instance_name(dag_id: str, run_id: str, prefix: str = "tpu", deployment: str
 
 
 def firewall_name(instance: str) -> str:
-    return f"{instance[:56]}-ssh"
+    """The SSH firewall rule of ``instance`` (<= 63 chars): one per instance, whatever the name's length.
+
+    A long instance name is cut, never its tail alone: the run's hash at its end is what keeps two runs' rules
+    (and two instances') apart, so a cut name carries a hash of the whole name."""
+    if len(instance) + len("-ssh") <= 63:
+        return f"{instance}-ssh"
+    digest = hashlib.sha256(instance.encode()).hexdigest()[:10]
+    return f"{instance[:48].rstrip('-')}-{digest}-ssh"
 
 
 _FIREWALL_DESCRIPTION = f"{MANAGED_BY}: SSH to instance "
