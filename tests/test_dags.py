@@ -234,6 +234,17 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_only_the_training_is_stopped_when_silent(dags, dag_id):
+    """A trainer that stops writing is hung (its storage unreachable) and holds the TPU VM.
+
+    An environment upload or a large conversion writes nothing for long stretches, and is not stopped."""
+    dag = dags[dag_id]
+    assert dag.get_task("train").stall_timeout_s > 0
+    for task_id in {*BODY, INSTALL_CPU} - {"train"} if dag_id in SPLIT_DAGS else set(BODY) - {"train"}:
+        assert dag.get_task(task_id).stall_timeout_s == 0, task_id
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_watcher_fails_the_run_when_a_body_step_fails(dags, dag_id):
     dag = dags[dag_id]
     watcher = dag.get_task(WATCHER)

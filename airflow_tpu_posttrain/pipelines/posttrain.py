@@ -113,7 +113,6 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "hf_conn_id": cfg.hf_conn_id,
         "model": "{{ params.model }}",
         "checkpoint_storage": storage,
-        "stall_timeout_s": cfg.stall_timeout_s,
         **(cfg.local or {}),
     }
     on_compute = {
@@ -218,6 +217,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 checkpoint_period=cfg.checkpoint_period,
                 evaluate="{{ params.quality_gate != 'off' }}",
                 max_recoveries="{{ params.max_recoveries }}",
+                stall_timeout_s=cfg.stall_timeout_s,
                 execution_timeout=t.train,
                 poll_interval=poll(30),
                 **on_tpu,
@@ -230,6 +230,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 overrides="{{ params.overrides }}",
                 conversion=convert.output,
                 max_recoveries="{{ params.max_recoveries }}",
+                stall_timeout_s=cfg.stall_timeout_s,
                 execution_timeout=t.train,
                 poll_interval=poll(30),
                 **on_tpu,

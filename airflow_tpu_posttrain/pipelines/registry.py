@@ -114,8 +114,10 @@ class PipelineConfig:
     retry_delay_s: int = 60  # the first retry's delay (then exponential backoff, at most 20 minutes)
     poll_interval_s: int | None = None  # between the triggers' polls; None: each step's own (10 to 30 s)
     checkpoint_period: int = 200  # SFT steps between checkpoints: what a retry or a recovery may repeat
-    # A MaxText job silent this long is taken for hung and stopped, failing the try (a retry resumes): longer
-    # than its quietest healthy stretch (compiling, a checkpoint save), far shorter than the step's timeout.
+    # A training silent this long is taken for hung and stopped, failing the try (a retry resumes): longer than
+    # its quietest healthy stretch (compiling, a checkpoint save), far shorter than the step's timeout. Training
+    # only: the install's environment upload and a large conversion are legitimately silent for long, and a
+    # hang there costs the step's timeout on a CPU VM, not a TPU VM's.
     stall_timeout_s: int = 1800
     # Whether a trained model is published (recipes/quality_gate.py): the trigger form's defaults.
     quality_gate: str = gate.DEFAULT_RULE
