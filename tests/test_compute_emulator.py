@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -252,6 +253,22 @@ def test_list_filters_on_labels_and_name(gce, emulator):
     assert names("name = vm-2 status = RUNNING") == ["vm-2"]
     assert names("labels.dag != sft") == ["vm-2"]
     assert emulator.requests[-1]["query"] == {"filter": "labels.dag != sft"}
+
+
+@pytest.mark.parametrize(
+    ("labels", "says"),
+    [
+        ({f"k{i}": "v" for i in range(65)}, "at most 64 labels"),
+        ({"team": "Has-Capitals"}, "Label value 'Has-Capitals' violates format constraints"),
+        ({"9team": "x"}, "Label key '9team' violates format constraints"),
+    ],
+)
+def test_labels_beyond_computes_rules_are_refused(gce, emulator, labels, says):
+    instance = tpu_instance("vm-labelled")
+    instance.labels = labels
+    with pytest.raises(exceptions.BadRequest, match=re.escape(says)):
+        insert(gce, instance)
+    assert emulator.instances() == []
 
 
 def test_delete_stops_then_removes_the_instance(gce, emulator):

@@ -206,6 +206,8 @@ def test_ownership_labels_are_valid_compute_labels():
         "Posttrain.SFT", "scheduled__2026-11-29T00:00:00+00:00", "create_tpu_vm", 1_800_000_000, "airflow-prd"
     )
     assert labels["managed-by"] == "airflow-tpu-posttrain" and labels["airflow-deployment"] == "airflow-prd"
+    # What a user may add is Compute's 64 less exactly these (TpuVmSpec.labels).
+    assert set(labels) | {compute.CAPACITY_GROUP_LABEL} == compute.PIPELINE_LABELS
     assert labels["expires-at"] == "1800000000"
     for key, value in labels.items():
         assert re.match(r"^[a-z][a-z0-9_-]{0,62}$", key) and re.match(r"^[a-z0-9_-]{0,63}$", value)
@@ -222,6 +224,9 @@ def test_ownership_labels_are_valid_compute_labels():
         ({"provisioning_model": "ON_DEMAND"}, "provisioning_model"),
         ({"labels": {"Team": "x"}}, "labels.Team"),
         ({"labels": {"team": "Has Spaces"}}, "labels.team"),
+        # Compute's 64 labels per VM, the pipeline's own 8 among them; and none of the pipeline's keys.
+        ({"labels": {f"team-{i}": "x" for i in range(57)}}, "labels"),
+        ({"labels": {"expires-at": "9999999999"}}, "labels.expires-at"),
         ({"network": "Bad_Net"}, "network"),
         ({"max_run_duration_s": 10}, "max_run_duration"),
         ({"provisioning_model": "FLEX_START", "reservation": None}, "max_run_duration"),

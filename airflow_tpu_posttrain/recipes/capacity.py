@@ -13,9 +13,9 @@ import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from airflow_tpu_posttrain.recipes.compute import LIVE_STATES
+from airflow_tpu_posttrain.recipes.compute import CAPACITY_GROUP_LABEL, LIVE_STATES
 
-GROUP_LABEL = "tpu-capacity-group"
+GROUP_LABEL = CAPACITY_GROUP_LABEL
 # A VM that holds (or is about to hold) capacity: the live states, PENDING (queued for capacity) included.
 HOLDING_STATES = LIVE_STATES
 

@@ -92,6 +92,14 @@ def firewall_instance(rule: dict) -> str | None:
 
 
 DEPLOYMENT_LABEL = "airflow-deployment"
+CAPACITY_GROUP_LABEL = "tpu-capacity-group"
+# The labels the pipeline puts on each VM (ownership_labels, the capacity group). Compute allows 64 labels per
+# resource (cloud.google.com/compute/docs/labeling-resources, "Requirements for labels"): a user's share is the rest.
+PIPELINE_LABELS = frozenset(
+    {"managed-by", DEPLOYMENT_LABEL, "airflow-dag", "airflow-run", "airflow-run-hash", "airflow-task", "expires-at",
+     CAPACITY_GROUP_LABEL}
+)
+MAX_LABELS = 64
 
 
 def ownership_labels(
@@ -249,7 +257,7 @@ class TpuVmSpec:
                     "is not an OAuth scope URL",
                     "use e.g. https://www.googleapis.com/auth/devstorage.read_write",
                 )
-        validation.labels("labels", self.labels)
+        validation.labels("labels", self.labels, MAX_LABELS - len(PIPELINE_LABELS), PIPELINE_LABELS)
         for key in self.metadata:
             validation.safe_name(f"metadata.{key}", key)
 

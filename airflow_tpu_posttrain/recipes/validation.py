@@ -156,12 +156,24 @@ def gce_name(field: str, value: str) -> str:
     return value
 
 
-def labels(field: str, value: dict[str, str]) -> dict[str, str]:
+def labels(
+    field: str, value: dict[str, str], max_count: int = 64, reserved: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """Compute labels: at most ``max_count``, none of the ``reserved`` keys (the pipeline's own)."""
     if not isinstance(value, dict):
         raise SpecError(field, value, "must be a mapping", "give a dict of label key to value")
-    if len(value) > 64:
-        raise SpecError(field, len(value), "has more than 64 labels", "drop some labels")
+    if len(value) > max_count:
+        raise SpecError(
+            field,
+            len(value),
+            f"has more than {max_count} labels (Compute allows 64 per VM; the pipeline sets {64 - max_count})",
+            f"give at most {max_count} labels",
+        )
     for key, val in value.items():
+        if key in reserved:
+            raise SpecError(
+                f"{field}.{key}", key, "is a label the pipeline sets itself", f"drop it; reserved: {sorted(reserved)}"
+            )
         if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
             raise SpecError(
                 f"{field}.{key}",
