@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import time
 import uuid
 
@@ -398,7 +399,10 @@ def test_teardown_defers_at_once_and_deletes_from_the_triggerer():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID": "airflow-probe"}  # no task runner to ask
+    proc = subprocess.run(
+        [sys.executable, "-c", _TEARDOWN_PROBE], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     assert probe["compute_client_loaded"] is False

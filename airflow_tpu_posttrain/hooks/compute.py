@@ -25,6 +25,14 @@ _TRANSIENT_NAMES = (
 )
 
 
+def _resource_not_ready(error: Exception) -> bool:
+    """Compute's 400 ``resourceNotReady``: "The resource '...' is not ready" (busy with another operation)."""
+    from google.api_core.exceptions import BadRequest
+
+    reasons = [getattr(e, "get", lambda _: None)("reason") for e in getattr(error, "errors", None) or []]
+    return isinstance(error, BadRequest) and ("resourceNotReady" in reasons or "is not ready" in str(error))
+
+
 def _message_to_dict(message: Any) -> dict:
     """A proto-plus message as the REST JSON the API documents (camelCase keys)."""
     return json.loads(type(message).to_json(message, use_integers_for_enums=False))
@@ -82,13 +90,15 @@ class TpuVmHook(GoogleBaseHook):
 
     @cached_property
     def retry(self) -> Any:
-        """Backoff on 429/5xx. Inserts and deletes are safe to repeat because they carry a requestId."""
+        """Backoff on 429/5xx, and on 400 ``resourceNotReady`` (the instance busy with another operation).
+
+        Inserts and deletes are safe to repeat because they carry a requestId."""
         from google.api_core import exceptions
         from google.api_core.retry import Retry, if_exception_type
 
-        transient = tuple(getattr(exceptions, name) for name in _TRANSIENT_NAMES)
+        transient = if_exception_type(*(getattr(exceptions, name) for name in _TRANSIENT_NAMES))
         return Retry(
-            predicate=if_exception_type(*transient),
+            predicate=lambda error: transient(error) or _resource_not_ready(error),
             initial=self.retry_initial_delay,
             maximum=max(self.retry_initial_delay, 30.0),
             multiplier=2.0,
