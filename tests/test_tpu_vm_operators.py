@@ -175,9 +175,14 @@ def test_all_zones_out_fails_clearly_and_leaves_nothing(emulator, run_dag, capfd
     )
 
 
-def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd, fault_matrix):
-    emulator.set_faults(quota_exceeded_zones=["us-east5-a"])
-    body = lifecycle("lifecycle_quota", zones=("us-east5-a", "us-east5-b"), create_kwargs="retries=3")
+@pytest.mark.parametrize("refused", ["in its operation", "at the insert"])
+def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd, fault_matrix, refused):
+    """Compute refuses on quota in the insert's operation, or at once (HTTP 403 quotaExceeded)."""
+    zone = {"quota_exceeded_zones" if refused == "in its operation" else "quota_refused_zones": ["us-east5-a"]}
+    emulator.set_faults(**zone)
+    body = lifecycle(
+        "lifecycle_quota", zones=("us-east5-a", "us-east5-b"), ranges=("10.0.0.0/8",), create_kwargs="retries=3"
+    )
     dr = run_dag("lifecycle_quota", body)
     assert dr.state == "failed"
     logs = "".join(capfd.readouterr())
@@ -185,9 +190,13 @@ def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd, f
     # No retry storm, no fallback: a quota error is not a stock-out.
     assert len(inserts(emulator)) == 1
     assert no_instances_within(emulator)
+    deadline = time.monotonic() + 10  # the rule made for the VM goes with the failed create (its delete's operation)
+    while emulator.firewalls() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert emulator.firewalls() == []
     fault_matrix.record(
-        "compute: quota exceeded -> fails at once (1 insert, no retry, no fallback)", True, dr.state, None,
-        log_excerpt(logs, "Quota exceeded"),
+        f"compute: quota exceeded {refused} -> fails at once (1 insert, no retry, no fallback)", True, dr.state,
+        None, log_excerpt(logs, "Quota exceeded"),
     )
 
 

@@ -80,6 +80,9 @@ class Faults:
 
     stockout_zones: list[str] = dataclasses.field(default_factory=list)
     quota_exceeded_zones: list[str] = dataclasses.field(default_factory=list)
+    # Refused at the insert itself (HTTP 403 quotaExceeded), as Compute does for quotas it checks up front
+    # ("googleapi: Error 403: Quota 'CPUS' exceeded.  Limit: 24.0 in region us-central1., quotaExceeded").
+    quota_refused_zones: list[str] = dataclasses.field(default_factory=list)
     missing_reservations: list[str] = dataclasses.field(default_factory=list)
     transient_errors: dict[str, int] = dataclasses.field(default_factory=dict)
     """Per request kind (see ``TRANSIENT_KINDS``), how many instance/operation requests fail next."""
@@ -677,6 +680,11 @@ class ComputeEmulator:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
             self._check_machine_type(zone, body.get("machineType"))
             self._check_labels(body.get("labels") or {})
+            if zone in self._faults.quota_refused_zones:
+                raise _ApiError(
+                    403, "quotaExceeded",
+                    f"Quota 'TPU_V6E_CHIPS' exceeded.  Limit: 0.0 in region {zone.rsplit('-', 1)[0]}.",
+                )
             self._check_network_interface(project, body)
             key = (project, zone, name)
             path = _resource_path(project, zone, "instances", name)

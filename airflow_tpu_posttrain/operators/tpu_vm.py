@@ -376,10 +376,18 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
         request_id = self._request_id(context, name, zone, "insert", progress.attempt)
-        from google.api_core.exceptions import BadRequest
+        from google.api_core.exceptions import BadRequest, Forbidden
 
         try:
             operation = self.hook.insert_instance(spec.project_id, zone, body, request_id)
+        except Forbidden as err:
+            if "quotaExceeded" not in str(err) and "Quota" not in err.message:
+                raise
+            self._delete_leftover(context, spec, name, zone)  # the firewall rule made just before
+            raise QuotaExceededError(  # refused at once: Compute checks some quotas before it accepts an insert
+                f"Quota exceeded creating {name} in {zone}: {err.message}. Request a quota increase for "
+                f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
+            ) from None
         except BadRequest as err:
             if "maxRunDuration" not in str(err) or progress.without_max_run_duration:
                 raise
