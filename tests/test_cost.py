@@ -81,3 +81,39 @@ def test_a_registry_with_a_bad_price_refuses_to_load(tmp_path):
     registry.write_text(registry.read_text().replace("{SPOT: -1}", "{SPOT: 9.5}"))
     [config] = load_registry(registry)
     assert config.prices["ct6e-standard-8t"]["SPOT"] == 9.5
+
+
+def test_a_flex_start_vm_is_billed_from_its_start_not_its_queue():
+    """Queued in PENDING for an hour (no capacity yet), then RUNNING for 30 minutes: 30 minutes billed."""
+    queued = {**INSTANCE, "lastStartTimestamp": "2026-12-01T02:00:00.000-08:00"}
+    spent = cost.vm_cost("tpu-vm", queued, "2026-12-01T10:30:00.000+00:00")
+    assert spent.seconds == 1800 and spent.usd == 10.8
+
+
+def _card_cost(trained: dict) -> str | None:
+    from airflow_tpu_posttrain.operators.export import HfExportOperator
+
+    operator = HfExportOperator(task_id="export_and_publish", model="tiny-llama", vm={}, trained=trained)
+    return operator._training_cost(trained)
+
+
+VM = {"name": "tpu-x", "machine_type": "ct6e-standard-8t", "provisioning_model": "RESERVATION_BOUND"}
+
+
+def test_the_cards_cost_counts_every_vm_a_recovered_training_ran_on():
+    """The first VM ran an hour until it was lost; the recovered one from its own start to the end."""
+    trained = {
+        "vm": {**VM, "started_at": "2026-12-01T11:10:00+00:00"},
+        "finished_at": "2026-12-01T11:40:00+00:00",
+        "lost_vms": [{**VM, "started_at": "2026-12-01T10:00:00+00:00", "lost_at": "2026-12-01T11:00:00+00:00"}],
+    }
+    line = _card_cost(trained)
+    assert line.startswith("$32.40 over 2 VMs (recoveries): ")  # 30 min + 60 min at $21.6/h; not the 10 min down
+    assert "ran 30 min 00 s: $10.80" in line and "ran 1 h 00 min: $21.60" in line
+
+
+def test_a_reused_training_claims_no_cost():
+    """The final checkpoint of an earlier try was reused: this run's VM did not train."""
+    trained = {"vm": {**VM, "started_at": "2026-12-01T10:00:00+00:00"}, "finished_at": "2026-12-01T10:20:00+00:00"}
+    assert _card_cost(trained).endswith("$7.20 at $21.6/h")
+    assert _card_cost({**trained, "reused": True}) is None

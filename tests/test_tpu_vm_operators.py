@@ -370,7 +370,7 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     assert event.payload == {"status": "success", "errors": [], "state": {"name": "tpu-r"}}
     # What its cost needs: the instance as read before the delete (nothing else of it), the delete's end.
     assert (deleted["name"], deleted["zone"], set(deleted["instance"])) == (
-        "tpu-r", "us-east5-b", {"creationTimestamp", "machineType", "scheduling"}
+        "tpu-r", "us-east5-b", {"creationTimestamp", "lastStartTimestamp", "machineType", "scheduling"}
     )
     ended, created = deleted["ended"], deleted["instance"]["creationTimestamp"]
     assert dt.datetime.fromisoformat(ended) >= dt.datetime.fromisoformat(created)

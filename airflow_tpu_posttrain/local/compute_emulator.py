@@ -706,6 +706,7 @@ class ComputeEmulator:
                     self._remove_instance(key)
                 elif instance["status"] in ("PROVISIONING", "STAGING"):
                     instance["status"] = "RUNNING"
+                    instance["lastStartTimestamp"] = _timestamp(time.time())  # billing starts (Compute's field)
                     self._schedule_max_run_duration(key, instance)
                     if self.fleet is not None:
                         self.fleet.boot(

@@ -221,18 +221,32 @@ class HfExportOperator(MaxTextJobOperator):
         }
 
     def _training_cost(self, trained: dict[str, Any]) -> str | None:
-        """The training VM's time and cost, from its creation to the end of training (the card's line).
+        """The training VMs' time and cost: the card's line.
 
-        The VM's teardown, which may end after the card is written, logs the billed figure."""
-        vm = trained.get("vm") or {}
-        if not (vm.get("created_at") and trained.get("finished_at") and vm.get("machine_type")):
+        The VM it finished on, from its start to the end of training, and each VM lost before it (a recovery),
+        from its start to its loss. None when this run did not train (the training of an earlier try or run was reused), or a fact is
+        missing. The VMs' teardowns, which may end after the card is written, log the billed figures."""
+        if trained.get("reused"):
             return None
-        instance = {
-            "machineType": vm["machine_type"],
-            "scheduling": {"provisioningModel": vm.get("provisioning_model")},
-            "creationTimestamp": vm["created_at"],
-        }
-        return cost.vm_cost(vm.get("name") or "VM", instance, trained["finished_at"], self.prices).describe()
+        served = [(trained.get("vm") or {}, trained.get("finished_at"))]
+        served += [(lost, lost.get("lost_at")) for lost in trained.get("lost_vms") or []]
+        costs = []
+        for vm, ended in served:
+            started = vm.get("started_at") or vm.get("created_at")
+            if not (started and ended and vm.get("machine_type")):
+                return None
+            instance = {
+                "machineType": vm["machine_type"],
+                "scheduling": {"provisioningModel": vm.get("provisioning_model")},
+                "creationTimestamp": started,
+            }
+            costs.append(cost.vm_cost(vm.get("name") or "VM", instance, ended, self.prices))
+        if len(costs) == 1:
+            return costs[0].describe()
+        lines = "; ".join(c.describe() for c in costs)
+        if any(c.usd is None for c in costs):
+            return f"{len(costs)} VMs (recoveries): {lines}"
+        return f"${sum(c.usd for c in costs):.2f} over {len(costs)} VMs (recoveries): {lines}"
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         scripts = resources.files("airflow_tpu_posttrain.vm_scripts")

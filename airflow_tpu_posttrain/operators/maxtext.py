@@ -257,6 +257,9 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         return {
             "evaluation": self.evaluation(vm, spec, metrics, paths.log_file),
             "finished_at": datetime.now(UTC).isoformat(),
+            # What the training's cost counts: the VM it finished on and those lost before (recoveries).
+            "vm": self.serving_vm(context),
+            "lost_vms": self.lost_vms(context),
         }
 
     def _overrides(self) -> list[str]:

@@ -30,7 +30,11 @@ if TYPE_CHECKING:
 RECOVERED_VM = "recovered_vm"  # XCom key (of the training task): the VM the last recovery made
 RECOVERIES = "recoveries"  # XCom key: recoveries so far in this try
 RECOVERY_RESUME = "recovery_resume"  # XCom key: the recovery's deferred task (phase) and its method to resume
-VM_FIELDS = ("name", "zone", "ssh_address", "ssh_login", "ssh_proxy_command", "host_keys")
+VM_FIELDS = (
+    "name", "zone", "ssh_address", "ssh_login", "ssh_proxy_command", "host_keys",
+    "machine_type", "provisioning_model", "created_at", "started_at",  # what its cost is counted from
+)
+LOST_VMS = "lost_vms"  # XCom key (of the training task): the VMs lost in this try, for the run's cost
 
 
 class Lost:
@@ -168,7 +172,11 @@ class VmRecoveryMixin:
             address,
         )
         proxy = access.iap_proxy_command(project, zone, record["name"]) if network_path == "iap" else ""
-        vm = {**record, "zone": zone, "ssh_address": address, "host_keys": host_keys, "ssh_proxy_command": proxy}
+        vm = {
+            **record, "zone": zone, "ssh_address": address, "host_keys": host_keys, "ssh_proxy_command": proxy,
+            "created_at": instance.get("creationTimestamp"),
+            "started_at": instance.get("lastStartTimestamp") or instance.get("creationTimestamp"),
+        }
         self._point_at(self, vm)
         return vm
 
@@ -201,6 +209,7 @@ class VmRecoveryMixin:
         if done >= limit:
             raise VmLostError(f"{lost}. Not recovering: max_recoveries={limit} reached in this try.")
         context["ti"].xcom_push(key=RECOVERIES, value=done + 1)
+        self._count_lost_vm(context)
         creator = self._create_task(context)
         self.log.warning(
             "Recovery %d/%d: %s. Creating it again (zones %s, %s); training then resumes from its newest "
@@ -213,6 +222,19 @@ class VmRecoveryMixin:
             self.checkpoint_storage,
         )
         return self._delegate(context, "create", "execute", None)
+
+    def serving_vm(self, context: Context) -> dict:
+        """The VM the step runs on now: the one a recovery (or an adoption) made, else the create's."""
+        vm = self._recovered(context) or self._vm_record(context) or {}
+        return {key: vm.get(key) for key in VM_FIELDS if key not in ("host_keys", "ssh_proxy_command")}
+
+    def lost_vms(self, context: Context) -> list[dict]:
+        """The VMs lost in this try, each with when it was found lost (its time counts toward the cost)."""
+        return context["ti"].xcom_pull(task_ids=self.task_id, key=LOST_VMS) or []
+
+    def _count_lost_vm(self, context: Context) -> None:
+        lost = {**self.serving_vm(context), "lost_at": datetime.now(UTC).isoformat()}
+        context["ti"].xcom_push(key=LOST_VMS, value=[*self.lost_vms(context), lost])
 
     def recovery_complete(self, context: Context, event: dict | None = None) -> Any:
         """A recovery's task (create or install) resumed from its trigger.

@@ -110,7 +110,9 @@ class VmLoginMixin:
             ),
             "network_path": spec.network_path,
             "self_link": instance.get("selfLink"),
-            "created_at": instance.get("creationTimestamp"),  # what its time, and cost, is counted from
+            "created_at": instance.get("creationTimestamp"),
+            # What its cost is counted from: RUNNING (a FLEX_START VM queued in PENDING is not billed).
+            "started_at": instance.get("lastStartTimestamp") or instance.get("creationTimestamp"),
             "provisioning_model": spec.provisioning_model,
             # The cloud-side backstop the VM has (None: Compute refused it; the reaper is the backstop).
             "max_run_duration_s": None if progress.without_max_run_duration else spec.max_run_duration_s,

@@ -1,7 +1,8 @@
 """What a run's VMs cost: each VM's time, times a price per hour.
 
-The time runs from the VM's creation to the end of its deletion (Compute's own timestamps); the price is that
-of its machine type and provisioning model.
+The time runs from the VM's start (``lastStartTimestamp``: a VM is billed while RUNNING, not while queued in
+PENDING or being provisioned) to the end of its deletion (Compute's own timestamps); the price is that of its
+machine type and provisioning model.
 
 The price table is data: ``DEFAULT_PRICES`` below, and a registry (``models.yaml``) may replace or add entries
 under ``prices:``. A machine type and provisioning model with no price gives no cost (the log says which entry
@@ -101,9 +102,8 @@ def vm_cost(
     Its deletion ended at ``ended`` (the delete operation's ``endTime``)."""
     machine_type = (instance.get("machineType") or "").rsplit("/", 1)[-1]
     model = (instance.get("scheduling") or {}).get("provisioningModel") or "STANDARD"
-    seconds = (
-        datetime.fromisoformat(ended) - datetime.fromisoformat(instance["creationTimestamp"])
-    ).total_seconds()
+    started = instance.get("lastStartTimestamp") or instance["creationTimestamp"]
+    seconds = (datetime.fromisoformat(ended) - datetime.fromisoformat(started)).total_seconds()
     table = DEFAULT_PRICES if prices is None else prices
     return VmCost(name, machine_type, model, max(seconds, 0.0), (table.get(machine_type) or {}).get(model))
 

@@ -198,7 +198,7 @@ def _billed(instance: dict | None) -> dict | None:
     if not instance:
         return None
     scheduling = {"provisioningModel": (instance.get("scheduling") or {}).get("provisioningModel")}
-    return {key: instance.get(key) for key in ("creationTimestamp", "machineType")} | {
+    return {key: instance.get(key) for key in ("creationTimestamp", "lastStartTimestamp", "machineType")} | {
         "scheduling": scheduling
     }
 
