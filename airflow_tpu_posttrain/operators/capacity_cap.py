@@ -96,11 +96,18 @@ class CapacityCapMixin:
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress
     ) -> Any:
         """Another run's VM of the group was created first and the group is over its cap: delete ours, wait."""
+        from datetime import UTC, datetime
+
+        from airflow_tpu_posttrain.recipes import cost
+
         zone = spec.zones[progress.zone_index]
+        instance = self.hook.get_instance(spec.project_id, zone, name)
+        spent = cost.vm_cost(name, instance, datetime.now(UTC).isoformat(), self.prices) if instance else None
         self.log.warning(
-            "%s is over the cap of %s TPU VMs (another run created its VM first): deleting it and waiting",
+            "%s is over the cap of %s TPU VMs (another run created its VM first): deleting it and waiting; %s",
             name,
             self.max_tpu_vms,
+            f"cost of the yielded VM: {spent.describe()}" if spent else "it is already gone",
         )
         operation = self.hook.delete_instance(
             spec.project_id, zone, name, self._request_id(context, name, zone, "yield", progress.attempt)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,8 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
     :param max_tpu_vms: how many of the pipeline's VMs of this capacity group (the reservation, else the zones and
         machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
         deployments; the create waits in the triggerer, holding no VM, until one ends. None: no cap.
+    :param prices: USD per hour by machine type and provisioning model, for the log line that says what a VM
+        deleted for being over the cap had cost (``recipes.cost.price_table``); None: the defaults.
     :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` or in a fully used
         reservation (a timedelta or seconds); then the task fails, having created nothing. With FLEX_START it is
         also how long Compute keeps the VM PENDING in its queue (``params.requestValidForDuration``, at most 2 h).
@@ -134,6 +136,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         oslogin_user: str | None = None,
         ready_timeout: timedelta = timedelta(minutes=10),
         max_tpu_vms: int | None = None,
+        prices: Mapping[str, Mapping[str, float]] | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(hours=1),
         tags: Sequence[str] | None = None,
         boot_disk_size_gb: int = 200,
@@ -161,6 +164,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         self.oslogin_user = oslogin_user
         self.ready_timeout = ready_timeout
         self.max_tpu_vms = max_tpu_vms
+        self.prices = prices
         self.max_wait_for_capacity = max_wait_for_capacity
         self.tags = tags
         self.boot_disk_size_gb = boot_disk_size_gb

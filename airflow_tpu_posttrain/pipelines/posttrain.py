@@ -174,6 +174,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             reservation="{{ params.reservation }}",
             # Caps the VMs themselves; the pool caps the TPU VM's steps (a waiting create holds no VM or slot).
             max_tpu_vms=cfg.max_tpu_vms,
+            prices=cfg.prices,
             max_wait_for_capacity="{{ params.max_wait_for_capacity * 60 }}",
             **{**creating, "execution_timeout": t.create + wait_for_capacity},
         )
