@@ -94,3 +94,25 @@ def test_a_model_card_must_name_a_base_model_of_the_hub(hub):
     assert "README.md" not in api.list_repo_files("org/tuned")
     api.upload_file(path_or_fileobj=card(REPO), path_in_repo="README.md", repo_id="org/tuned")
     assert "README.md" in api.list_repo_files("org/tuned")
+
+
+def test_a_token_writes_only_in_its_users_namespaces_and_reads_only_their_private_repos(tmp_path):
+    """As on the Hub: a token belongs to a user and the user's organizations.
+
+    Elsewhere it may not create or write a repo (403), and another user's private repo is not found (404)."""
+    alice, bob = "hub-test-alice", "hub-test-bob"  # test credentials of the local Hub server only
+    with HubServer(tmp_path / "hub", tokens=[alice, bob], namespaces={alice: ["alice", "team"], bob: ["bob"]}) as hub:
+        as_alice, as_bob = HfApi(endpoint=hub.url, token=alice), HfApi(endpoint=hub.url, token=bob)
+        assert as_alice.whoami()["name"] == "alice"
+        assert [org["name"] for org in as_alice.whoami()["orgs"]] == ["team"]
+        as_alice.create_repo("team/shared")
+        as_alice.create_repo("alice/private-model", private=True)
+        with pytest.raises(HfHubHTTPError, match="You don't have the rights to create a model under the namespace"):
+            as_bob.create_repo("team/not-bobs")
+        with pytest.raises(HfHubHTTPError) as refused:
+            as_bob.upload_file(path_or_fileobj=b"{}", path_in_repo="config.json", repo_id="team/shared")
+        assert refused.value.response.status_code == 403
+        with pytest.raises(HfHubHTTPError) as hidden:
+            as_bob.model_info("alice/private-model")
+        assert hidden.value.response.status_code == 404
+        assert as_alice.model_info("alice/private-model").private

@@ -318,6 +318,26 @@ def test_a_token_without_the_gated_models_grant_fails_before_any_vm(stack, capfd
     )
 
 
+def test_a_hub_repo_the_token_cannot_write_fails_before_any_vm(stack, capfd, fault_matrix):
+    """The export would find out after the training; check_inputs asks the Hub who the token is first."""
+    inserts_before = len(instance_inserts(stack))
+    dr = run_pipeline({"force": True, "hub_repo_id": "someone-else/tiny-llama-sft"})
+    logs = "".join(capfd.readouterr())
+    st = states(dr)
+    assert dr.state == "failed" and st["check_inputs"] == "failed", st
+    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, "create_tpu_vm", "create_cpu_vm")), st
+    assert len(instance_inserts(stack)) == inserts_before and stack.compute.instances() == []
+    assert (
+        "The model cannot be published to someone-else/tiny-llama-sft: the token of connection 'local_hub' belongs "
+        "to 'local', who may write in 'local' only" in logs
+    )
+    assert "No VM was created" in logs and stack.hf_token not in logs
+    fault_matrix.record(
+        "pipeline: the token cannot write the Hub repo to publish to (no VM created)", None, dr.state, None,
+        log_excerpt(logs, "The model cannot be published to"),
+    )
+
+
 def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, vm_ends, capfd, fault_matrix):
     dr = run_pipeline({"maxtext_version": "9.9.9"})
     logs = "".join(capfd.readouterr())

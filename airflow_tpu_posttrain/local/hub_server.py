@@ -34,7 +34,7 @@ import secrets
 import signal
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,6 +70,7 @@ REDACTED = "<redacted>"
 _REPO = r"(?P<repo>[^/]+/[^/]+)"
 _REV = r"(?P<rev>[^/]+)"
 _ROUTES = [
+    ("GET", r"/api/whoami-v2", "whoami"),
     ("POST", r"/api/repos/create", "create_repo"),
     ("POST", r"/api/validate-yaml", "validate_yaml"),
     ("GET", rf"/api/models/{_REPO}", "model_info"),
@@ -416,10 +417,25 @@ class _Handler(BaseHTTPRequestHandler):
             self._require_token(write=True)
         repo = (store or self.store).load_repo(repo_id)
         token = self._token()
-        can_read = repo is not None and (not repo["private"] or (token and self.server.hub.accepts(token)))
-        if not can_read:  # private repos are hidden from anonymous callers, as on the real Hub
+        hub = self.server.hub
+        owns = bool(token) and hub.accepts(token) and hub.owns(token, repo_id)
+        can_read = repo is not None and (not repo["private"] or owns or hub.granted(token or "", repo_id))
+        if not can_read:  # a private repo is hidden from all but its namespace's members, as on the real Hub
             raise HubError(404, f"Repository Not Found for {repo_id}", "RepoNotFound")
+        if write and not owns:
+            raise HubError(403, f"You don't have the rights to write to {repo_id}")
         return repo
+
+    def _whoami(self) -> None:
+        """``HfApi.whoami``: the token's user, its organizations and the token's role."""
+        self._require_token()
+        token = self._token()
+        user, *orgs = self.server.hub.namespaces_of(token)
+        role = "write" if self.server.hub.can_write(token) else "read"
+        self._send_json({
+            "type": "user", "name": user, "orgs": [{"name": org, "type": "org"} for org in orgs],
+            "auth": {"type": "access_token", "accessToken": {"displayName": "token", "role": role}},
+        })
 
     def _check_gate(self, repo_id: str, repo: dict) -> None:
         """The real Hub's answers to a download from a gated repo (huggingface_hub's ``hf_raise_for_status``)."""
@@ -469,6 +485,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not payload.get("organization"):
             raise HubError(400, "This server has no users: give the repo id as owner/name")
         repo_id = f"{payload['organization']}/{payload.get('name')}"
+        if not self.server.hub.owns(self._token(), repo_id):
+            raise HubError(
+                403, f'You don\'t have the rights to create a model under the namespace "{payload["organization"]}"'
+            )
         private = payload.get("visibility", "private" if payload.get("private") else "public") == "private"
         url = f"{self.server.hub.url}/{repo_id}"
         if not self.store.create_repo(repo_id, private):
@@ -785,6 +805,9 @@ class HubServer:
 
     ``tokens``: if given, only these Bearer tokens are accepted; otherwise any non-empty one is.
     ``read_only_tokens``: also accepted, for reading only (a write answers 403, as the real Hub does).
+    ``namespaces``: token -> its user's name and organizations, where it may create and write repos and read
+    private ones (elsewhere 403, and a private repo is not found: 404). A token not named here is a user
+    ``local`` who may write everywhere (the unit tests of the server's protocol).
     """
 
     def __init__(
@@ -794,6 +817,7 @@ class HubServer:
         *,
         tokens: Iterable[str] | None = None,
         read_only_tokens: Iterable[str] = (),
+        namespaces: Mapping[str, Sequence[str]] | None = None,
     ):
         self.root_dir = Path(root_dir)
         self.root_dir.mkdir(parents=True, exist_ok=True)
@@ -805,6 +829,7 @@ class HubServer:
         self._tokens = frozenset(tokens) if tokens is not None else None
         self._read_only_tokens = frozenset(read_only_tokens)
         self._grants: dict[str, set[str]] = {}  # token -> the gated repos it was granted
+        self._namespaces = {token: tuple(names) for token, names in (namespaces or {}).items()}
         self._signing_key = secrets.token_bytes(32)
         self._httpd = _HubHTTPServer(("127.0.0.1", port), _Handler)
         self._httpd.hub = self
@@ -823,6 +848,16 @@ class HubServer:
 
     def can_write(self, token: str) -> bool:
         return token not in self._read_only_tokens
+
+    def namespaces_of(self, token: str) -> tuple[str, ...]:
+        """The token's user name, then its organizations."""
+        return self._namespaces.get(token, ("local",))
+
+    def owns(self, token: str | None, repo_id: str) -> bool:
+        """Whether the token's user may create and write ``repo_id`` (its namespace is theirs or an org's)."""
+        if not token:
+            return False
+        return token not in self._namespaces or repo_id.split("/", 1)[0] in self._namespaces[token]
 
     def grant(self, token: str, repo_id: str) -> None:
         """Access to a gated repo's files, as the repo's authors grant a user's request on the real Hub."""

@@ -103,6 +103,9 @@ def write_gcloud_stand_in(bin_dir: Path) -> Path:
     return gcloud
 
 
+HUB_USER = "local"  # the local Hub's user whose tokens the pipelines hold
+
+
 class LocalStack:
     """Start and stop the local pieces; ``hf_token`` is what the Hub server accepts (a secret in tests)."""
 
@@ -127,7 +130,11 @@ class LocalStack:
         self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
         self.gcs = GcsServer(self.vm_dir / "gcs", buckets=(LOCAL_BUCKET,), project=LOCAL_PROJECT)
         self.hub = HubServer(
-            self.vm_dir / "hub", tokens=[self.hf_token], read_only_tokens=[self.hf_read_only_token]
+            self.vm_dir / "hub",
+            tokens=[self.hf_token],
+            read_only_tokens=[self.hf_read_only_token],
+            # The pipeline's user "local" publishes under its own name (the registry's local/... repos).
+            namespaces={self.hf_token: [HUB_USER], self.hf_read_only_token: [HUB_USER]},
         )
 
     @property

@@ -62,10 +62,12 @@ class InputsCheckOperator(BaseOperator):
     :param settings: the run's recipe settings and publish targets (rendered Params, e.g. steps, hub_repo_id),
         compared as given (blank = None).
     :param hf_conn_id: connection whose password is the Hugging Face token and whose host, if set, the Hub.
+    :param hub_repo_id: the Hub repo the export will publish to (blank: none); the token must be able to
+        create and write it, checked here rather than after the training.
     :param force: train even when nothing changed.
     """
 
-    template_fields: Sequence[str] = ("model", "dataset", "maxtext_version", "settings", "force")
+    template_fields: Sequence[str] = ("model", "dataset", "maxtext_version", "settings", "hub_repo_id", "force")
     ui_color = "#e8e8f4"
 
     def __init__(
@@ -77,6 +79,7 @@ class InputsCheckOperator(BaseOperator):
         maxtext_version: str | None = None,
         settings: Mapping[str, Any] | None = None,
         hf_conn_id: str | None = None,
+        hub_repo_id: str | None = None,
         force: bool | str = False,
         **kwargs: Any,
     ) -> None:
@@ -87,6 +90,7 @@ class InputsCheckOperator(BaseOperator):
         self.maxtext_version = maxtext_version
         self.settings = settings
         self.hf_conn_id = hf_conn_id
+        self.hub_repo_id = hub_repo_id
         self.force = force
 
     def execute(self, context: Context) -> dict[str, Any]:
@@ -95,11 +99,16 @@ class InputsCheckOperator(BaseOperator):
         try:
             profile = model_profile(self.model)
             force = validation.flag("force", self.force)
+            hub_repo_id = validation.blank_to_none(self.hub_repo_id)
+            if hub_repo_id:
+                validation.hf_repo_id("hub_repo_id", hub_repo_id)
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
         dataset = validation.blank_to_none(self.dataset) if self.recipe == "sft" else None
         repos = input_repos(profile, self.recipe, dataset)
         self._check_access(repos)
+        if hub_repo_id:
+            self._check_publish_target(hub_repo_id)
         inputs = {
             "model": profile.key,
             "revisions": self._revisions(repos),
@@ -164,6 +173,43 @@ class InputsCheckOperator(BaseOperator):
                     f"The {kind} {repo} is not found with {who} (private, or misspelt). Fix: check the id, or "
                     f"set a token of an account that can read {page}; then trigger again. No VM was created."
                 ) from None
+
+
+    def _check_publish_target(self, repo_id: str) -> None:
+        """Fails before any VM when the token cannot create or write ``repo_id``.
+
+        Found out by the export, it is found out after the whole training. The Hub's ``whoami``: the token's
+        role, its user and the organizations it may write in."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        namespace = repo_id.split("/", 1)[0]
+        where = f"connection {self.hf_conn_id!r}"
+        if not self.hf_conn_id:
+            raise HubAccessError(
+                f"Publishing to {repo_id} needs a Hugging Face token: set hf_conn_id (a connection whose password "
+                "is a write token). No VM was created."
+            )
+        try:
+            me = self._hub_api().whoami()
+        except HfHubHTTPError as err:
+            raise HubAccessError(
+                f"The Hub does not know the token of {where} ({err}). Fix: set a valid write token. No VM was created."
+            ) from None
+        role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
+        writable = [me.get("name")] + [
+            org.get("name") for org in me.get("orgs") or [] if org.get("roleInOrg") not in ("read",)
+        ]
+        if role == "read":
+            problem, fix = "is a read-only token", "set a token with the write role (or a fine-grained one)"
+        elif namespace not in writable:
+            problem = f"belongs to {me.get('name')!r}, who may write in {', '.join(map(repr, writable))} only"
+            fix = f"publish under one of those (hub_repo_id), or use a token of a member of {namespace!r}"
+        else:
+            return
+        raise HubAccessError(
+            f"The model cannot be published to {repo_id}: the token of {where} {problem}. Fix: {fix}; then trigger "
+            "again. No VM was created."
+        )
 
 
 def _last_published(dag_id: str) -> dict[str, Any] | None:

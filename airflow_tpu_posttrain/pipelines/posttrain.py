@@ -164,6 +164,7 @@ def build_dag(cfg: PipelineConfig) -> DAG:
                 for name in ("accelerator_type", *settings, "hub_repo_id", "storage_uri")
             },
             hf_conn_id=cfg.hf_conn_id,
+            hub_repo_id="{{ params.hub_repo_id }}",
             force="{{ params.force }}",
             execution_timeout=timedelta(minutes=5),
         )
