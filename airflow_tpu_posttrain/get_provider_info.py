@@ -2,46 +2,59 @@
 
 from __future__ import annotations
 
+from airflow_tpu_posttrain import __version__
+
+_INTEGRATION = "TPU post-training"
+
 
 def get_provider_info() -> dict:
+    """What Airflow lists of the provider: every module of hooks, operators and triggers the wheel ships."""
     return {
         "package-name": "airflow-tpu-posttrain",
         "name": "TPU post-training",
         "description": "LLM post-training (SFT, GRPO) with MaxText on Google Cloud TPU VMs.",
-        "versions": ["0.1.0"],
+        "versions": [__version__],
         "integrations": [
             {
-                "integration-name": "TPU post-training",
+                "integration-name": _INTEGRATION,
                 "external-doc-url": "https://cloud.google.com/tpu/docs/v6e-training",
                 "tags": ["gcp"],
             }
         ],
         "hooks": [
             {
-                "integration-name": "TPU post-training",
+                "integration-name": _INTEGRATION,
                 "python-modules": [
                     "airflow_tpu_posttrain.hooks.compute",
+                    "airflow_tpu_posttrain.hooks.oslogin",
                     "airflow_tpu_posttrain.hooks.vm",
                 ],
             }
         ],
         "operators": [
             {
-                "integration-name": "TPU post-training",
+                "integration-name": _INTEGRATION,
                 "python-modules": [
-                    "airflow_tpu_posttrain.operators.tpu_vm",
-                    "airflow_tpu_posttrain.operators.maxtext_job",
-                    "airflow_tpu_posttrain.operators.maxtext",
+                    "airflow_tpu_posttrain.operators.compute_base",
                     "airflow_tpu_posttrain.operators.export",
+                    "airflow_tpu_posttrain.operators.inputs_check",
+                    "airflow_tpu_posttrain.operators.maxtext",
+                    "airflow_tpu_posttrain.operators.maxtext_job",
+                    "airflow_tpu_posttrain.operators.quality_gate",
+                    "airflow_tpu_posttrain.operators.reaper",
+                    "airflow_tpu_posttrain.operators.tpu_delete",
+                    "airflow_tpu_posttrain.operators.tpu_vm",
                 ],
             }
         ],
         "extra-links": ["airflow_tpu_posttrain.operators.export.PublishedModelLink"],
         "triggers": [
             {
-                "integration-name": "TPU post-training",
+                "integration-name": _INTEGRATION,
                 "python-modules": [
+                    "airflow_tpu_posttrain.triggers.capacity",
                     "airflow_tpu_posttrain.triggers.compute",
+                    "airflow_tpu_posttrain.triggers.hub_revision",
                     "airflow_tpu_posttrain.triggers.remote_job",
                 ],
             }

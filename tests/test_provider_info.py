@@ -1,0 +1,50 @@
+"""What Airflow learns of the provider (``get_provider_info``) is what the wheel ships."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import tomllib
+from pathlib import Path
+
+from airflow.sdk import BaseHook, BaseOperator
+from airflow.triggers.base import BaseTrigger
+
+import airflow_tpu_posttrain
+from airflow_tpu_posttrain.get_provider_info import get_provider_info
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = {"hooks": BaseHook, "operators": BaseOperator, "triggers": BaseTrigger}
+
+
+def _declared(kind: str) -> set[str]:
+    return {module for entry in get_provider_info()[kind] for module in entry["python-modules"]}
+
+
+def _defining(kind: str) -> set[str]:
+    """The modules of ``airflow_tpu_posttrain.<kind>`` that define a hook, operator or trigger class."""
+    package = importlib.import_module(f"airflow_tpu_posttrain.{kind}")
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
+        module = importlib.import_module(info.name)
+        if any(
+            issubclass(cls, KINDS[kind]) and cls.__module__ == module.__name__
+            for _, cls in inspect.getmembers(module, inspect.isclass)
+        ):
+            found.add(info.name)
+    return found
+
+
+def test_every_hook_operator_and_trigger_module_is_declared():
+    for kind in KINDS:
+        assert _declared(kind) == _defining(kind), kind
+    for link in get_provider_info()["extra-links"]:
+        module, name = link.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), name), link
+
+
+def test_the_version_is_written_once():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert get_provider_info()["versions"] == [airflow_tpu_posttrain.__version__]
