@@ -26,9 +26,26 @@ def get_provider_info() -> dict:
                 "integration-name": _INTEGRATION,
                 "python-modules": [
                     "airflow_tpu_posttrain.hooks.compute",
+                    "airflow_tpu_posttrain.hooks.hub",
                     "airflow_tpu_posttrain.hooks.oslogin",
                     "airflow_tpu_posttrain.hooks.vm",
                 ],
+            }
+        ],
+        "connection-types": [
+            {
+                "hook-class-name": "airflow_tpu_posttrain.hooks.hub.HuggingFaceHubHook",
+                "connection-type": "huggingface",
+                "hook-name": "Hugging Face Hub",
+                # What the connection form shows (the hook's get_ui_field_behaviour, read without importing it)
+                "ui-field-behaviour": {
+                    "hidden-fields": ["schema", "login", "port", "extra", "description"],
+                    "relabeling": {"password": "Token", "host": "Hub endpoint"},
+                    "placeholders": {
+                        "password": "hf_... (read: the base models and datasets; write: to publish)",
+                        "host": "blank: https://huggingface.co",
+                    },
+                },
             }
         ],
         "operators": [

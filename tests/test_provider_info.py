@@ -48,3 +48,25 @@ def test_the_version_is_written_once():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "version" not in project and "version" in project["dynamic"]
     assert get_provider_info()["versions"] == [airflow_tpu_posttrain.__version__]
+
+
+def test_the_hub_connection_type_labels_its_fields_and_gives_the_client(monkeypatch):
+    import json
+
+    from airflow.providers_manager import ProvidersManager
+
+    from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
+
+    manager = ProvidersManager()
+    [declared] = get_provider_info()["connection-types"]
+    assert declared["hook-class-name"] == "airflow_tpu_posttrain.hooks.hub.HuggingFaceHubHook"
+    behaviour = manager.field_behaviours["huggingface"]  # what the UI's form takes
+    assert behaviour["relabeling"] == {"password": "Token", "host": "Hub endpoint"}
+    declared_behaviour = {k.replace("-", "_"): v for k, v in declared["ui-field-behaviour"].items()}
+    assert declared_behaviour == HuggingFaceHubHook.get_ui_field_behaviour()  # one behaviour, said twice
+    connection = {"conn_type": "huggingface", "host": "http://127.0.0.1:9", "password": "hf-test-not-a-token"}
+    monkeypatch.setenv("AIRFLOW_CONN_MY_HUB", json.dumps(connection))
+    api = HuggingFaceHubHook("my_hub").get_conn()
+    assert (api.endpoint, api.token) == ("http://127.0.0.1:9", "hf-test-not-a-token")
+    anonymous = HuggingFaceHubHook(None).get_conn()
+    assert anonymous.token is None and anonymous.endpoint == "https://huggingface.co"

@@ -134,15 +134,9 @@ class InputsCheckOperator(BaseOperator):
         )
 
     def _hub_api(self) -> Any:
-        from huggingface_hub import HfApi
+        from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
 
-        endpoint, token = None, None
-        if self.hf_conn_id:
-            from airflow.sdk import BaseHook
-
-            connection = BaseHook.get_connection(self.hf_conn_id)
-            endpoint, token = connection.host or None, connection.password or None
-        return HfApi(endpoint=endpoint, token=token)
+        return HuggingFaceHubHook(self.hf_conn_id).get_conn()
 
     def _revisions(self, repos: list[tuple[str, str]]) -> dict[str, str]:
         """``{"<type>:<repo>": commit}`` of each repo now."""

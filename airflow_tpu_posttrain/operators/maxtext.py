@@ -135,10 +135,9 @@ class MaxTextConvertOperator(MaxTextJobOperator):
 
     def _source_revision(self, model: ModelProfile) -> str:
         """Which weights the conversion reads: the Hub's commit of the model now."""
-        from huggingface_hub import HfApi
+        from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
 
-        token = self._token() if self.hf_conn_id else None
-        return HfApi(endpoint=self._hub_endpoint(), token=token).model_info(model.hf_source).sha
+        return HuggingFaceHubHook(self.hf_conn_id).get_conn().model_info(model.hf_source).sha
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         outputs = {"converted_params": spec.layout.converted_params}

@@ -46,14 +46,12 @@ class VmConnectionMixin:
         return command if command and command != "None" else None
 
     def _hub_endpoint(self) -> str | None:
-        if not self.hf_conn_id:
-            return None
-        from airflow.sdk import BaseHook
+        from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
 
-        return BaseHook.get_connection(self.hf_conn_id).host or None
+        return HuggingFaceHubHook(self.hf_conn_id).endpoint if self.hf_conn_id else None
 
     def _token(self) -> str:
-        from airflow.sdk import BaseHook
+        from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
 
         if not self.hf_conn_id:
             raise InvalidInputError.of(
@@ -65,7 +63,7 @@ class VmConnectionMixin:
                     "name the connection whose password is the Hugging Face token",
                 ),
             )
-        token = BaseHook.get_connection(self.hf_conn_id).password
+        token = HuggingFaceHubHook(self.hf_conn_id).token
         if not token:
             raise InvalidInputError.of(
                 self.task_id,
