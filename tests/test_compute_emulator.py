@@ -271,6 +271,13 @@ def test_labels_beyond_computes_rules_are_refused(gce, emulator, labels, says):
     assert emulator.instances() == []
 
 
+@pytest.mark.parametrize("name", ["Vm-1", "vm_1", "vm-", "1vm", "v" * 64])
+def test_names_beyond_computes_pattern_are_refused(gce, emulator, name):
+    with pytest.raises(exceptions.BadRequest, match=re.escape(f"Invalid value for field 'resource.name': '{name}'")):
+        insert(gce, tpu_instance(name))
+    assert emulator.instances() == []
+
+
 def test_delete_stops_then_removes_the_instance(gce, emulator):
     wait(gce, insert(gce, tpu_instance("vm-1")))
 

@@ -192,6 +192,20 @@ def _check_schema(schema_name: str, body: dict[str, Any]) -> None:
         raise _ApiError(400, error.reason, error.message) from error
 
 
+_NAME_REGEX = "(?:[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?)"
+
+
+def _check_name(name: str) -> None:
+    """Compute's resource names: RFC 1035, at most 63 characters.
+
+    Its 400 names the field and the regex, e.g. "Invalid value for field 'labels.job': 'nfs_server'. Must be a
+    match of regex ..." (cloudfoundry/bosh-google-cpi-release#70)."""
+    if not re.fullmatch(_NAME_REGEX, name):
+        raise _ApiError(
+            400, "invalid", f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex '{_NAME_REGEX}'"
+        )
+
+
 def _not_found(path: str) -> _ApiError:
     return _ApiError(404, "notFound", f"The resource '{path}' was not found")
 
@@ -678,6 +692,7 @@ class ComputeEmulator:
             name = body.get("name")
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+            _check_name(name)
             self._check_machine_type(zone, body.get("machineType"))
             self._check_labels(body.get("labels") or {})
             if zone in self._faults.quota_refused_zones:
@@ -1113,6 +1128,7 @@ class ComputeEmulator:
             name = body.get("name")
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+            _check_name(name)
             path = _resource_path(project, None, "firewalls", name)
             if (project, name) in self._firewalls:
                 raise _already_exists(path)
