@@ -37,8 +37,8 @@ PYENV_ROOT = Path("/root/.pyenv")
 VM_SSH_DIR = "/etc/ssh"
 _KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py keys {VM_SSH_DIR}/ssh-keys %u"
 _OSLOGIN_KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py oslogin-keys {{url}} %u"
-START_TIMEOUT_S = 15.0
-DESTROY_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0  # a loaded 2-core machine forks slowly; a bound, not a pace
+DESTROY_TIMEOUT_S = 60.0  # SIGKILLed processes with GBs mapped take a while to go on a loaded machine
 # A VM deleted while it boots waits for its disk to be ready first: a login's first boot copies the package mirror.
 BOOT_PREPARE_TIMEOUT_S = 300.0
 HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
@@ -534,7 +534,9 @@ class LocalVm:
                     self._mount_ns = mount_ns
                     return True
                 time.sleep(0.001)
-            raise RuntimeError(f"unshare did not start: {self.console_path.read_text().strip()}")
+            exit_code = self._process.poll()
+            state = f"exited with {exit_code}" if exit_code is not None else f"no new namespace in {START_TIMEOUT_S:.0f} s"
+            raise RuntimeError(f"unshare did not start ({state}): {self.console_path.read_text().strip()}")
 
     def _wait_until_listening(self) -> bool:
         """True once sshd answers; False if destroy() came first."""
