@@ -8,8 +8,6 @@ of ``test_pipeline_failures.py``. Slow (minutes).
 
 from __future__ import annotations
 
-import json
-import os
 from datetime import UTC, datetime
 
 from conftest import log_excerpt, storage_has, storage_objects
@@ -32,14 +30,25 @@ SFT_HUB_REPO = "local/tiny-llama-sft"  # dags/models.yaml
 
 
 def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkeypatch, fault_matrix):
-    # A read-only token reads the gated base model (convert, train, export) but the Hub refuses the upload (403).
-    hub_conn = os.environ["AIRFLOW_CONN_LOCAL_HUB"]
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_LOCAL_HUB", json.dumps({**json.loads(hub_conn), "password": stack.hf_read_only_token})
-    )
+    """The token's write role is taken away during the run: the Hub refuses the upload (403).
+
+    It still reads the gated base model. (A token read-only from the start is refused by check_inputs.)"""
+    from airflow_tpu_posttrain.operators.export import HfExportOperator
+
+    export = HfExportOperator.execute
+
+    def export_after_the_write_role_went(self, context):
+        stack.hub.set_read_only(stack.hf_token)
+        return export(self, context)
+
+    monkeypatch.setattr(HfExportOperator, "execute", export_after_the_write_role_went)
     hub_requests_before = len(stack.hub.requests)
     logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__publish-fails"
-    dr = run_pipeline(logical_date=logical_date, run_id=run_id)
+    try:
+        dr = run_pipeline(logical_date=logical_date, run_id=run_id)
+    finally:
+        monkeypatch.setattr(HfExportOperator, "execute", export)
+        stack.hub.set_read_only(stack.hf_token, False)
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
@@ -62,9 +71,8 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
     assert storage_has(f"{kept}.complete")
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
 
-    # With the write token back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
+    # With the write role back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
     vm_ends.forget()
-    monkeypatch.setenv("AIRFLOW_CONN_LOCAL_HUB", hub_conn)
     rerun = run_pipeline(logical_date=logical_date, run_id=run_id)
     relogs = "".join(capfd.readouterr())
     assert rerun.state == "success", states(rerun)
@@ -73,8 +81,8 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
     assert published["kept_uri"] == kept and published["hub"]["revision"] == f"run-{trained['run_name']}"
     assert_vms_gone(vm_ends, rerun)
     fault_matrix.record(
-        "pipeline: publish refused, read-only Hub token (checked export kept in storage; a re-run publishes it, "
-        "no re-export)",
+        "pipeline: publish refused, the token's write role gone mid-run (checked export kept in storage; a re-run "
+        "publishes it, no re-export)",
         stack.compute.instances() == [], dr.state, "config.json" in files,
         log_excerpt(logs, "The checked export is kept at"),
     )

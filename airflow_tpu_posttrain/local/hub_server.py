@@ -827,7 +827,7 @@ class HubServer:
         self.datasets = RepoStore(self.root_dir / "_datasets")
         self.requests: list[RecordedRequest] = []
         self._tokens = frozenset(tokens) if tokens is not None else None
-        self._read_only_tokens = frozenset(read_only_tokens)
+        self._read_only_tokens = set(read_only_tokens)
         self._grants: dict[str, set[str]] = {}  # token -> the gated repos it was granted
         self._namespaces = {token: tuple(names) for token, names in (namespaces or {}).items()}
         self._signing_key = secrets.token_bytes(32)
@@ -848,6 +848,10 @@ class HubServer:
 
     def can_write(self, token: str) -> bool:
         return token not in self._read_only_tokens
+
+    def set_read_only(self, token: str, read_only: bool = True) -> None:
+        """A token's write role taken away (or given back), as a user does on the Hub's token page."""
+        (self._read_only_tokens.add if read_only else self._read_only_tokens.discard)(token)
 
     def namespaces_of(self, token: str) -> tuple[str, ...]:
         """The token's user name, then its organizations."""
