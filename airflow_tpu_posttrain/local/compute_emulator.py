@@ -1082,17 +1082,6 @@ class ComputeEmulator:
             instance = self._instances.get(key)
             if instance is None:
                 raise _not_found(_resource_path(project, zone, "instances", name))
-            # Compute refuses a delete while the instance is busy: its insert unfinished (a queued FLEX_START
-            # request excepted: deleting it cancels it) or another delete under way.
-            busy = any(
-                op.resource["targetId"] == instance["id"] and op.resource["status"] != "DONE"
-                for op in self._operations.values()
-            )
-            if instance["status"] == "STOPPING" or (busy and instance["status"] != "PENDING"):
-                raise _ApiError(
-                    400, "resourceNotReady", f"The resource '{_resource_path(project, zone, 'instances', name)}' "
-                    "is not ready"
-                )
             status_before = instance["status"]
             instance["status"] = "STOPPING"
 

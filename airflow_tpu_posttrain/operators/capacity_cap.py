@@ -101,16 +101,17 @@ class CapacityCapMixin:
         from airflow_tpu_posttrain.recipes import cost
 
         zone = spec.zones[progress.zone_index]
-        instance = self.hook.get_instance(spec.project_id, zone, name)
-        spent = cost.vm_cost(name, instance, datetime.now(UTC).isoformat(), self.prices) if instance else None
-        self.log.warning(
-            "%s is over the cap of %s TPU VMs (another run created its VM first): deleting it and waiting; %s",
-            name,
-            self.max_tpu_vms,
-            f"cost of the yielded VM: {spent.describe()}" if spent else "it is already gone",
-        )
+        # The delete first: until it starts, the group holds one VM too many.
         operation = self.hook.delete_instance(
             spec.project_id, zone, name, self._request_id(context, name, zone, "yield", progress.attempt)
+        )
+        instance = self.hook.get_instance(spec.project_id, zone, name)  # STOPPING: its timestamps still there
+        spent = cost.vm_cost(name, instance, datetime.now(UTC).isoformat(), self.prices) if instance else None
+        self.log.warning(
+            "%s is over the cap of %s TPU VMs (another run created its VM first): deleted it, waiting; %s",
+            name,
+            self.max_tpu_vms,
+            f"cost of the yielded VM: {spent.describe()}" if spent else "it was already gone",
         )
         progress = progress._replace(attempt=progress.attempt + 1)
         operations = [{"name": operation, "zone": zone}] if operation else []
