@@ -758,28 +758,24 @@ class ComputeEmulator:
         """Compute's label rules (cloud.google.com/compute/docs/labeling-resources).
 
         At most 64 per resource; keys start with a lowercase letter; keys and values <= 63 of lowercase
-        letters, digits, '_' and '-'. A bad value's text is Compute's, as captured in public issues (e.g. oap-project/cloudtik#14); the count's
-        is not public, so it says the documented limit."""
+        letters, digits, '_' and '-'. A bad value's text is Compute's, as captured in public issues (e.g.
+        oap-project/cloudtik#14); the count's is not public, so it says the documented limit."""
+        invalid = "Invalid value for field 'resource.labels': ''."
         if len(labels) > 64:
             raise _ApiError(
-                400, "invalid", f"Invalid value for field 'resource.labels': ''. {len(labels)} labels given; a "
-                "resource can have at most 64 labels."
+                400, "invalid", f"{invalid} {len(labels)} labels given; a resource can have at most 64 labels."
             )
+        allowed = "can only contain lowercase letters, numeric characters, underscores and dashes"
         for key, value in labels.items():
-            if not re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", key):
-                raise _ApiError(
-                    400, "invalid", f"Invalid value for field 'resource.labels': ''. Label key '{key}' violates "
-                    "format constraints. The key must start with a lowercase character, can only contain lowercase "
-                    "letters, numeric characters, underscores and dashes. The key can be at most 63 characters "
-                    "long. International characters are allowed."
-                )
-            if not re.fullmatch(r"[a-z0-9_-]{0,63}", value):
-                raise _ApiError(
-                    400, "invalid", f"Invalid value for field 'resource.labels': ''. Label value '{value}' violates "
-                    "format constraints. The value can only contain lowercase letters, numeric characters, "
-                    "underscores and dashes. The value can be at most 63 characters long. International characters "
-                    "are allowed."
-                )
+            for kind, text, pattern, rule in (
+                ("key", key, r"[a-z][a-z0-9_-]{0,62}", f"The key must start with a lowercase character, {allowed}"),
+                ("value", value, r"[a-z0-9_-]{0,63}", f"The value {allowed}"),
+            ):
+                if not re.fullmatch(pattern, text):
+                    raise _ApiError(
+                        400, "invalid", f"{invalid} Label {kind} '{text}' violates format constraints. {rule}. The "
+                        f"{kind} can be at most 63 characters long. International characters are allowed."
+                    )
 
     @staticmethod
     def _check_machine_type(zone: str, machine_type: str | None) -> None:
