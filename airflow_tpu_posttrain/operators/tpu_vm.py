@@ -319,11 +319,11 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             existing = self.hook.get_instance(spec.project_id, zone, name)
             if existing is None:
                 continue
-            owner = (existing.get("labels") or {}).get(compute.DEPLOYMENT_LABEL)
-            if owner != deployment_id():
+            owner, ours = (existing.get("labels") or {}).get(compute.DEPLOYMENT_LABEL), deployment_id()
+            if owner != ours:
                 raise VmCreateError(
                     f"Instance {name} in {zone} exists but was made by Airflow deployment {owner!r}, not this one "
-                    f"({deployment_id()!r}): refusing to use or delete it. Give each deployment sharing project "
+                    f"({ours!r}): refusing to use or delete it. Give each deployment sharing project "
                     f"{spec.project_id} its own [tpu_posttrain] deployment_id."
                 )
             status = existing.get("status")
