@@ -290,6 +290,28 @@ def test_delete_stops_then_removes_the_instance(gce, emulator):
         gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1")
 
 
+def test_a_busy_instance_refuses_a_delete_and_the_hook_waits_it_out(gce, emulator, monkeypatch):
+    """Compute answers 400 resourceNotReady to a delete while the instance is busy; the hook retries it.
+
+    Busy: its insert unfinished (a teardown after a create cut short mid-insert), or a delete under way."""
+    from airflow_tpu_posttrain.hooks.compute import TpuVmHook
+
+    emulator.set_faults(operation_seconds=1.0)
+    inserting = insert(gce, tpu_instance("vm-busy"))
+    with pytest.raises(exceptions.BadRequest, match="is not ready"):
+        gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-busy")
+    google = {"conn_type": "google_cloud_platform", "extra": {"is_anonymous": True, "project": PROJECT}}
+    monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps(google))
+    hook = TpuVmHook(api_endpoint=emulator.url, retry_initial_delay=0.2, retry_deadline=30)
+    deleting = hook.delete_instance(PROJECT, ZONE, "vm-busy", str(uuid.uuid4()))
+    assert wait(gce, inserting).status == DONE and deleting
+    with pytest.raises(exceptions.BadRequest, match="is not ready"):  # the delete under way
+        gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-busy")
+    assert wait(gce, deleting).status == DONE and emulator.instances() == []
+
+
+
+
 def test_failing_deletes_keep_the_instance(gce, emulator):
     wait(gce, insert(gce, tpu_instance("vm-1")))
     emulator.set_faults(fail_deletes=True)

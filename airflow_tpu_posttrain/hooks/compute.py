@@ -25,7 +25,7 @@ _TRANSIENT_NAMES = (
 )
 
 
-def _resource_not_ready(error: Exception) -> bool:
+def resource_not_ready(error: Exception) -> bool:
     """Compute's 400 ``resourceNotReady``: "The resource '...' is not ready" (busy with another operation)."""
     from google.api_core.exceptions import BadRequest
 
@@ -98,7 +98,7 @@ class TpuVmHook(GoogleBaseHook):
 
         transient = if_exception_type(*(getattr(exceptions, name) for name in _TRANSIENT_NAMES))
         return Retry(
-            predicate=lambda error: transient(error) or _resource_not_ready(error),
+            predicate=lambda error: transient(error) or resource_not_ready(error),
             initial=self.retry_initial_delay,
             maximum=max(self.retry_initial_delay, 30.0),
             multiplier=2.0,

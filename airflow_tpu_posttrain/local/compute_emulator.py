@@ -1078,6 +1078,19 @@ class ComputeEmulator:
             instance = self._instances.get(key)
             if instance is None:
                 raise _not_found(_resource_path(project, zone, "instances", name))
+            # Compute refuses a delete while the instance is busy: its insert unfinished (a queued FLEX_START
+            # request excepted: deleting it cancels it) or another delete under way. Seen in
+            # googleapis/google-cloud-java#9312 and GoogleCloudPlatform/compute-image-tools#542.
+            busy = any(
+                op.resource["targetId"] == instance["id"] and op.resource["status"] != "DONE"
+                for op in self._operations.values()
+            )
+            if instance["status"] == "STOPPING" or (busy and instance["status"] != "PENDING"):
+                raise _ApiError(
+                    400,
+                    "resourceNotReady",
+                    f"The resource '{_resource_path(project, zone, 'instances', name)}' is not ready",
+                )
             status_before = instance["status"]
             instance["status"] = "STOPPING"
 

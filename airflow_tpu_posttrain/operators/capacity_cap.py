@@ -84,10 +84,11 @@ class CapacityCapMixin:
         )
 
     def _lost_the_race(self, spec: compute.TpuVmSpec, name: str) -> bool:
-        """Whether another create took the last place first (right after the insert, before the VM runs).
+        """Whether another create took the last place first: asked once our insert has finished.
 
-        Both saw room and inserted; the later by creation time yields. Checked again once RUNNING, in case
-        Compute listed the new instance late."""
+        Both saw room and inserted; the later by creation time yields. Not sooner: Compute refuses to delete an
+        instance whose insert is unfinished (400 resourceNotReady), so the loser's VM runs for the moment
+        between its insert's end and its delete."""
         return self.max_tpu_vms is not None and capacity.over_cap(
             name, self._capacity_group(spec), self.max_tpu_vms
         )
@@ -95,7 +96,9 @@ class CapacityCapMixin:
     def _yield_capacity(
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress
     ) -> Any:
-        """Another run's VM of the group was created first and the group is over its cap: delete ours, wait."""
+        """Another run's VM of the group was created first and the group is over its cap: delete ours, wait.
+
+        Called once our insert has finished, when Compute accepts the delete."""
         from datetime import UTC, datetime
 
         from airflow_tpu_posttrain.recipes import cost

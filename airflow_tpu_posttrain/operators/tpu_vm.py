@@ -408,8 +408,8 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             operations.append({"name": operation, "zone": zone})
         else:
             self.log.info("Instance %s already exists in %s: waiting for it instead", name, zone)
-        if self._lost_the_race(spec, name):
-            return self._yield_capacity(context, spec, name, progress)
+        # A race for the group's last place is decided once the insert has finished (``execute_complete``):
+        # Compute refuses to delete an instance whose insert is unfinished (400 resourceNotReady).
         return self._complete_or_defer(
             context, operations, {"name": name, "zone": zone}, Phase.CREATE, progress
         )

@@ -13,7 +13,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_tpu_posttrain.hooks.compute import _TRANSIENT_NAMES, TpuVmAsyncHook
+from airflow_tpu_posttrain.hooks.compute import _TRANSIENT_NAMES, TpuVmAsyncHook, resource_not_ready
 from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
 from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
@@ -92,7 +92,11 @@ class _OperationsTrigger(ComputeTrigger):
         return {**super()._kwargs(), "max_transient_failures": self.max_transient_failures}
 
     async def _poll(self, call) -> Any:
-        """Run ``call`` until it answers, sleeping between transient API failures."""
+        """Run ``call`` until it answers, sleeping between transient API failures.
+
+        A delete refused because the instance is busy (400 resourceNotReady: its insert unfinished, a teardown
+        after a create cut short) is asked again until the trigger's timeout: the insert ends, in minutes for
+        a TPU VM, longer than the hook's own retries wait."""
         from google.api_core import exceptions
 
         transient = tuple(getattr(exceptions, name) for name in _TRANSIENT_NAMES)
@@ -100,6 +104,11 @@ class _OperationsTrigger(ComputeTrigger):
         while True:
             try:
                 return await call()
+            except exceptions.BadRequest as err:
+                if not resource_not_ready(err):
+                    raise
+                self.log.info("The instance is busy (%s): asking again once its operation ends", err.message)
+                await asyncio.sleep(self.poll_interval)
             except transient as err:
                 failures += 1
                 if failures > self.max_transient_failures:
