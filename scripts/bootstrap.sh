@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)  # the VMs' TLS client (tests/test_local_vm.py)
 command -v setfacl >/dev/null 2>&1 || need_apt+=(acl)  # the local checkpoint storage: writable by every login
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)  # driven by Playwright in tests/test_trigger_form.py
 # docker-compose.yaml's metadata DB and Celery broker, run as processes by tests/test_deployment.py

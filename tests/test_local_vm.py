@@ -378,6 +378,36 @@ def test_allocate_address_skips_taken_addresses():
     assert all(address.startswith("127.77.") for address in others | {first})
 
 
+def test_googles_storage_host_reaches_the_local_gcs_server_over_https(make_vm, keys, tmp_path):
+    """A client with no endpoint setting (TSL's GCS client: JAX's profiler, TensorFlow) calls Google's host.
+
+    The VM resolves it to the local server's HTTPS front and trusts the front's CA besides the system's. The
+    upload is sent as TSL sends it, ``Transfer-Encoding: identity``, which the server behind refuses (501)."""
+    from google.cloud import storage as gcs_client
+
+    from airflow_tpu_posttrain.local.gcs_server import SYSTEM_CA_BUNDLE, GcsServer, client_environment
+
+    with GcsServer(tmp_path / "gcs", buckets=("bucket",), tls_dir=tmp_path / "tls") as gcs:
+        assert gcs.ca_bundle.read_bytes().startswith(SYSTEM_CA_BUNDLE.read_bytes())  # real servers still trusted
+        vm = make_vm(
+            "vm-tls", environment=client_environment(gcs.url), hosts=gcs.google_hosts, ca_bundle=gcs.ca_bundle
+        )
+        api = "https://www.googleapis.com"
+        with _connect(vm, keys["user"][0]) as client:
+            assert json.loads(_run(client, f"curl -sSf {api}/storage/v1/b/bucket"))["name"] == "bucket"
+            _run(
+                client,
+                "echo via-google-host | curl -sSf -X POST -H 'Transfer-Encoding: identity' --data-binary @- "
+                f"'{api}/upload/storage/v1/b/bucket/o?uploadType=media&name=from-vm/tsl-marker'",
+            )
+        os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
+        try:
+            blob = gcs_client.Client().bucket("bucket").blob("from-vm/tsl-marker")
+            assert blob.download_as_bytes() == b"via-google-host\n"
+        finally:
+            del os.environ["STORAGE_EMULATOR_HOST"]
+
+
 def test_sessions_reach_the_local_gcs_server_without_credentials(make_vm, keys, tmp_path):
     """The image's environment names the local GCS server to the storage clients.
 

@@ -189,6 +189,9 @@ def test_tiny_sft_end_to_end(stack, capfd):
         assert f"post-train/{run}/checkpoints/{step}/commit_success.txt" in objects, step
         assert any(o.startswith(f"post-train/{run}/checkpoints/{step}/model_params/") for o in objects), step
     assert f"post-train/{run}/.complete-5" in objects and f"post-train/{run}/.complete-5.metrics" in objects
+    # The tutorials' profiler=xplane: JAX wrote its trace through TSL's GCS client, to Google's storage host.
+    profile = f"post-train/{run}/tensorboard/plugins/profile/"
+    assert any(o.startswith(profile) and o.endswith(".xplane.pb") for o in objects), objects
     assert f"exports/{run}.complete" in objects and f"exports/{run}/model.safetensors" in objects
     assert xcom(dr, "delete_cpu_vm")["deleted"] is True
     assert trained["metrics"]["steps_completed"] == 5 and trained["metrics"]["last_loss"] > 0

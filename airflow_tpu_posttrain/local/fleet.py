@@ -32,6 +32,9 @@ class LocalFleet:
     :param boot_delay: seconds from RUNNING until the VM's sshd answers.
     :param vm_environment: environment of every VM's sessions (the image's settings: the local GCS server's URL
         for the storage clients); may be set after construction, before the first boot.
+    :param vm_hosts: host name -> address in every VM's /etc/hosts (Google's storage hosts at the local GCS
+        server's HTTPS front); may be set as ``vm_environment`` is.
+    :param vm_ca_bundle: the CAs every VM's TLS clients trust (the system's and the front's); set as the others.
     """
 
     def __init__(
@@ -42,9 +45,13 @@ class LocalFleet:
         boot_delay: float = 2.0,
         port: int = 22,
         vm_environment: dict[str, str] | None = None,
+        vm_hosts: dict[str, str] | None = None,
+        vm_ca_bundle: Path | None = None,
     ) -> None:
         self.disks_root = Path(disks_root)
         self.vm_environment = dict(vm_environment or {})
+        self.vm_hosts = dict(vm_hosts or {})
+        self.vm_ca_bundle = vm_ca_bundle
         self.shared_paths = tuple(shared_paths)
         self.package_cache = package_cache
         self.boot_delay = boot_delay
@@ -94,6 +101,8 @@ class LocalFleet:
                 oslogin_url=oslogin_url if oslogin else None,
                 oslogin_logins=tuple(oslogin_logins) if oslogin else (),
                 environment=self.vm_environment,
+                hosts=self.vm_hosts,
+                ca_bundle=self.vm_ca_bundle,
             )
             self._vms[key] = vm
         vm.boot()

@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from airflow_tpu_posttrain.local.google_front import TlsFront
 from airflow_tpu_posttrain.local.processes import free_port
 
 START_TIMEOUT_S = 60.0  # a bound on a loaded machine; it returns as soon as it serves
@@ -64,8 +65,66 @@ def server_binary() -> Path:
     )
 
 
+GOOGLE_STORAGE_HOSTS = ("www.googleapis.com", "storage.googleapis.com")
+"""The hosts of Cloud Storage's JSON API that clients without an endpoint setting call (TSL's GCS client in
+jaxlib and TensorFlow: ``https://www.googleapis.com/storage/v1/``)."""
+SYSTEM_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")  # Debian's ca-certificates
+_TLS_DAYS = 3650
+
+
+def google_storage_tls(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate it signed for :data:`GOOGLE_STORAGE_HOSTS`, made once in ``directory``.
+
+    Returns (certificate, private key, CA bundle): the bundle is the system's CAs plus this CA, so a process
+    given it (``CURL_CA_BUNDLE``) still trusts every real server."""
+    from datetime import UTC, datetime, timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    cert_path, key_path, bundle_path = (directory / n for n in ("storage.crt", "storage.key", "ca-bundle.crt"))
+    if bundle_path.is_file():
+        return cert_path, key_path, bundle_path
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.now(UTC) - timedelta(days=1)
+
+    def certificate(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(now + timedelta(days=_TLS_DAYS))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            names = [x509.DNSName(host) for host in GOOGLE_STORAGE_HOSTS]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = "airflow-tpu-posttrain local Google storage CA"
+    ca_cert = certificate(ca_name, ca_key, ca_name, ca_key, ca=True)
+    server_cert = certificate(GOOGLE_STORAGE_HOSTS[0], server_key, ca_name, ca_key, ca=False)
+    pem = serialization.Encoding.PEM
+    key_path.write_bytes(
+        server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    cert_path.write_bytes(server_cert.public_bytes(pem))
+    system = SYSTEM_CA_BUNDLE.read_bytes() if SYSTEM_CA_BUNDLE.is_file() else b""
+    bundle_path.write_bytes(system + ca_cert.public_bytes(pem))
+    return cert_path, key_path, bundle_path
+
+
 def client_environment(url: str) -> dict[str, str]:
-    """What points every Google storage client of a process (a VM's job, a test) at the server ``url``."""
+    """What points every Google storage client of a process (a VM's job, a test) at the server ``url``.
+
+    Clients with no endpoint setting call Google's hosts instead, which a local VM resolves to the server's
+    HTTPS front (``GcsServer.google_hosts``, ``ca_bundle``)."""
     return {
         "STORAGE_EMULATOR_HOST": url,
         "TENSORSTORE_GCS_HTTP_URL": url,
@@ -74,18 +133,41 @@ def client_environment(url: str) -> dict[str, str]:
 
 
 class GcsServer:
-    """fake-gcs-server on 127.0.0.1 with its objects under ``root``; ``buckets`` are created at start."""
+    """fake-gcs-server with its objects under ``root``; ``buckets`` are created at start.
 
-    def __init__(self, root: Path, buckets: tuple[str, ...] = (), project: str = "local-project") -> None:
+    It serves HTTP on 127.0.0.1, or with ``tls_dir`` on a loopback address of its own, where it also serves
+    HTTPS on port 443 as :data:`GOOGLE_STORAGE_HOSTS` with a certificate of :func:`google_storage_tls` (made in
+    ``tls_dir``): a process that resolves those hosts to it (``google_hosts``) and trusts ``ca_bundle`` reaches
+    it as it would reach Cloud Storage."""
+
+    def __init__(
+        self,
+        root: Path,
+        buckets: tuple[str, ...] = (),
+        project: str = "local-project",
+        tls_dir: Path | None = None,
+    ) -> None:
         self.root = Path(root).absolute()
         self.buckets = buckets
         self.project = project
+        self.tls_dir = tls_dir
+        self.address = "127.0.0.1"
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
+        self._front: TlsFront | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
+
+    @property
+    def ca_bundle(self) -> Path | None:
+        return google_storage_tls(self.tls_dir)[2] if self.tls_dir else None
+
+    @property
+    def google_hosts(self) -> dict[str, str]:
+        """Host name → address, for a VM's /etc/hosts: Google's storage hosts at this server (with ``tls_dir``)."""
+        return {host: self.address for host in GOOGLE_STORAGE_HOSTS} if self.tls_dir else {}
 
     @property
     def log_path(self) -> Path:
@@ -93,10 +175,15 @@ class GcsServer:
 
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()  # a restart (fault tests) keeps the URL the clients were given
+        if not self.port:  # a restart (fault tests) keeps the URL the clients were given
+            if self.tls_dir:
+                from airflow_tpu_posttrain.local.vm import allocate_address
+
+                self.address = allocate_address(port=443)
+            self.port = free_port()
         argv = [
             str(server_binary()),
-            "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+            "-scheme", "http", "-host", self.address, "-port", str(self.port),
             "-backend", "filesystem", "-filesystem-root", str(self.root),
             "-external-url", self.url,
             "-log-level", "warn",
@@ -111,6 +198,9 @@ class GcsServer:
         for bucket in self.buckets:
             if bucket not in held:
                 self.create_bucket(bucket)
+        if self.tls_dir:
+            cert, key, _ = google_storage_tls(self.tls_dir)
+            self._front = TlsFront(self.address, self.url, cert, key)
         return self
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -150,6 +240,9 @@ class GcsServer:
                 raise
 
     def stop(self) -> None:
+        front, self._front = self._front, None
+        if front is not None:
+            front.stop()
         process, self._process = self._process, None
         if process is None:
             return

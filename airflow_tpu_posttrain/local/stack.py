@@ -128,7 +128,12 @@ class LocalStack:
             package_cache=package_cache(self.local_dir),
         )
         self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
-        self.gcs = GcsServer(self.vm_dir / "gcs", buckets=(LOCAL_BUCKET,), project=LOCAL_PROJECT)
+        self.gcs = GcsServer(
+            self.vm_dir / "gcs",
+            buckets=(LOCAL_BUCKET,),
+            project=LOCAL_PROJECT,
+            tls_dir=self.local_dir / "google-storage-tls",
+        )
         self.hub = HubServer(
             self.vm_dir / "hub",
             tokens=[self.hf_token],
@@ -164,6 +169,7 @@ class LocalStack:
         write_gcloud_stand_in(self.bin_dir)
         self.gcs.start()
         self.fleet.vm_environment = client_environment(self.gcs.url)
+        self.fleet.vm_hosts, self.fleet.vm_ca_bundle = self.gcs.google_hosts, self.gcs.ca_bundle
         self.compute.start()
         # What README asks of a network whose VMs have no external IP (network_path internal or iap), done for the
         # local entries' region: Private Google Access on its subnetwork and a Cloud NAT.

@@ -35,6 +35,7 @@ PRIVSEP_DIR = Path("/run/sshd")
 IMAGE_PYTHON = "/usr/bin/python3"
 PYENV_ROOT = Path("/root/.pyenv")
 VM_SSH_DIR = "/etc/ssh"
+VM_CA_BUNDLE = f"{VM_SSH_DIR}/ca-bundle.crt"  # on the VM's disk: its etc/ is its /etc/ssh
 _KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py keys {VM_SSH_DIR}/ssh-keys %u"
 _OSLOGIN_KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py oslogin-keys {{url}} %u"
 START_TIMEOUT_S = 60.0  # a loaded 2-core machine forks slowly; a bound, not a pace
@@ -276,12 +277,21 @@ class LocalVm:
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
         environment: dict[str, str] | None = None,
+        hosts: dict[str, str] | None = None,
+        ca_bundle: Path | None = None,
     ) -> None:
         self.name = name
         # Set in every session (sshd's SetEnv), as an image's /etc/environment would: the storage clients'
         # endpoint settings of the local GCS server. No credentials: the local server takes anonymous requests,
         # as Cloud Storage takes the VM's service account's, fetched from its metadata server.
         self.environment = dict(environment or {})
+        # Names the VM resolves to local stand-ins (its /etc/hosts): Google's storage hosts for clients whose
+        # endpoint cannot be set (local/google_front.py); on Google Cloud the VM's DNS resolves them.
+        self.hosts = dict(hosts or {})
+        # The CAs its TLS clients trust: the image's plus the front's (CURL_CA_BUNDLE, read by libcurl and TSL).
+        self.ca_bundle = ca_bundle
+        if ca_bundle is not None:
+            self.environment["CURL_CA_BUNDLE"] = VM_CA_BUNDLE
         self.disk_dir = Path(disk_dir).absolute()
         self.address = address
         self.port = port
@@ -446,6 +456,10 @@ class LocalVm:
             subprocess.run([*copy, str(mirror), str(vm_cache)], check=True)
             _unshare_written_files(vm_cache)
         (self._etc / "ssh-keys").write_text(self.ssh_keys)
+        if self.ca_bundle is not None:
+            shutil.copy(self.ca_bundle, self._etc / Path(VM_CA_BUNDLE).name)
+        extra = "".join(f"{address} {host}\n" for host, address in sorted(self.hosts.items()))
+        (self.disk_dir / "hosts").write_text(Path("/etc/hosts").read_text() + extra)
         shutil.copy(__file__, self._etc / "vm_agent.py")
         self._write_config()
 
@@ -486,7 +500,10 @@ class LocalVm:
         Paths to keep (shared, the package cache, pyenv) that a private dir would hide are bound into its disk
         copy at the same relative path, then carried by ``--rbind``."""
         disk = self.disk_dir.resolve()
-        mounts = [["mount", "--bind", str(disk / "etc"), VM_SSH_DIR]]
+        mounts = [
+            ["mount", "--bind", str(disk / "etc"), VM_SSH_DIR],
+            ["mount", "--bind", "-o", "ro", str(disk / "hosts"), "/etc/hosts"],
+        ]
         keep = [(path, "rw") for path in self.shared_paths]
         if PYENV_ROOT.is_dir():
             keep.append((PYENV_ROOT, "ro"))

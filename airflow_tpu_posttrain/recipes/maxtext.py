@@ -175,11 +175,8 @@ def train_sft(
     }
     # No profiler: the key is left out (MaxText's default is none). ``profiler=`` on the command line reaches
     # MaxText 0.2.5 as None, which its config refuses ("Input should be '', 'xplane' or 'nsys'").
-    chosen = spec.runtime.profiler(
-        validation.one_of("profiler", profiler, PROFILERS), spec.layout.post_train_dir
-    )
-    if chosen:
-        args["profiler"] = chosen
+    if validation.one_of("profiler", profiler, PROFILERS):
+        args["profiler"] = profiler
     if data.train_files is not None:
         args["hf_train_files"] = data.train_files
     if evaluate:

@@ -91,22 +91,6 @@ class Runtime:
                 "use a TPU (v6e-*) on Google Cloud, 'cpu' locally",
             )
 
-    def profiler(self, requested: str, output_dir: str) -> str:
-        """The profiler a training step may use, writing under ``output_dir``.
-
-        On the cpu runtime (the local stand-ins) with ``gs://`` output: none. JAX's profiler writes its xplane
-        trace through TSL's own GCS client, whose JSON API endpoint is fixed: jaxlib 0.12.0.1's
-        ``libjax_common.so`` holds ``https://www.googleapis.com/storage/v1/`` and no emulator setting (its
-        ``GCS_*`` variables tune caches, retries and timeouts only), so against the local GCS server train_sft
-        failed at "Stopping JAX profiler at step 5": ``JaxRuntimeError: ... Could not resolve host:
-        www.googleapis.com when reading metadata of gs://.../tensorboard/plugins/profile/...``. Checkpoints,
-        metrics and TensorBoard events still go to ``gs://`` (orbax/TensorStore, tensorboardX through
-        google-cloud-storage); only the trace is dropped. On a TPU VM the same client reaches Cloud Storage
-        itself, so the tutorials' profiler stays."""
-        if self.is_cpu and output_dir.startswith("gs://"):
-            return ""
-        return requested
-
     def entry_point(self, step: Step) -> tuple[str, ...]:
         launcher = _CPU_LAUNCHERS.get(step) if self.is_cpu else None
         if launcher:
