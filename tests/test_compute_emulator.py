@@ -131,19 +131,26 @@ def test_same_name_with_a_new_request_id_conflicts(gce):
 
 
 @pytest.mark.parametrize(
-    ("machine_type", "message"),
+    ("zone", "machine_type", "message"),
     [
-        ("", "Required field 'resource.machineType' not specified"),
+        (ZONE, "", "Required field 'resource.machineType' not specified"),
         (
+            ZONE,
             f"zones/{ZONE}/machineTypes/ct6e-standard-9t",
             "Machine type with name 'ct6e-standard-9t' does not exist in zone 'us-east5-b'.",
         ),
+        # us-central1-a sells TPU v5e and v5p, not v6e (cloud.google.com/tpu/docs/regions-zones).
+        (
+            "us-central1-a",
+            "zones/us-central1-a/machineTypes/ct6e-standard-8t",
+            "Machine type with name 'ct6e-standard-8t' does not exist in zone 'us-central1-a'.",
+        ),
     ],
 )
-def test_an_instance_needs_a_machine_type_the_zone_has(gce, emulator, machine_type, message):
-    """As Compute: no instance without an existing machine type, and nothing created by the refused insert."""
+def test_an_instance_needs_a_machine_type_the_zone_has(gce, emulator, zone, machine_type, message):
+    """As Compute: no instance without a machine type its zone sells, and nothing created by the refused insert."""
     with pytest.raises(exceptions.BadRequest) as raised:
-        insert(gce, tpu_instance("vm-typeless", machine_type=machine_type))
+        insert(gce, tpu_instance("vm-typeless", machine_type=machine_type), zone=zone)
     assert message in raised.value.message
     assert emulator.instances() == []
 

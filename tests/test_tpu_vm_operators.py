@@ -200,6 +200,27 @@ def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd, f
     )
 
 
+def test_a_zone_that_does_not_sell_the_tpu_fails_at_once_naming_zones(emulator, run_dag, capfd, fault_matrix):
+    """us-central1-a sells TPU v5e and v5p, not v6e: Compute refuses the insert (400), for every retry alike."""
+    body = lifecycle(
+        "lifecycle_zone", zones=("us-central1-a", "us-east5-b"), ranges=("10.0.0.0/8",), create_kwargs="retries=3"
+    )
+    dr = run_dag("lifecycle_zone", body)
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "zones: us-central1-a does not sell ct6e-standard-8t (v6e-8)" in logs and "Nothing was created" in logs
+    assert len(inserts(emulator)) == 1  # no retry, no fallback to the next zone: the list itself is wrong
+    assert emulator.instances() == []
+    deadline = time.monotonic() + 10  # the rule made for the VM goes with the failed create
+    while emulator.firewalls() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert emulator.firewalls() == []
+    fault_matrix.record(
+        "compute: a zone that does not sell the TPU -> fails at once naming zones (1 insert, no retry)", True,
+        dr.state, None, log_excerpt(logs, "does not sell"),
+    )
+
+
 def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd, fault_matrix):
     emulator.set_faults(missing_reservations=["my-reservation"])
     dr = run_dag("lifecycle_resv", lifecycle("lifecycle_resv"))

@@ -393,6 +393,13 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
                 f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
             ) from None
         except BadRequest as err:
+            if "does not exist in zone" in err.message:
+                self._delete_leftover(context, spec, name, zone)  # the firewall rule made just before
+                raise InvalidInputError(  # a retry would be refused the same way
+                    f"zones: {zone} does not sell {spec.machine_type} ({spec.accelerator_type}): {err.message} "
+                    "Nothing was created. Give zones that offer it (for TPU v6e: "
+                    "cloud.google.com/tpu/docs/regions-zones)."
+                ) from None
             if "maxRunDuration" not in str(err) or progress.without_max_run_duration:
                 raise
             self.log.warning(
