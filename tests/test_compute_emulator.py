@@ -364,6 +364,22 @@ def test_max_run_duration_deletes_the_instance_by_itself(gce, emulator):
     assert emulator.instances() == []
 
 
+@pytest.mark.parametrize(
+    ("model", "action", "after"),
+    [("SPOT", "DELETE", None), ("SPOT", "STOP", "TERMINATED"), ("STANDARD", "DELETE", "TERMINATED")],
+)
+def test_a_preempted_vm_is_stopped_or_deleted_by_its_termination_action(gce, emulator, model, action, after):
+    """A Spot VM's preemption follows its instanceTerminationAction; a host error stops any other VM."""
+    scheduling = compute_v1.Scheduling(provisioning_model=model, instance_termination_action=action)
+    wait(gce, insert(gce, tpu_instance("vm-1", scheduling=scheduling)))
+    emulator.preempt(ZONE, "vm-1")
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "STOPPING"
+    deadline = time.monotonic() + 10
+    while [i["status"] for i in emulator.instances()] == ["STOPPING"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [i["status"] for i in emulator.instances()] == ([after] if after else [])
+
+
 def test_admin_endpoints(gce, emulator):
     faults = admin(emulator, "POST", "/_emulator/faults", {"stockout_zones": ["us-east5-a"]})
     assert faults["stockout_zones"] == ["us-east5-a"]

@@ -426,8 +426,9 @@ class ComputeEmulator:
     def preempt(self, zone: str, name: str, project: str | None = None) -> None:
         """Preempt a RUNNING instance as Compute does a Spot VM's (or a host error any VM's).
 
-        STOPPING at once, its machine ended (every process, sshd included), TERMINATED ``operation_seconds``
-        later."""
+        STOPPING at once, its machine ended (every process, sshd included); ``operation_seconds`` later
+        TERMINATED, or gone for a Spot VM whose ``instanceTerminationAction`` is DELETE ("Compute Engine stops or
+        deletes the VM depending on its termination action": cloud.google.com/compute/docs/instances/spot)."""
         with self._lock:
             for key in self._instance_keys(zone, name, project):
                 if self._instances[key]["status"] != "RUNNING":
@@ -496,7 +497,7 @@ class ComputeEmulator:
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
             self._run_deadlines: dict[tuple[str, str, str], tuple[float, str]] = {}
-            self._preemptions: dict[tuple[str, str, str], float] = {}  # STOPPING until then, then TERMINATED
+            self._preemptions: dict[tuple[str, str, str], float] = {}  # STOPPING until then, then TERMINATED/gone
             self.oslogin = OsLoginDirectory()
 
     # ---------------------------------------------------------------- dispatch
@@ -648,7 +649,12 @@ class ComputeEmulator:
         for key, deadline in list(self._preemptions.items()):
             if now >= deadline:
                 del self._preemptions[key]
-                if key in self._instances:
+                scheduling = (self._instances.get(key) or {}).get("scheduling") or {}
+                if scheduling.get("provisioningModel") == "SPOT" and scheduling.get(
+                    "instanceTerminationAction"
+                ) == "DELETE":
+                    self._remove_instance(key)
+                elif key in self._instances:
                     self._instances[key]["status"] = "TERMINATED"
         for key, (deadline, termination_action) in list(self._run_deadlines.items()):
             if now >= deadline:
