@@ -380,6 +380,24 @@ def test_a_preempted_vm_is_stopped_or_deleted_by_its_termination_action(gce, emu
     assert [i["status"] for i in emulator.instances()] == ([after] if after else [])
 
 
+@pytest.mark.parametrize(
+    ("items", "refused_for"),
+    [
+        ([("ssh-keys", "a"), ("ssh-keys", "b")], "duplicate keys: ssh-keys"),
+        ([("startup script", "x")], "'startup script'"),
+        ([("k" * 128, "x")], "less than 128 bytes"),
+        ([("big", "x" * 262145)], "larger than 262144 bytes"),
+        ([(f"part-{i}", "x" * 200_000) for i in range(3)], "the limit is 512 KB"),
+    ],
+)
+def test_metadata_beyond_computes_limits_is_refused(gce, emulator, items, refused_for):
+    metadata = compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in items])
+    with pytest.raises(exceptions.BadRequest) as raised:
+        insert(gce, tpu_instance("vm-meta", metadata=metadata))
+    assert refused_for in raised.value.message
+    assert emulator.instances() == []
+
+
 def test_admin_endpoints(gce, emulator):
     faults = admin(emulator, "POST", "/_emulator/faults", {"stockout_zones": ["us-east5-a"]})
     assert faults["stockout_zones"] == ["us-east5-a"]

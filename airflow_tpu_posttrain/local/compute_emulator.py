@@ -707,6 +707,7 @@ class ComputeEmulator:
             _check_name(name)
             self._check_machine_type(zone, body.get("machineType"))
             self._check_labels(body.get("labels") or {})
+            self._check_metadata((body.get("metadata") or {}).get("items") or [])
             if zone in self._faults.quota_refused_zones:
                 raise _ApiError(
                     403, "quotaExceeded",
@@ -788,6 +789,35 @@ class ComputeEmulator:
                         400, "invalid", f"{invalid} Label {kind} '{text}' violates format constraints. {rule}. The "
                         f"{kind} can be at most 63 characters long. International characters are allowed."
                     )
+
+    @staticmethod
+    def _check_metadata(items: list[dict[str, str]]) -> None:
+        """Compute's metadata rules (the v1 reference, ``Metadata.items``).
+
+        Keys match ``[a-zA-Z0-9-_]+`` and are under 128 bytes, each value at most 262144 bytes (256 KiB), all
+        keys and values under 512 KB, no key twice. The texts are modelled on Compute's field errors (no public
+        capture of these)."""
+        invalid = "Invalid value for field 'resource.metadata'"
+        keys = [item.get("key", "") for item in items]
+        for key in keys:
+            if not re.fullmatch(r"[a-zA-Z0-9_-]+", key) or len(key.encode()) >= 128:
+                raise _ApiError(
+                    400, "invalid", f"{invalid}: '{key}'. Metadata keys must match [a-zA-Z0-9-_]+ and be less "
+                    "than 128 bytes long."
+                )
+        duplicated = sorted({key for key in keys if keys.count(key) > 1})
+        if duplicated:
+            raise _ApiError(400, "invalid", f"{invalid}. Metadata has duplicate keys: {', '.join(duplicated)}.")
+        for item in items:
+            if len((item.get("value") or "").encode()) > 262144:
+                raise _ApiError(
+                    400, "invalid", f"{invalid}: the value of '{item['key']}' is larger than 262144 bytes."
+                )
+        total = sum(len(item.get("key", "").encode()) + len((item.get("value") or "").encode()) for item in items)
+        if total >= 512 * 1024:
+            raise _ApiError(
+                400, "invalid", f"{invalid}: its keys and values total {total} bytes; the limit is 512 KB."
+            )
 
     @staticmethod
     def _check_machine_type(zone: str, machine_type: str | None) -> None:
