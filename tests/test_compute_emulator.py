@@ -351,6 +351,29 @@ def test_firewall_insert_get_delete(gce, emulator):
         gce.firewalls.get(project=PROJECT, firewall="allow-iap-ssh-vm-1")
 
 
+@pytest.mark.parametrize(
+    ("fields", "refused_for"),
+    [
+        ({"source_ranges": ["10.0.0.1/8"]}, "resource.sourceRanges[0]"),  # host bits set
+        ({"source_ranges": ["10.0.0.0/33"]}, "resource.sourceRanges[0]"),
+        ({"target_service_accounts": ["sa@p.iam.gserviceaccount.com"]}, "cannot both be set"),
+        ({"allowed": [compute_v1.Allowed(ports=["22"])]}, "resource.allowed[0].IPProtocol"),
+    ],
+)
+def test_a_firewall_rule_compute_would_refuse_is_refused(gce, emulator, fields, refused_for):
+    rule = {
+        "name": "allow-ssh-vm-1",
+        "source_ranges": ["35.235.240.0/20"],
+        "target_tags": ["vm-1"],
+        "allowed": [compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+        **fields,
+    }
+    with pytest.raises(exceptions.BadRequest) as raised:
+        gce.firewalls.insert(project=PROJECT, firewall_resource=compute_v1.Firewall(**rule))
+    assert refused_for in raised.value.message
+    assert emulator.firewalls() == []
+
+
 def test_max_run_duration_deletes_the_instance_by_itself(gce, emulator):
     emulator.set_faults(max_run_duration_scale=0.01)  # 30 s -> 0.3 s
     scheduling = compute_v1.Scheduling(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import ipaddress
 import json
 import re
 import secrets
@@ -120,6 +121,33 @@ class _ApiError(Exception):
                 "errors": [{"message": message, "domain": domain, "reason": reason}],
             }
         }
+
+
+def _check_firewall_rule(body: dict[str, Any]) -> None:
+    """What Compute refuses in a firewall rule (the v1 reference, ``Firewall``; modelled texts).
+
+    Each source range a CIDR (no host bits), not targetTags and targetServiceAccounts together (the reference:
+    "If targetServiceAccounts is specified, then targetTags cannot be used"), and a protocol in every allowed
+    or denied entry."""
+    for i, cidr in enumerate(body.get("sourceRanges") or []):
+        try:
+            ipaddress.ip_network(cidr, strict=True)
+        except ValueError:
+            raise _ApiError(
+                400, "invalid", f"Invalid value for field 'resource.sourceRanges[{i}]': '{cidr}'. Must be a valid "
+                "IPV4 or IPV6 CIDR range."
+            ) from None
+    if body.get("targetTags") and body.get("targetServiceAccounts"):
+        raise _ApiError(
+            400, "invalid", "Invalid value for field 'resource.targetServiceAccounts': targetTags and "
+            "targetServiceAccounts cannot both be set."
+        )
+    for kind in ("allowed", "denied"):
+        for i, entry in enumerate(body.get(kind) or []):
+            if not entry.get("IPProtocol"):
+                raise _ApiError(
+                    400, "required", f"Required field 'resource.{kind}[{i}].IPProtocol' not specified"
+                )
 
 
 class _OperationError(NamedTuple):
@@ -1169,6 +1197,7 @@ class ComputeEmulator:
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
             _check_name(name)
+            _check_firewall_rule(body)
             path = _resource_path(project, None, "firewalls", name)
             if (project, name) in self._firewalls:
                 raise _already_exists(path)
