@@ -303,3 +303,29 @@ def test_private_key_is_in_no_log_xcom_request_or_rendered_field(emulator, run_d
     assert public in seen["requests"]  # what the VM needs: the public half, in its metadata
     for where, text in seen.items():
         assert not any(line in text for line in private), where
+
+
+IAP_ALLOW = {"name": "allow-iap", "sourceRanges": ["35.235.240.0/20"], "allowed": [{"IPProtocol": "tcp", "ports": ["22"]}]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "admitted"),
+    [
+        ([IAP_ALLOW], True),
+        ([], False),  # the implied deny
+        ([{**IAP_ALLOW, "sourceRanges": ["35.235.240.0/24"]}], False),  # covers part of IAP's range only
+        ([{**IAP_ALLOW, "targetTags": ["other-vm"]}], False),
+        ([{**IAP_ALLOW, "allowed": [{"IPProtocol": "tcp", "ports": ["2222"]}]}], False),
+        # A deny of higher priority (lower number), or of the same priority, wins; a lower-priority one does not.
+        ([IAP_ALLOW, {"name": "deny", "priority": 900, "sourceRanges": ["0.0.0.0/0"], "denied": [{"IPProtocol": "all"}]}], False),
+        ([IAP_ALLOW, {"name": "deny", "sourceRanges": ["35.235.241.0/24"], "denied": [{"IPProtocol": "tcp"}]}], False),
+        ([IAP_ALLOW, {"name": "deny", "priority": 2000, "sourceRanges": ["0.0.0.0/0"], "denied": [{"IPProtocol": "all"}]}], True),
+        ([{**IAP_ALLOW, "disabled": True}], False),
+    ],
+)
+def test_the_iap_stand_in_evaluates_firewall_rules_as_a_vpc_does(rules, admitted):
+    from airflow_tpu_posttrain.local.iap_tunnel import admits_iap
+
+    instance = {"networkInterfaces": [{"network": "global/networks/default"}], "tags": {"items": ["vm-1"]}}
+    rules = [{"network": "projects/p/global/networks/default", **rule} for rule in rules]
+    assert admits_iap(rules, instance, 22) is admitted
