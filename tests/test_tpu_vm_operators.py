@@ -97,6 +97,12 @@ def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
     assert created["internal_ip"] == created["external_ip"] == created["ssh_address"] != "127.0.0.1"
     assert set(created["host_keys"]) >= {"ssh-ed25519"}
     assert created["machine_type"] == "ct6e-standard-8t" and created["accelerator_type"] == "v6e-8"
+    # The task's button to the VM's console page (providers-google's ComputeInstanceDetailsLink URL).
+    [create_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "create_tpu_vm"]
+    assert create_ti.xcom_pull(task_ids="create_tpu_vm", key="_link_VmConsoleLink") == (
+        "https://console.cloud.google.com/compute/instancesDetail/zones/us-east5-b/instances/"
+        f"{created['name']}?project={PROJECT}"
+    )
     [insert] = inserts(emulator)
     body = insert["body"]
     assert body["labels"]["managed-by"] == "airflow-tpu-posttrain"

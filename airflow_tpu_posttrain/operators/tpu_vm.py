@@ -14,6 +14,7 @@ from airflow_tpu_posttrain.exceptions import (
     VmCreateError,
     VmNotReadyError,
 )
+from airflow_tpu_posttrain.links import VmConsoleLink
 from airflow_tpu_posttrain.operators.capacity_cap import CapacityCapMixin
 from airflow_tpu_posttrain.operators.compute_base import (
     DEFAULT_MAX_RUN_DURATION,
@@ -116,8 +117,10 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         "labels",
         "metadata",
         "api_endpoint",
+        *ComputeOperator.connection_template_fields,
     )
     ui_color = "#d5e8f7"
+    operator_extra_links = (VmConsoleLink(),)
     record_xcom_key = "return_value"  # a recovery (run inside the training task) records under its own key
 
     def __init__(
@@ -379,6 +382,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             body["scheduling"].pop("maxRunDuration", None)
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
+        VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, zone, name))
         request_id = self._request_id(context, name, zone, "insert", progress.attempt)
         from google.api_core.exceptions import BadRequest, Forbidden
 
