@@ -421,6 +421,20 @@ def test_metadata_beyond_computes_limits_is_refused(gce, emulator, items, refuse
     assert emulator.instances() == []
 
 
+def test_an_image_family_that_does_not_exist_is_refused(gce, emulator):
+    def boot_disk(family: str) -> list[compute_v1.AttachedDisk]:
+        image = f"projects/ubuntu-os-cloud/global/images/family/{family}"
+        return [compute_v1.AttachedDisk(boot=True, initialize_params=compute_v1.AttachedDiskInitializeParams(source_image=image))]
+
+    with pytest.raises(exceptions.BadRequest) as raised:
+        insert(gce, tpu_instance("vm-typo", disks=boot_disk("ubuntu-2204-ltsx")))
+    assert "initializeParams.sourceImage" in raised.value.message
+    assert "The referenced image resource cannot be found." in raised.value.message
+    assert emulator.instances() == []
+    wait(gce, insert(gce, tpu_instance("vm-ok", disks=boot_disk("ubuntu-2204-lts"))))
+    assert [i["name"] for i in emulator.instances()] == ["vm-ok"]
+
+
 def test_admin_endpoints(gce, emulator):
     faults = admin(emulator, "POST", "/_emulator/faults", {"stockout_zones": ["us-east5-a"]})
     assert faults["stockout_zones"] == ["us-east5-a"]

@@ -227,6 +227,15 @@ def test_a_zone_that_does_not_sell_the_tpu_fails_at_once_naming_zones(emulator, 
     )
 
 
+def test_an_image_family_that_does_not_exist_fails_at_once_naming_it(emulator, run_dag, capfd):
+    dr = run_dag("lifecycle_image", lifecycle("lifecycle_image", create_kwargs='image_family="ubuntu-accel-2204-typo"'))
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "image_family: projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-typo" in logs
+    assert "The referenced image resource cannot be found." in logs and "Nothing was created" in logs
+    assert len(inserts(emulator)) == 1 and emulator.instances() == []
+
+
 def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd, fault_matrix):
     emulator.set_faults(missing_reservations=["my-reservation"])
     dr = run_dag("lifecycle_resv", lifecycle("lifecycle_resv"))

@@ -123,6 +123,27 @@ class _ApiError(Exception):
         }
 
 
+# The public image families the pipelines boot (gce-tpu.md: the tutorials' TPU image; Ubuntu 22.04 for the CPU
+# VM); any other family is refused, as Compute refuses one that does not exist.
+KNOWN_IMAGE_FAMILIES = frozenset(
+    {
+        "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+        "projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts",
+    }
+)
+
+
+def _check_boot_image(body: dict[str, Any]) -> None:
+    """Compute refuses an image that does not exist, with this text (captured from gcloud's output)."""
+    for i, disk in enumerate(body.get("disks") or []):
+        image = (disk.get("initializeParams") or {}).get("sourceImage")
+        if image and image.split("/compute/v1/")[-1] not in KNOWN_IMAGE_FAMILIES:
+            raise _ApiError(
+                400, "invalid", f"Invalid value for field 'resource.disks[{i}].initializeParams.sourceImage': "
+                f"'{image}'. The referenced image resource cannot be found."
+            )
+
+
 def _check_firewall_rule(body: dict[str, Any]) -> None:
     """What Compute refuses in a firewall rule (the v1 reference, ``Firewall``; modelled texts).
 
@@ -734,6 +755,7 @@ class ComputeEmulator:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
             _check_name(name)
             self._check_machine_type(zone, body.get("machineType"))
+            _check_boot_image(body)
             self._check_labels(body.get("labels") or {})
             self._check_metadata((body.get("metadata") or {}).get("items") or [])
             if zone in self._faults.quota_refused_zones:

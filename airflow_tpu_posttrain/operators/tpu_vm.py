@@ -404,6 +404,13 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
                     "Nothing was created. Give zones that offer it (for TPU v6e: "
                     "cloud.google.com/tpu/docs/regions-zones)."
                 ) from None
+            if "The referenced image resource cannot be found" in err.message:
+                self._delete_leftover(context, spec, name, zone)
+                raise InvalidInputError(
+                    f"image_family: projects/{spec.image_project}/global/images/family/{spec.image_family} does "
+                    f"not exist: {err.message} Nothing was created. Give an image family that exists (gcloud "
+                    "compute images describe-from-family)."
+                ) from None
             if "maxRunDuration" not in str(err) or progress.without_max_run_duration:
                 raise
             self.log.warning(
