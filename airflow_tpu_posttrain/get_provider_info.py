@@ -64,7 +64,11 @@ def get_provider_info() -> dict:
                 ],
             }
         ],
-        "extra-links": ["airflow_tpu_posttrain.operators.export.PublishedModelLink"],
+        "extra-links": [
+            "airflow_tpu_posttrain.operators.export.PublishedModelLink",
+            "airflow_tpu_posttrain.links.VmConsoleLink",
+            "airflow_tpu_posttrain.links.CheckpointLink",
+        ],
         "triggers": [
             {
                 "integration-name": _INTEGRATION,

@@ -131,19 +131,26 @@ def test_same_name_with_a_new_request_id_conflicts(gce):
 
 
 @pytest.mark.parametrize(
-    ("machine_type", "message"),
+    ("zone", "machine_type", "message"),
     [
-        ("", "Required field 'resource.machineType' not specified"),
+        (ZONE, "", "Required field 'resource.machineType' not specified"),
         (
+            ZONE,
             f"zones/{ZONE}/machineTypes/ct6e-standard-9t",
             "Machine type with name 'ct6e-standard-9t' does not exist in zone 'us-east5-b'.",
         ),
+        # us-central1-a sells TPU v5e and v5p, not v6e (cloud.google.com/tpu/docs/regions-zones).
+        (
+            "us-central1-a",
+            "zones/us-central1-a/machineTypes/ct6e-standard-8t",
+            "Machine type with name 'ct6e-standard-8t' does not exist in zone 'us-central1-a'.",
+        ),
     ],
 )
-def test_an_instance_needs_a_machine_type_the_zone_has(gce, emulator, machine_type, message):
-    """As Compute: no instance without an existing machine type, and nothing created by the refused insert."""
+def test_an_instance_needs_a_machine_type_the_zone_has(gce, emulator, zone, machine_type, message):
+    """As Compute: no instance without a machine type its zone sells, and nothing created by the refused insert."""
     with pytest.raises(exceptions.BadRequest) as raised:
-        insert(gce, tpu_instance("vm-typeless", machine_type=machine_type))
+        insert(gce, tpu_instance("vm-typeless", machine_type=machine_type), zone=zone)
     assert message in raised.value.message
     assert emulator.instances() == []
 
@@ -344,6 +351,29 @@ def test_firewall_insert_get_delete(gce, emulator):
         gce.firewalls.get(project=PROJECT, firewall="allow-iap-ssh-vm-1")
 
 
+@pytest.mark.parametrize(
+    ("fields", "refused_for"),
+    [
+        ({"source_ranges": ["10.0.0.1/8"]}, "resource.sourceRanges[0]"),  # host bits set
+        ({"source_ranges": ["10.0.0.0/33"]}, "resource.sourceRanges[0]"),
+        ({"target_service_accounts": ["sa@p.iam.gserviceaccount.com"]}, "cannot both be set"),
+        ({"allowed": [compute_v1.Allowed(ports=["22"])]}, "resource.allowed[0].IPProtocol"),
+    ],
+)
+def test_a_firewall_rule_compute_would_refuse_is_refused(gce, emulator, fields, refused_for):
+    rule = {
+        "name": "allow-ssh-vm-1",
+        "source_ranges": ["35.235.240.0/20"],
+        "target_tags": ["vm-1"],
+        "allowed": [compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+        **fields,
+    }
+    with pytest.raises(exceptions.BadRequest) as raised:
+        gce.firewalls.insert(project=PROJECT, firewall_resource=compute_v1.Firewall(**rule))
+    assert refused_for in raised.value.message
+    assert emulator.firewalls() == []
+
+
 def test_max_run_duration_deletes_the_instance_by_itself(gce, emulator):
     emulator.set_faults(max_run_duration_scale=0.01)  # 30 s -> 0.3 s
     scheduling = compute_v1.Scheduling(
@@ -355,6 +385,54 @@ def test_max_run_duration_deletes_the_instance_by_itself(gce, emulator):
     time.sleep(0.4)
 
     assert emulator.instances() == []
+
+
+@pytest.mark.parametrize(
+    ("model", "action", "after"),
+    [("SPOT", "DELETE", None), ("SPOT", "STOP", "TERMINATED"), ("STANDARD", "DELETE", "TERMINATED")],
+)
+def test_a_preempted_vm_is_stopped_or_deleted_by_its_termination_action(gce, emulator, model, action, after):
+    """A Spot VM's preemption follows its instanceTerminationAction; a host error stops any other VM."""
+    scheduling = compute_v1.Scheduling(provisioning_model=model, instance_termination_action=action)
+    wait(gce, insert(gce, tpu_instance("vm-1", scheduling=scheduling)))
+    emulator.preempt(ZONE, "vm-1")
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "STOPPING"
+    deadline = time.monotonic() + 10
+    while [i["status"] for i in emulator.instances()] == ["STOPPING"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [i["status"] for i in emulator.instances()] == ([after] if after else [])
+
+
+@pytest.mark.parametrize(
+    ("items", "refused_for"),
+    [
+        ([("ssh-keys", "a"), ("ssh-keys", "b")], "duplicate keys: ssh-keys"),
+        ([("startup script", "x")], "'startup script'"),
+        ([("k" * 128, "x")], "less than 128 bytes"),
+        ([("big", "x" * 262145)], "larger than 262144 bytes"),
+        ([(f"part-{i}", "x" * 200_000) for i in range(3)], "the limit is 512 KB"),
+    ],
+)
+def test_metadata_beyond_computes_limits_is_refused(gce, emulator, items, refused_for):
+    metadata = compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in items])
+    with pytest.raises(exceptions.BadRequest) as raised:
+        insert(gce, tpu_instance("vm-meta", metadata=metadata))
+    assert refused_for in raised.value.message
+    assert emulator.instances() == []
+
+
+def test_an_image_family_that_does_not_exist_is_refused(gce, emulator):
+    def boot_disk(family: str) -> list[compute_v1.AttachedDisk]:
+        image = f"projects/ubuntu-os-cloud/global/images/family/{family}"
+        return [compute_v1.AttachedDisk(boot=True, initialize_params=compute_v1.AttachedDiskInitializeParams(source_image=image))]
+
+    with pytest.raises(exceptions.BadRequest) as raised:
+        insert(gce, tpu_instance("vm-typo", disks=boot_disk("ubuntu-2204-ltsx")))
+    assert "initializeParams.sourceImage" in raised.value.message
+    assert "The referenced image resource cannot be found." in raised.value.message
+    assert emulator.instances() == []
+    wait(gce, insert(gce, tpu_instance("vm-ok", disks=boot_disk("ubuntu-2204-lts"))))
+    assert [i["name"] for i in emulator.instances()] == ["vm-ok"]
 
 
 def test_admin_endpoints(gce, emulator):

@@ -386,3 +386,30 @@ def test_no_final_evaluation_is_no_trained_evaluation():
     """A log cut before the last step's evaluation (or a run without evaluations) gives the gate nothing."""
     assert parse_lines(SFT_EVAL_REAL_LOG[:4]).trained_evaluation() is None
     assert parse_lines(SFT_TINY_REAL_LOG).base_evaluation() is None
+
+
+def test_the_kept_base_evaluation_beats_a_resumed_grpo_processs_own(tmp_path):
+    """The numbers the run's first process kept beside the checkpoints are the base model's.
+
+    A resumed GRPO process logs "Pre RL Training" for the partly trained model it resumed, and its log need not
+    say it resumed."""
+    import logging
+    import subprocess
+    from types import SimpleNamespace
+
+    from airflow_tpu_posttrain.operators.evaluation import BASE_EVALUATION_FILE, EvaluationMixin
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = "Pre RL Training: corr=0, total=2, accuracy=0.0%, partial_accuracy=0.0%, format_accuracy=0.0%, mean_reward=0.0000"
+    (run_dir / BASE_EVALUATION_FILE).write_text(first + "\n")
+    resumed = parse_lines(line.replace("corr=0", "corr=1").replace("accuracy=0.0%", "accuracy=50.0%") for line in RL_LOG)
+    assert resumed.base_evaluation()["accuracy"] == 50.0  # what the resumed process's own log says
+
+    class Grpo(EvaluationMixin):
+        log, step_title, storage_tool = logging.getLogger("test"), "GRPO", None
+
+    vm = SimpleNamespace(run=lambda command: subprocess.run(command, shell=True, capture_output=True, text=True).stdout)
+    spec = SimpleNamespace(layout=SimpleNamespace(checkpoints_dir=str(run_dir / "checkpoints")))
+    evaluation = Grpo().evaluation(vm, spec, resumed, str(tmp_path / "job.log"))
+    assert evaluation["base"]["accuracy"] == 0.0 and evaluation["trained"]["accuracy"] == 50.0

@@ -175,6 +175,10 @@ def test_tiny_sft_end_to_end(stack, capfd):
     trained = xcom(dr, "train")
     assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and storage_has(trained["checkpoint"])
     assert trained["checkpoint"].startswith(f"{storage}/post-train/")
+    [train_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "train"]
+    assert train_ti.xcom_pull(task_ids="train", key="_link_CheckpointLink") == (
+        "https://console.cloud.google.com/storage/browser/" + trained["checkpoint"].removeprefix("gs://")
+    )
     # The bucket holds what README says it holds, where it says: the conversion (orbax's commit marker and the
     # pipeline's), the training run's checkpoints (each committed) and done marker, the checked export.
     key = converted["conversion_key"]

@@ -39,9 +39,23 @@ def _defining(kind: str) -> set[str]:
 def test_every_hook_operator_and_trigger_module_is_declared():
     for kind in KINDS:
         assert _declared(kind) == _defining(kind), kind
-    for link in get_provider_info()["extra-links"]:
+    declared_links = set(get_provider_info()["extra-links"])
+    for link in declared_links:
         module, name = link.rsplit(".", 1)
         assert hasattr(importlib.import_module(module), name), link
+    for module in _defining("operators"):
+        for _, operator in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            for link in getattr(operator, "operator_extra_links", ()):
+                assert f"{type(link).__module__}.{type(link).__name__}" in declared_links, (operator, link)
+
+
+def test_the_google_connection_is_templated_where_googles_operators_template_it():
+    from airflow_tpu_posttrain.operators.reaper import TpuVmReaperOperator
+    from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+    from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
+
+    for operator in (TpuVmCreateOperator, TpuDeleteOperator, TpuVmReaperOperator):
+        assert {"gcp_conn_id", "impersonation_chain"} <= set(operator.template_fields), operator
 
 
 def test_the_version_is_written_once():

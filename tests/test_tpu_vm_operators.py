@@ -97,6 +97,12 @@ def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
     assert created["internal_ip"] == created["external_ip"] == created["ssh_address"] != "127.0.0.1"
     assert set(created["host_keys"]) >= {"ssh-ed25519"}
     assert created["machine_type"] == "ct6e-standard-8t" and created["accelerator_type"] == "v6e-8"
+    # The task's button to the VM's console page (providers-google's ComputeInstanceDetailsLink URL).
+    [create_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "create_tpu_vm"]
+    assert create_ti.xcom_pull(task_ids="create_tpu_vm", key="_link_VmConsoleLink") == (
+        "https://console.cloud.google.com/compute/instancesDetail/zones/us-east5-b/instances/"
+        f"{created['name']}?project={PROJECT}"
+    )
     [insert] = inserts(emulator)
     body = insert["body"]
     assert body["labels"]["managed-by"] == "airflow-tpu-posttrain"
@@ -198,6 +204,36 @@ def test_quota_error_fails_once_with_a_clear_message(emulator, run_dag, capfd, f
         f"compute: quota exceeded {refused} -> fails at once (1 insert, no retry, no fallback)", True, dr.state,
         None, log_excerpt(logs, "Quota exceeded"),
     )
+
+
+def test_a_zone_that_does_not_sell_the_tpu_fails_at_once_naming_zones(emulator, run_dag, capfd, fault_matrix):
+    """us-central1-a sells TPU v5e and v5p, not v6e: Compute refuses the insert (400), for every retry alike."""
+    body = lifecycle(
+        "lifecycle_zone", zones=("us-central1-a", "us-east5-b"), ranges=("10.0.0.0/8",), create_kwargs="retries=3"
+    )
+    dr = run_dag("lifecycle_zone", body)
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "zones: us-central1-a does not sell ct6e-standard-8t (v6e-8)" in logs and "Nothing was created" in logs
+    assert len(inserts(emulator)) == 1  # no retry, no fallback to the next zone: the list itself is wrong
+    assert emulator.instances() == []
+    deadline = time.monotonic() + 10  # the rule made for the VM goes with the failed create
+    while emulator.firewalls() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert emulator.firewalls() == []
+    fault_matrix.record(
+        "compute: a zone that does not sell the TPU -> fails at once naming zones (1 insert, no retry)", True,
+        dr.state, None, log_excerpt(logs, "does not sell"),
+    )
+
+
+def test_an_image_family_that_does_not_exist_fails_at_once_naming_it(emulator, run_dag, capfd):
+    dr = run_dag("lifecycle_image", lifecycle("lifecycle_image", create_kwargs='image_family="ubuntu-accel-2204-typo"'))
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "image_family: projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-typo" in logs
+    assert "The referenced image resource cannot be found." in logs and "Nothing was created" in logs
+    assert len(inserts(emulator)) == 1 and emulator.instances() == []
 
 
 def test_missing_reservation_fails_with_its_name(emulator, run_dag, capfd, fault_matrix):

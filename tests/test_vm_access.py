@@ -303,3 +303,77 @@ def test_private_key_is_in_no_log_xcom_request_or_rendered_field(emulator, run_d
     assert public in seen["requests"]  # what the VM needs: the public half, in its metadata
     for where, text in seen.items():
         assert not any(line in text for line in private), where
+
+
+def test_iap_readiness_reports_what_the_tunnel_said(emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix):
+    """A deny rule of higher priority shuts IAP out: the create's wait ends with the tunnel's own error."""
+    import os
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE
+    from airflow_tpu_posttrain.local.stack import write_gcloud_stand_in
+
+    write_gcloud_stand_in(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
+    emulator.add_subnetwork("default", "us-east5", private_google_access=True)
+    emulator.add_router("nat-router", "us-east5")
+    firewalls = compute_v1.FirewallsClient(
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+    )
+    deny = compute_v1.Firewall(
+        name="deny-all-ingress", priority=900, source_ranges=["0.0.0.0/0"], denied=[compute_v1.Denied(I_p_protocol="all")]
+    )
+    firewalls.insert(project=PROJECT, firewall_resource=deny)
+    deadline = time.monotonic() + 10
+    while not emulator.firewalls() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    create_kwargs = 'network_path="iap", ready_timeout=__import__("datetime").timedelta(seconds=15)'
+    dr = run_dag("access_iap_denied", lifecycle("access_iap_denied", create_kwargs=create_kwargs))
+    assert dr.state == "failed"
+    logs = "".join(capfd.readouterr())
+    said = "its IAP tunnel said: ERROR: (gcloud.compute.start-iap-tunnel) Error while connecting [4003:"
+    assert said in logs and "a deny rule of higher priority wins" in logs
+    assert no_instances_within(emulator, seconds=30)
+    fault_matrix.record(
+        "access: IAP path, a deny rule of higher priority -> the wait ends with the tunnel's own error",
+        True, dr.state, None, log_excerpt(logs, "its IAP tunnel said"),
+    )
+
+
+IAP_ALLOW = {"name": "allow-iap", "sourceRanges": ["35.235.240.0/20"], "allowed": [{"IPProtocol": "tcp", "ports": ["22"]}]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "admitted"),
+    [
+        ([IAP_ALLOW], True),
+        ([], False),  # the implied deny
+        ([{**IAP_ALLOW, "sourceRanges": ["35.235.240.0/24"]}], False),  # covers part of IAP's range only
+        ([{**IAP_ALLOW, "targetTags": ["other-vm"]}], False),
+        ([{**IAP_ALLOW, "allowed": [{"IPProtocol": "tcp", "ports": ["2222"]}]}], False),
+        # A deny of higher priority (lower number), or of the same priority, wins; a lower-priority one does not.
+        ([IAP_ALLOW, {"name": "deny", "priority": 900, "sourceRanges": ["0.0.0.0/0"], "denied": [{"IPProtocol": "all"}]}], False),
+        ([IAP_ALLOW, {"name": "deny", "sourceRanges": ["35.235.241.0/24"], "denied": [{"IPProtocol": "tcp"}]}], False),
+        ([IAP_ALLOW, {"name": "deny", "priority": 2000, "sourceRanges": ["0.0.0.0/0"], "denied": [{"IPProtocol": "all"}]}], True),
+        ([{**IAP_ALLOW, "disabled": True}], False),
+    ],
+)
+def test_the_iap_stand_in_evaluates_firewall_rules_as_a_vpc_does(rules, admitted):
+    from airflow_tpu_posttrain.local.iap_tunnel import admits_iap
+
+    instance = {"networkInterfaces": [{"network": "global/networks/default"}], "tags": {"items": ["vm-1"]}}
+    rules = [{"network": "projects/p/global/networks/default", **rule} for rule in rules]
+    assert admits_iap(rules, instance, 22) is admitted
+
+
+def test_the_port_check_reads_what_the_tunnel_wrote_on_stderr():
+    """A tunnel that cannot connect says why on stderr; the readiness wait reports it (and stops on a 4033)."""
+    from airflow_tpu_posttrain.triggers.compute import ssh_port_check
+
+    refusal = "ERROR: (gcloud.compute.start-iap-tunnel) Error while connecting [4033: 'not authorized']."
+    tunnel = f"echo connecting >&2; echo \"{refusal}\" >&2; exit 1"
+    assert asyncio.run(ssh_port_check("10.0.0.2", 22, timeout=5, proxy_command=tunnel)) == (False, refusal)
+    assert asyncio.run(ssh_port_check("10.0.0.2", 22, proxy_command="printf SSH-2.0-x")) == (True, "")

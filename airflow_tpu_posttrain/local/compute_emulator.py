@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import ipaddress
 import json
 import re
 import secrets
@@ -71,6 +72,12 @@ GUEST_OSLOGIN_PATH = "/computeMetadata/v1/oslogin/"
 # The machine types this emulator's zones offer: those of the accelerators the pipelines create (any other name
 # is refused as Compute refuses a machine type a zone does not have).
 KNOWN_MACHINE_TYPES = frozenset(acc.machine_type for acc in ACCELERATORS.values())
+# The zones that sell TPU v6e (the ct6e-standard-* machine types): cloud.google.com/tpu/docs/regions-zones, its
+# North America and Europe rows (read 2026-12-02). Its Asia Pacific and South America rows were not captured, so
+# their zones are refused here: stricter than Compute, never kinder.
+V6E_ZONES = frozenset(
+    {"us-central1-ai1", "us-central1-b", "us-east1-d", "us-east5-a", "us-east5-b", "us-south1-ai1b", "europe-west4-a"}
+)
 TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
 
 
@@ -114,6 +121,54 @@ class _ApiError(Exception):
                 "errors": [{"message": message, "domain": domain, "reason": reason}],
             }
         }
+
+
+# The public image families the pipelines boot (gce-tpu.md: the tutorials' TPU image; Ubuntu 22.04 for the CPU
+# VM); any other family is refused, as Compute refuses one that does not exist.
+KNOWN_IMAGE_FAMILIES = frozenset(
+    {
+        "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+        "projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts",
+    }
+)
+
+
+def _check_boot_image(body: dict[str, Any]) -> None:
+    """Compute refuses an image that does not exist, with this text (captured from gcloud's output)."""
+    for i, disk in enumerate(body.get("disks") or []):
+        image = (disk.get("initializeParams") or {}).get("sourceImage")
+        if image and image.split("/compute/v1/")[-1] not in KNOWN_IMAGE_FAMILIES:
+            raise _ApiError(
+                400, "invalid", f"Invalid value for field 'resource.disks[{i}].initializeParams.sourceImage': "
+                f"'{image}'. The referenced image resource cannot be found."
+            )
+
+
+def _check_firewall_rule(body: dict[str, Any]) -> None:
+    """What Compute refuses in a firewall rule (the v1 reference, ``Firewall``; modelled texts).
+
+    Each source range a CIDR (no host bits), not targetTags and targetServiceAccounts together (the reference:
+    "If targetServiceAccounts is specified, then targetTags cannot be used"), and a protocol in every allowed
+    or denied entry."""
+    for i, cidr in enumerate(body.get("sourceRanges") or []):
+        try:
+            ipaddress.ip_network(cidr, strict=True)
+        except ValueError:
+            raise _ApiError(
+                400, "invalid", f"Invalid value for field 'resource.sourceRanges[{i}]': '{cidr}'. Must be a valid "
+                "IPV4 or IPV6 CIDR range."
+            ) from None
+    if body.get("targetTags") and body.get("targetServiceAccounts"):
+        raise _ApiError(
+            400, "invalid", "Invalid value for field 'resource.targetServiceAccounts': targetTags and "
+            "targetServiceAccounts cannot both be set."
+        )
+    for kind in ("allowed", "denied"):
+        for i, entry in enumerate(body.get(kind) or []):
+            if not entry.get("IPProtocol"):
+                raise _ApiError(
+                    400, "required", f"Required field 'resource.{kind}[{i}].IPProtocol' not specified"
+                )
 
 
 class _OperationError(NamedTuple):
@@ -420,8 +475,9 @@ class ComputeEmulator:
     def preempt(self, zone: str, name: str, project: str | None = None) -> None:
         """Preempt a RUNNING instance as Compute does a Spot VM's (or a host error any VM's).
 
-        STOPPING at once, its machine ended (every process, sshd included), TERMINATED ``operation_seconds``
-        later."""
+        STOPPING at once, its machine ended (every process, sshd included); ``operation_seconds`` later
+        TERMINATED, or gone for a Spot VM whose ``instanceTerminationAction`` is DELETE ("Compute Engine stops or
+        deletes the VM depending on its termination action": cloud.google.com/compute/docs/instances/spot)."""
         with self._lock:
             for key in self._instance_keys(zone, name, project):
                 if self._instances[key]["status"] != "RUNNING":
@@ -490,7 +546,7 @@ class ComputeEmulator:
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
             self._run_deadlines: dict[tuple[str, str, str], tuple[float, str]] = {}
-            self._preemptions: dict[tuple[str, str, str], float] = {}  # STOPPING until then, then TERMINATED
+            self._preemptions: dict[tuple[str, str, str], float] = {}  # STOPPING until then, then TERMINATED/gone
             self.oslogin = OsLoginDirectory()
 
     # ---------------------------------------------------------------- dispatch
@@ -642,7 +698,12 @@ class ComputeEmulator:
         for key, deadline in list(self._preemptions.items()):
             if now >= deadline:
                 del self._preemptions[key]
-                if key in self._instances:
+                scheduling = (self._instances.get(key) or {}).get("scheduling") or {}
+                if scheduling.get("provisioningModel") == "SPOT" and scheduling.get(
+                    "instanceTerminationAction"
+                ) == "DELETE":
+                    self._remove_instance(key)
+                elif key in self._instances:
                     self._instances[key]["status"] = "TERMINATED"
         for key, (deadline, termination_action) in list(self._run_deadlines.items()):
             if now >= deadline:
@@ -694,7 +755,9 @@ class ComputeEmulator:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
             _check_name(name)
             self._check_machine_type(zone, body.get("machineType"))
+            _check_boot_image(body)
             self._check_labels(body.get("labels") or {})
+            self._check_metadata((body.get("metadata") or {}).get("items") or [])
             if zone in self._faults.quota_refused_zones:
                 raise _ApiError(
                     403, "quotaExceeded",
@@ -778,15 +841,44 @@ class ComputeEmulator:
                     )
 
     @staticmethod
+    def _check_metadata(items: list[dict[str, str]]) -> None:
+        """Compute's metadata rules (the v1 reference, ``Metadata.items``).
+
+        Keys match ``[a-zA-Z0-9-_]+`` and are under 128 bytes, each value at most 262144 bytes (256 KiB), all
+        keys and values under 512 KB, no key twice. The texts are modelled on Compute's field errors (no public
+        capture of these)."""
+        invalid = "Invalid value for field 'resource.metadata'"
+        keys = [item.get("key", "") for item in items]
+        for key in keys:
+            if not re.fullmatch(r"[a-zA-Z0-9_-]+", key) or len(key.encode()) >= 128:
+                raise _ApiError(
+                    400, "invalid", f"{invalid}: '{key}'. Metadata keys must match [a-zA-Z0-9-_]+ and be less "
+                    "than 128 bytes long."
+                )
+        duplicated = sorted({key for key in keys if keys.count(key) > 1})
+        if duplicated:
+            raise _ApiError(400, "invalid", f"{invalid}. Metadata has duplicate keys: {', '.join(duplicated)}.")
+        for item in items:
+            if len((item.get("value") or "").encode()) > 262144:
+                raise _ApiError(
+                    400, "invalid", f"{invalid}: the value of '{item['key']}' is larger than 262144 bytes."
+                )
+        total = sum(len(item.get("key", "").encode()) + len((item.get("value") or "").encode()) for item in items)
+        if total >= 512 * 1024:
+            raise _ApiError(
+                400, "invalid", f"{invalid}: its keys and values total {total} bytes; the limit is 512 KB."
+            )
+
+    @staticmethod
     def _check_machine_type(zone: str, machine_type: str | None) -> None:
-        """Compute requires a machine type that exists; the error texts are Compute's.
+        """Compute requires a machine type that exists, in the zone; the error texts are Compute's.
 
         For example "Machine type with name 'n2-highcpu-16' does not exist in zone 'us-east4-a'."
         (servo/community-tc-config#75)."""
         if not machine_type:
             raise _ApiError(400, "required", "Required field 'resource.machineType' not specified")
         name = machine_type.rsplit("/", 1)[-1]
-        if name not in KNOWN_MACHINE_TYPES:
+        if name not in KNOWN_MACHINE_TYPES or (name.startswith("ct6e-") and zone not in V6E_ZONES):
             raise _ApiError(
                 400,
                 "invalid",
@@ -1127,6 +1219,7 @@ class ComputeEmulator:
             if not name:
                 raise _ApiError(400, "required", "Required field 'resource.name' not specified")
             _check_name(name)
+            _check_firewall_rule(body)
             path = _resource_path(project, None, "firewalls", name)
             if (project, name) in self._firewalls:
                 raise _already_exists(path)

@@ -6,7 +6,7 @@ directory.
 What IAP's TCP forwarding does, and this follows (cloud.google.com/iap/docs/using-tcp-forwarding): it connects
 from 35.235.240.0/20 to the instance's internal IP, so it reaches the port only if an ingress firewall rule of
 the instance's network admits that range on that port for the instance (all instances, or one of its network
-tags); else the tunnel fails with ``4003: 'failed to connect to backend'``; an instance that does not exist or
+tags) and no deny rule of a higher or equal priority refuses it; else the tunnel fails with ``4003: 'failed to connect to backend'``; an instance that does not exist or
 is not RUNNING fails the same way. The instance and the rules are read from the Compute API at
 ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's own endpoint override). Not emulated: the caller's
 roles/iap.tunnelResourceAccessor.
@@ -43,25 +43,48 @@ def _get(url: str) -> dict | None:
         raise
 
 
-def _admits_iap(rule: dict, instance: dict, port: int) -> bool:
-    network = (instance.get("networkInterfaces") or [{}])[0].get("network", "global/networks/default")
-    if rule.get("disabled") or rule.get("direction", "INGRESS") != "INGRESS":
-        return False
-    if rule.get("network", "").rsplit("/", 1)[-1] != network.rsplit("/", 1)[-1]:
-        return False
-    if not any(IAP_RANGE.subnet_of(ipaddress.ip_network(cidr)) for cidr in rule.get("sourceRanges", [])):
-        return False
-    targets = rule.get("targetTags") or []
-    if targets and not set(targets) & set((instance.get("tags") or {}).get("items", [])):
-        return False
-    for allowed in rule.get("allowed", []):
-        if allowed.get("IPProtocol") not in ("tcp", "all"):
+def _covers_port(entries: list[dict], port: int) -> bool:
+    for entry in entries:
+        if entry.get("IPProtocol") not in ("tcp", "all"):
             continue
-        for ports in allowed.get("ports") or ["0-65535"]:
+        for ports in entry.get("ports") or ["0-65535"]:
             low, _, high = ports.partition("-")
             if int(low) <= port <= int(high or low):
                 return True
     return False
+
+
+def _applies(rule: dict, instance: dict, port: int, kind: str) -> bool:
+    """Whether ``rule`` (its ``kind``: allowed or denied) applies to IAP's connection to ``port``.
+
+    An allow must cover all of 35.235.240.0/20 (IAP's address within it is not known); a deny applies if it
+    overlaps it at all: stricter than the network either way."""
+    network = (instance.get("networkInterfaces") or [{}])[0].get("network", "global/networks/default")
+    if not rule.get(kind) or rule.get("disabled") or rule.get("direction", "INGRESS") != "INGRESS":
+        return False
+    if rule.get("network", "").rsplit("/", 1)[-1] != network.rsplit("/", 1)[-1]:
+        return False
+    ranges = [ipaddress.ip_network(cidr) for cidr in rule.get("sourceRanges", [])]
+    if not any(IAP_RANGE.subnet_of(r) if kind == "allowed" else IAP_RANGE.overlaps(r) for r in ranges):
+        return False
+    targets = rule.get("targetTags") or []
+    if targets and not set(targets) & set((instance.get("tags") or {}).get("items", [])):
+        return False
+    return _covers_port(rule[kind], port)
+
+
+def admits_iap(rules: list[dict], instance: dict, port: int) -> bool:
+    """Whether the firewall ``rules`` let IAP reach ``port`` of ``instance``.
+
+    VPC firewall evaluation (cloud.google.com/firewall/docs/firewalls, priority order): of the rules that apply,
+    the lowest priority number wins, a deny over an allow of the same priority; none: the implied deny."""
+    verdicts = [
+        (rule.get("priority", 1000), kind == "allowed")
+        for rule in rules
+        for kind in ("denied", "allowed")
+        if _applies(rule, instance, port, kind)
+    ]
+    return bool(verdicts) and min(verdicts)[1]
 
 
 def backend(endpoint: str, project: str, zone: str, name: str, port: int) -> tuple[str, int]:
@@ -73,7 +96,7 @@ def backend(endpoint: str, project: str, zone: str, name: str, port: int) -> tup
             "was not found"
         )
     rules = (_get(f"{endpoint}projects/{project}/global/firewalls") or {}).get("items", [])
-    if instance.get("status") != "RUNNING" or not any(_admits_iap(rule, instance, port) for rule in rules):
+    if instance.get("status") != "RUNNING" or not admits_iap(rules, instance, port):
         raise TunnelError("Error while connecting [4003: 'failed to connect to backend'].")
     return instance["networkInterfaces"][0]["networkIP"], port
 

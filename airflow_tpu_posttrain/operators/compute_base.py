@@ -98,6 +98,8 @@ def seconds(value: timedelta | int | float | str | None) -> int | None:
 class ComputeOperator(BaseOperator):
     """What create and delete share: the connection, the endpoint and how they build the hook."""
 
+    # Templated in every subclass, as Google's own operators template them.
+    connection_template_fields: tuple[str, ...] = ("gcp_conn_id", "impersonation_chain")
     request_id_salt = ""  # set when the task's work runs again within one try (a VM recovery)
 
     def __init__(

@@ -51,18 +51,21 @@ class EvaluationMixin:
     def evaluation(
         self, vm: VmHook, spec: maxtext.RunSpec, metrics: TrainingMetrics, log_file: str
     ) -> dict[str, Any]:
-        """``{"base": ..., "trained": ...}``: this log's numbers; the base ones from storage if it resumed."""
+        """``{"base": ..., "trained": ...}``: the base numbers kept by the run's first process, else this log's.
+
+        Kept first: a resumed GRPO process logs "Pre RL Training" too, for the model it resumed (partly trained),
+        and its log need not say it resumed."""
         from airflow_tpu_posttrain.recipes.metrics import parse_lines
 
-        base = metrics.base_evaluation()
         uri = self.base_evaluation_uri(spec)
+        kept = vm.run(f"{storage.read_command(uri, self.storage_tool)} 2>/dev/null || true")
+        base = parse_lines(kept.splitlines()).base_evaluation()
         if base:
-            vm.run(self.keep_base_evaluation(spec, log_file)["command"])  # if the watch missed it (a short job)
+            self.log.info("The base model's evaluation %s, kept at %s", base, uri)
         else:
-            kept = vm.run(f"{storage.read_command(uri, self.storage_tool)} 2>/dev/null || true")
-            base = parse_lines(kept.splitlines()).base_evaluation()
+            base = metrics.base_evaluation()
             if base:
-                self.log.info("The base model's evaluation %s, kept at %s", base, uri)
+                vm.run(self.keep_base_evaluation(spec, log_file)["command"])  # if the watch missed it (a short job)
             else:
                 self.log.warning("The base model's evaluation is neither in this log nor at %s", uri)
         return {"base": base, "trained": metrics.trained_evaluation()}

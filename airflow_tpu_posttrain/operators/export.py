@@ -8,9 +8,8 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, BaseOperatorLink
-
 from airflow_tpu_posttrain.exceptions import RemoteJobError
+from airflow_tpu_posttrain.links import XComUrlLink
 from airflow_tpu_posttrain.operators.inputs_check import record_published
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import cost, maxtext, storage, validation
@@ -27,15 +26,10 @@ if TYPE_CHECKING:
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
 
-class PublishedModelLink(BaseOperatorLink):
+class PublishedModelLink(XComUrlLink):
     """The task's button to the published model (its Hub branch, else its storage copy)."""
 
     name = "Published model"
-
-    def get_link(self, operator: BaseOperator, *, ti_key: Any) -> str:
-        from airflow.providers.common.compat.sdk import XCom
-
-        return XCom.get_value(key=self.xcom_key, ti_key=ti_key) or ""
 
 
 class HfExportOperator(MaxTextJobOperator):
@@ -274,7 +268,7 @@ class HfExportOperator(MaxTextJobOperator):
             self.log.info("Copied to %s", published["storage_uri"])
         link = hub["url"] if hub else published.get("storage_uri")
         if link:
-            context["ti"].xcom_push(key=PublishedModelLink().xcom_key, value=link)
+            PublishedModelLink().push(context, link)
         if isinstance(self.inputs, dict):
             record_published(context, self.inputs)
         return published

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
+from airflow_tpu_posttrain.links import CheckpointLink
 from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
@@ -176,6 +177,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         "converted_params",
         "max_recoveries",
     )
+    operator_extra_links = (CheckpointLink(),)
 
     def __init__(
         self,
@@ -252,6 +254,9 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
                 f"{self.step_title} finished but its final checkpoint {checkpoint} is missing or incomplete "
                 f"(no {committed}); a retry resumes from the newest checkpoint"
             )
+        link = CheckpointLink.url(checkpoint)
+        if link:
+            CheckpointLink().push(context, link)
         spec = self.resolved(context, self.run_spec(context))
         return {
             "evaluation": self.evaluation(vm, spec, metrics, paths.log_file),

@@ -48,7 +48,12 @@ class TpuVmReaperOperator(ComputeOperator):
         deleted orphan had cost; None: ``recipes.cost.DEFAULT_PRICES``.
     """
 
-    template_fields: Sequence[str] = ("project_id", "api_endpoint", "dry_run")
+    template_fields: Sequence[str] = (
+        "project_id",
+        "api_endpoint",
+        "dry_run",
+        *ComputeOperator.connection_template_fields,
+    )
     ui_color = "#f0e4d5"
 
     def __init__(
@@ -107,7 +112,9 @@ class TpuVmReaperOperator(ComputeOperator):
                 self.log.info("WOULD delete %s in %s: %s (dry run)", name, zone, decision.reason)
                 continue
             spent = cost.vm_cost(name, instance, now.isoformat(), self.prices)
-            self.log.warning("delete %s in %s: %s; cost so far: %s", name, zone, decision.reason, spent.describe())
+            self.log.warning(
+                "delete %s in %s: %s; cost so far: %s", name, zone, decision.reason, spent.describe()
+            )
             self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
             counts["deleted"] += 1
         for rule in self.hook.list_firewalls(self.project):

@@ -33,7 +33,13 @@ class TpuDeleteOperator(ComputeOperator):
         the defaults, ``recipes.cost.DEFAULT_PRICES``.
     """
 
-    template_fields: Sequence[str] = ("project_id", "zones", "instance_name", "api_endpoint")
+    template_fields: Sequence[str] = (
+        "project_id",
+        "zones",
+        "instance_name",
+        "api_endpoint",
+        *ComputeOperator.connection_template_fields,
+    )
     ui_color = "#f7d5d5"
 
     def __init__(

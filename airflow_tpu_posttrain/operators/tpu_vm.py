@@ -14,6 +14,7 @@ from airflow_tpu_posttrain.exceptions import (
     VmCreateError,
     VmNotReadyError,
 )
+from airflow_tpu_posttrain.links import VmConsoleLink
 from airflow_tpu_posttrain.operators.capacity_cap import CapacityCapMixin
 from airflow_tpu_posttrain.operators.compute_base import (
     DEFAULT_MAX_RUN_DURATION,
@@ -116,8 +117,10 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         "labels",
         "metadata",
         "api_endpoint",
+        *ComputeOperator.connection_template_fields,
     )
     ui_color = "#d5e8f7"
+    operator_extra_links = (VmConsoleLink(),)
     record_xcom_key = "return_value"  # a recovery (run inside the training task) records under its own key
 
     def __init__(
@@ -379,6 +382,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             body["scheduling"].pop("maxRunDuration", None)
         self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
         self._record(context, spec, name, zone, status="CREATING")
+        VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, zone, name))
         request_id = self._request_id(context, name, zone, "insert", progress.attempt)
         from google.api_core.exceptions import BadRequest, Forbidden
 
@@ -393,6 +397,20 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
                 f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
             ) from None
         except BadRequest as err:
+            if "does not exist in zone" in err.message:
+                self._delete_leftover(context, spec, name, zone)  # the firewall rule made just before
+                raise InvalidInputError(  # a retry would be refused the same way
+                    f"zones: {zone} does not sell {spec.machine_type} ({spec.accelerator_type}): {err.message} "
+                    "Nothing was created. Give zones that offer it (for TPU v6e: "
+                    "cloud.google.com/tpu/docs/regions-zones)."
+                ) from None
+            if "The referenced image resource cannot be found" in err.message:
+                self._delete_leftover(context, spec, name, zone)
+                raise InvalidInputError(
+                    f"image_family: projects/{spec.image_project}/global/images/family/{spec.image_family} does "
+                    f"not exist: {err.message} Nothing was created. Give an image family that exists (gcloud "
+                    "compute images describe-from-family)."
+                ) from None
             if "maxRunDuration" not in str(err) or progress.without_max_run_duration:
                 raise
             self.log.warning(

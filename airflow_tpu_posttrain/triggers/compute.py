@@ -270,18 +270,25 @@ class ComputeDeleteTrigger(_OperationsTrigger):
         yield self._event({"status": status, "deleted": deleted, "errors": errors})
 
 
-async def ssh_port_open(
-    address: str, port: int, timeout: float = 5.0, proxy_command: str | None = None
-) -> bool:
-    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command``.
+# What an IAP tunnel answers that no wait mends: the caller lacks roles/iap.tunnelResourceAccessor (4033), or
+# there is no gcloud to run it (the shell's 127).
+_LASTING_TUNNEL_ERRORS = ("4033", "not authorized", "command not found")
 
-    ``proxy_command`` is an IAP tunnel. The server's banner is read, not only the TCP handshake."""
+
+async def ssh_port_check(
+    address: str, port: int, timeout: float = 5.0, proxy_command: str | None = None
+) -> tuple[bool, str]:
+    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command``; and why not.
+
+    ``proxy_command`` is an IAP tunnel: the second value is the last line it wrote to stderr (gcloud's error,
+    e.g. ``4003: 'failed to connect to backend'``), "" otherwise. The server's banner is read, not only the
+    TCP handshake."""
     if proxy_command:
         tunnel = await asyncio.create_subprocess_shell(
             proxy_command,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
         )
         try:
             banner = await asyncio.wait_for(tunnel.stdout.read(4), timeout)
@@ -290,19 +297,21 @@ async def ssh_port_open(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 tunnel.kill()
+            said = await tunnel.stderr.read()
             await tunnel.wait()
-        return banner.startswith(b"SSH-")
+        lines = said.decode(errors="replace").strip().splitlines()
+        return banner.startswith(b"SSH-"), lines[-1] if lines else ""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(address, port), timeout)
     except (OSError, TimeoutError):
-        return False
+        return False, ""
     try:
         banner = await asyncio.wait_for(reader.read(4), timeout)
     except (OSError, TimeoutError):
         banner = b""
     finally:
         writer.close()
-    return banner.startswith(b"SSH-")
+    return banner.startswith(b"SSH-"), ""
 
 
 class VmReadyTrigger(ComputeTrigger):
@@ -357,20 +366,29 @@ class VmReadyTrigger(ComputeTrigger):
         hook = self._hook()
         deadline = time.monotonic() + self.timeout
         host_keys: dict[str, str] = {}
-        port_open = False
+        port_open, tunnel_said = False, ""
         try:
             while True:
                 if not host_keys:
                     host_keys = await hook.get_host_keys(self.project_id, self.zone, self.name)
                 if host_keys and not port_open:
-                    port_open = await ssh_port_open(self.address, self.port, proxy_command=self.proxy_command)
+                    port_open, tunnel_said = await ssh_port_check(
+                        self.address, self.port, proxy_command=self.proxy_command
+                    )
                 if host_keys and port_open:
                     yield self._event({"status": "ready", "host_keys": host_keys})
+                    return
+                if any(sign in tunnel_said for sign in _LASTING_TUNNEL_ERRORS):
+                    yield self._error(
+                        f"The IAP tunnel to VM {self.name} cannot connect: {tunnel_said}. The identity Airflow "
+                        "runs gcloud as needs roles/iap.tunnelResourceAccessor, and gcloud must be on the PATH "
+                        "of the triggerer and the workers"
+                    )
                     return
                 instance = await hook.get_instance(self.project_id, self.zone, self.name)
                 status = instance.get("status") if instance else None
                 if status != "RUNNING" or time.monotonic() > deadline:
-                    yield self._error(not_ready_message(self.name, status, host_keys, self.timeout))
+                    yield self._error(not_ready_message(self.name, status, host_keys, self.timeout, tunnel_said))
                     return
                 await asyncio.sleep(self.poll_interval)
         except Exception as err:
@@ -380,8 +398,10 @@ class VmReadyTrigger(ComputeTrigger):
         return self._event({"status": "error", "errors": [{"code": "VM_NOT_READY", "message": message}]})
 
 
-def not_ready_message(name: str, status: str | None, host_keys: dict[str, str], timeout: float) -> str:
-    """Why a VM could not be logged into, and what to check."""
+def not_ready_message(
+    name: str, status: str | None, host_keys: dict[str, str], timeout: float, tunnel_said: str = ""
+) -> str:
+    """Why a VM could not be logged into, and what to check (with what its IAP tunnel last said)."""
     if status != "RUNNING":
         return f"VM {name} is {status or 'gone'} while waiting to log in to it"
     if not host_keys:
@@ -389,7 +409,9 @@ def not_ready_message(name: str, status: str | None, host_keys: dict[str, str], 
             f"VM {name} published no SSH host keys within {timeout:.0f} s: its image must run Google's guest "
             "environment, and the instance needs metadata enable-guest-attributes=TRUE (set by this operator)"
         )
+    said = f"; its IAP tunnel said: {tunnel_said}" if tunnel_said else ""
     return (
-        f"VM {name} published its host keys but its SSH port did not answer within {timeout:.0f} s: check the "
-        "firewall (ssh_source_ranges / network_path) and that Airflow can route to the VM's address"
+        f"VM {name} published its host keys but its SSH port did not answer within {timeout:.0f} s{said}: check "
+        "the firewall (ssh_source_ranges / network_path; a deny rule of higher priority wins) and that Airflow "
+        "can route to the VM's address"
     )
