@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import log_excerpt
+from conftest import emulator_credentials, log_excerpt
 
 from airflow_tpu_posttrain.recipes import reaper
 
@@ -136,11 +136,10 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
     victim = run_dag("reaper_victim", CREATE_ONLY)
     assert victim.state == "success" and len(emulator.instances()) == 1
     # Someone else's instance in the same zone, without our label.
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     client = compute_v1.InstancesClient(
-        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
     client.insert(project="test-project", zone="us-east5-b", instance_resource=compute_v1.Instance(
         name="not-ours", machine_type="zones/us-east5-b/machineTypes/e2-standard-2"))
@@ -249,7 +248,6 @@ FIREWALLED = CREATE_ONLY.replace('poll_interval=0.2)', 'poll_interval=0.2, ssh_s
 
 
 def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_dag, capfd, fault_matrix):
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     victim = run_dag("reaper_victim", FIREWALLED)
@@ -257,7 +255,7 @@ def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_da
     [vm] = emulator.instances()
     [ours] = emulator.firewalls()
     assert ours["description"] == f"airflow-tpu-posttrain: SSH to instance {vm['name']}"
-    options = {"transport": "rest", "client_options": {"api_endpoint": emulator.url}, "credentials": AnonymousCredentials()}
+    options = {"transport": "rest", "client_options": {"api_endpoint": emulator.url}, "credentials": emulator_credentials(emulator)}
     rule = compute_v1.Firewall(name="allow-ssh", network="global/networks/default", source_ranges=["0.0.0.0/0"],
                                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])])
     compute_v1.FirewallsClient(**options).insert(project="test-project", firewall_resource=rule)
@@ -273,3 +271,36 @@ def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_da
         "reaper: an SSH rule whose VM is gone is deleted; other rules spared", True, swept.state, None,
         log_excerpt(logs, "delete firewall"),
     )
+
+
+def test_first_creates_drawing_the_deployment_id_at_once_all_use_the_last_draw(monkeypatch):
+    """Three first-ever creates of a new deployment find no id at the same moment and each writes its draw.
+
+    The Variable keeps the last write; a create that went on with its own draw would name (and label) its VM
+    with an id its later steps, and the teardown, no longer read: the VM would be inserted under one name and
+    waited for, or deleted, under another."""
+    import airflow.sdk
+
+    from airflow_tpu_posttrain.operators import compute_base
+
+    monkeypatch.delenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", raising=False)
+    monkeypatch.setattr(compute_base, "_DEPLOYMENT_ID_POLL_S", 0.01)
+    monkeypatch.setattr(compute_base, "DEPLOYMENT_ID_SETTLE_S", 0.05)
+    store: dict[str, str] = {}
+    other_draws = ["airflow-second", "airflow-third"]  # the racers' writes, landing after ours
+
+    class RacedVariable:
+        @staticmethod
+        def get(key, default=None):
+            if key in store and other_draws:
+                store[key] = other_draws.pop(0)
+            return store.get(key, default)
+
+        @staticmethod
+        def set(key, value, description=None):
+            store[key] = value
+
+    monkeypatch.setattr(airflow.sdk, "Variable", RacedVariable)
+    first = compute_base.deployment_id()
+    assert other_draws == []  # the racers did write while this create was reading
+    assert first == "airflow-third" == compute_base.deployment_id() == store[compute_base.DEPLOYMENT_VARIABLE]

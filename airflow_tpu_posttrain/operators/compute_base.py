@@ -27,6 +27,10 @@ _REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 
 
 DEPLOYMENT_VARIABLE = "airflow_tpu_posttrain.deployment_id"
+# A drawn id is used once it has stayed the same this long: every create racing to draw the first one has then
+# written its draw (they all found the Variable absent at the same moment), and they all use the last.
+DEPLOYMENT_ID_SETTLE_S = 3.0
+_DEPLOYMENT_ID_POLL_S = 0.5
 
 
 def deployment_id() -> str:
@@ -35,8 +39,13 @@ def deployment_id() -> str:
     Deployments sharing a project (staging and production, with the same DAG files on the same schedule) then
     never find, reuse, delete or reap each other's VMs. ``[tpu_posttrain] deployment_id`` (environment:
     ``AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID``), or else an id drawn at the deployment's first create and kept as
-    the Airflow Variable ``airflow_tpu_posttrain.deployment_id``."""
+    the Airflow Variable ``airflow_tpu_posttrain.deployment_id``.
+
+    A Variable is written last-writer-wins, so several first creates at once each draw and write an id; each
+    then waits until the Variable has settled and takes its final value, so no task of the deployment ever sees
+    an id change (which would rename a VM between its insert and its wait)."""
     import secrets
+    import time
 
     from airflow.sdk import Variable
     from airflow.sdk.configuration import conf
@@ -57,8 +66,14 @@ def deployment_id() -> str:
         f"airflow-{secrets.token_hex(4)}",
         description="This deployment's id in its TPU VMs' names and labels (airflow-tpu-posttrain); keep it",
     )
-    # Two first-ever creates at the same moment may each use the id they drew; the Variable keeps the last.
-    return Variable.get(DEPLOYMENT_VARIABLE)
+    settled = Variable.get(DEPLOYMENT_VARIABLE)
+    stable_since = time.monotonic()
+    while time.monotonic() - stable_since < DEPLOYMENT_ID_SETTLE_S:
+        time.sleep(_DEPLOYMENT_ID_POLL_S)
+        latest = Variable.get(DEPLOYMENT_VARIABLE)
+        if latest != settled:
+            settled, stable_since = latest, time.monotonic()
+    return settled
 
 
 def vm_expires_at(spec: compute.TpuVmSpec) -> int:
