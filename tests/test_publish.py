@@ -518,3 +518,51 @@ def test_publishes_a_gemma3_export_in_maxtexts_shape(tmp_path, run_publish):
                        "--expect-tensors-from", str(bigger))
     assert proc.returncode == 1
     assert "config.json has hidden_size=64, expected 128" in proc.stderr
+
+
+def test_an_export_without_generation_config_gets_the_base_models(tmp_path, run_publish, hub, token, token_file):
+    """MaxText writes no generation_config.json: the published model stops where its base stops.
+
+    The base model is gated and read with the run's token (as the export step's environment holds it)."""
+    from huggingface_hub import HfApi
+
+    base = tmp_path / "base"
+    base.mkdir()
+    base_generation = {"bos_token_id": 1, "eos_token_id": [2, 9, 10], "do_sample": True, "temperature": 0.6}
+    (base / "generation_config.json").write_text(json.dumps(base_generation))
+    (base / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    revision = hub.store.seed_repo("acme/tiny-llama-instruct", base, gated="manual")
+    hub.grant(token, "acme/tiny-llama-instruct")
+    export = make_export(tmp_path / "export", drop_file="generation_config.json")
+    proc = run_publish(
+        "--model-dir", str(export), "--result-file", str(tmp_path / "result.json"), *hub_args(hub),
+        "--generation-config-from", "acme/tiny-llama-instruct", "--generation-config-revision", revision,
+        token_file=token_file, env={"HF_TOKEN": token},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"generation_config.json of acme/tiny-llama-instruct@{revision} added" in proc.stdout
+    published = HfApi(endpoint=hub.url, token=token).hf_hub_download(
+        REPO_ID, "generation_config.json", revision=BRANCH, cache_dir=tmp_path / "hf-cache"
+    )
+    assert json.loads(Path(published).read_text()) == base_generation
+
+    own = make_export(tmp_path / "export-own")  # an export with its own generation config keeps it
+    proc = run_publish(
+        "--model-dir", str(own), "--result-file", str(tmp_path / "result-own.json"), *hub_args(hub),
+        "--generation-config-from", "acme/tiny-llama-instruct", token_file=token_file, env={"HF_TOKEN": token},
+    )
+    assert proc.returncode == 0 and "the export's own generation_config.json kept" in proc.stdout
+    assert json.loads((own / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
+
+    bare = tmp_path / "bare"  # a base without one: the export is published without, and says so
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    hub.store.seed_repo("acme/bare-base", bare, gated="manual")
+    hub.grant(token, "acme/bare-base")
+    without = make_export(tmp_path / "export-without", drop_file="generation_config.json")
+    proc = run_publish(
+        "--model-dir", str(without), "--result-file", str(tmp_path / "result-without.json"), *hub_args(hub),
+        "--generation-config-from", "acme/bare-base", token_file=token_file, env={"HF_TOKEN": token},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "acme/bare-base has no generation_config.json: none added" in proc.stdout

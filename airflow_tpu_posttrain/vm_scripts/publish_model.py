@@ -8,6 +8,10 @@ google-cloud-storage (only for gs:// URIs), both imported where needed.
 The Hub token is read from the file named by $HF_TOKEN_FILE; it never comes from argv and is never
 printed (error messages are scrubbed of it too).
 
+With --generation-config-from, an export without ``generation_config.json`` gets the base model's (MaxText's
+to_huggingface writes none, and its config.json carries MaxText's table's single eos id: Llama 3.1 Instruct's
+128001, not its end of turn 128009, so ``generate()`` would run past the end of every answer).
+
 With --card, the folder first gets a model card (README.md, made with huggingface_hub's ModelCard and
 ModelCardData) and the training curve it shows (training_curve.png, drawn with matplotlib, a MaxText
 dependency), so the Hub page and the storage copy carry both.
@@ -234,6 +238,26 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
 # ---- publishing -------------------------------------------------------------------------------------
 
 
+def carry_generation_config(model_dir: Path, repo_id: str, revision: str | None, endpoint: str | None) -> str:
+    """Put the base model's ``generation_config.json`` into an export that has none; say what was done.
+
+    Read with the token in $HF_TOKEN (the base model is gated; the export step's environment holds it)."""
+    target = model_dir / "generation_config.json"
+    if target.exists():
+        return "the export's own generation_config.json kept"
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        downloaded = hf_hub_download(
+            repo_id, "generation_config.json", revision=revision or None, endpoint=endpoint or None
+        )
+    except EntryNotFoundError:
+        return f"{repo_id} has no generation_config.json: none added"
+    shutil.copyfile(downloaded, target)
+    return f"generation_config.json of {repo_id}@{revision or 'main'} added"
+
+
 def read_hub_token() -> str:
     token_file = os.environ.get("HF_TOKEN_FILE")
     if not token_file:
@@ -391,6 +415,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hub.add_argument("--hub-endpoint", help="Hub URL (default: $HF_ENDPOINT, else huggingface.co)")
     parser.add_argument("--storage-uri", help="gs://bucket/prefix, file:///abs/dir or /abs/dir")
     parser.add_argument(
+        "--generation-config-from",
+        metavar="REPO_ID",
+        help="the base model on the Hub whose generation_config.json an export without one gets",
+    )
+    parser.add_argument("--generation-config-revision", help="its revision (default: main)")
+    parser.add_argument(
         "--card", type=Path, help="JSON of what the model card says (base model, run, metrics)"
     )
     parser.add_argument(
@@ -405,6 +435,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, token: str | None) -> dict:
     expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
+    if args.generation_config_from:
+        endpoint = args.hub_endpoint or os.environ.get("HF_ENDPOINT")
+        carried = carry_generation_config(
+            args.model_dir, args.generation_config_from, args.generation_config_revision, endpoint
+        )
+        print(f"publish_model: {carried}", flush=True)
     validated = validate_export(args.model_dir, expected_config)
     if args.card:
         write_card(args.model_dir, read_json_file(args.card, "model card facts"))
