@@ -218,3 +218,10 @@ def test_without_the_client_installed_the_error_says_what_to_install(monkeypatch
             validate("Instance", {})
     finally:
         compute_schema._schemas.cache_clear()
+
+
+def test_every_instance_status_compute_answers_is_either_live_or_dead():
+    """A status the pipeline does not know would be neither reused nor replaced, nor taken for a lost VM."""
+    statuses = set(enum_values("Instance", "status"))
+    assert statuses == compute.LIVE_STATES | compute.DEAD_STATES
+    assert not compute.LIVE_STATES & compute.DEAD_STATES

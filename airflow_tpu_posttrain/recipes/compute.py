@@ -34,11 +34,15 @@ FLEX_START_RUN_DURATION_S = (10 * 60, 7 * 24 * 3600)  # a flex-start VM runs 10 
 # --request-valid-for-duration; Google Cloud blog "Introducing Flex-start VMs", 2025-09-25).
 FLEX_START_MAX_WAIT_S = 2 * 3600
 
-# Instance states from which the VM can still become (or is) usable, and those that must be replaced.
+# Instance states from which the VM can still become (or is) usable, and those that must be replaced: every
+# status of Compute v1's Instance.status enum is one or the other (tests/test_compute_schema.py).
 # PENDING: a FLEX_START VM with a wait time (or a TPU VM) waiting for capacity; it will run, so it is reused.
-# https://cloud.google.com/compute/docs/instances/instance-lifecycle
+# PENDING_STOP (a graceful shutdown) and DEPROVISIONING (halted, its resources being released) are on the way
+# down. https://cloud.google.com/compute/docs/instances/instance-lifecycle
 LIVE_STATES = frozenset({"PENDING", "PROVISIONING", "STAGING", "RUNNING", "REPAIRING"})
-DEAD_STATES = frozenset({"STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED"})
+DEAD_STATES = frozenset(
+    {"PENDING_STOP", "STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED", "DEPROVISIONING"}
+)
 
 
 def _slug(value: str, max_len: int) -> str:
