@@ -196,3 +196,10 @@ def test_interpolation_is_docker_composes() -> None:
     assert interpolate("${SET:-d} ${EMPTY:-d} ${UNSET:-d}", variables) == "value d d"
     assert interpolate("${SET-d} ${EMPTY-d} ${UNSET-d}", variables) == "value  d"
     assert interpolate("${SET}/${UNSET} $${HOSTNAME}", variables) == "value/ ${HOSTNAME}"
+
+
+def test_the_cli_service_runs_only_when_asked(config: dict[str, Any]) -> None:
+    """As the official file's ``airflow-cli``: the common image and environment, started by its profile only."""
+    cli, scheduler = config["services"]["airflow-cli"], config["services"]["airflow-scheduler"]
+    assert cli["profiles"] == ["debug"] and cli["image"] == scheduler["image"]
+    assert {k: v for k, v in cli["environment"].items() if k != "CONNECTION_CHECK_MAX_COUNT"} == scheduler["environment"]
