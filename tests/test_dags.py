@@ -164,7 +164,7 @@ def test_setup_teardown_pair(dags, dag_id):
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 @pytest.mark.parametrize("step", ["train", "export_and_publish"])
-def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step):
+def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step, request):
     """Each VM that the UI's "Clear" of one step re-creates gets MaxText again.
 
     The clear re-runs the step's downstream and the setups in its scope; without the install among them the
@@ -176,6 +176,11 @@ def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step):
     for create, install in recreated:
         assert install in cleared, f"clearing {step} re-creates {create} without {install}: {sorted(cleared)}"
     assert {delete for create, _, delete in vms if create in cleared} <= cleared  # and deletes them again
+    if dag_id == SFT_GEMMA:  # one row for the fault matrix: the seed model's DAG
+        request.getfixturevalue("fault_matrix").record(
+            f"DAG: the UI's Clear of {step} -> its VMs are re-created with MaxText installed, and deleted again",
+            None, "n/a", None, f"cleared with it: {', '.join(sorted(c for pair in recreated for c in pair))}"[:80],
+        )
 
 
 @pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
@@ -291,7 +296,7 @@ def test_execution_timeout_on_every_task(dags, dag_id):
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
-def test_no_run_timeout_and_a_cloud_backstop_beyond_every_retry(dags, dag_id):
+def test_no_run_timeout_and_a_cloud_backstop_beyond_every_retry(dags, dag_id, request):
     """A run-level timeout would mark the teardowns SKIPPED when it fires; each step is bounded instead."""
     dag = dags[dag_id]
     assert dag.dagrun_timeout is None
@@ -300,6 +305,11 @@ def test_no_run_timeout_and_a_cloud_backstop_beyond_every_retry(dags, dag_id):
     tries = dag.get_task("train").retries + 1
     on_vm = sum((dag.get_task(t).execution_timeout for t in BODY), timedelta(0)) * tries
     assert dag.get_task(CREATE).max_run_duration > on_vm + dag.get_task(CREATE).execution_timeout
+    if dag_id == SFT_GEMMA:
+        request.getfixturevalue("fault_matrix").record(
+            "DAG: a run-level timeout would skip the teardowns -> none; every step bounded, VM deadline beyond all tries",
+            None, "n/a", None, f"maxRunDuration {dag.get_task(CREATE).max_run_duration} > {tries} tries of every step",
+        )
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)

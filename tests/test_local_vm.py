@@ -267,7 +267,7 @@ def test_vms_have_own_address_host_keys_and_disk(make_vm, keys, tmp_path):
         _connect(vm_b, keys["user"][0], host_keys=vm_a.host_keys)
 
 
-def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeypatch):
+def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeypatch, fault_matrix):
     """A step trusts the keys the VM it created published, and nothing else.
 
     A recycled address has a stale ``~/.ssh/known_hosts`` entry on the workers, or a planted one."""
@@ -292,6 +292,10 @@ def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeyp
     with pytest.raises(VmHostKeyMismatchError, match="not the one the VM published"):
         with VmHook("pinned_vm", remote_host=vm.address, host_keys=other.host_keys):
             pass
+    fault_matrix.record(
+        "access: a stale or planted ~/.ssh/known_hosts entry for the VM's address -> only the published keys count",
+        None, "n/a", None, "stale entry: VM reached; planted entry for other keys: refused (host key mismatch)",
+    )
 
 
 def test_sshd_answers_only_after_boot_delay(make_vm, keys):

@@ -59,7 +59,7 @@ class _Step(VmRecoveryMixin):
         self.delegated.append((phase, method))
 
 
-def test_a_new_vm_at_the_lost_ones_address_is_told_by_its_host_keys_and_gets_maxtext():
+def test_a_new_vm_at_the_lost_ones_address_is_told_by_its_host_keys_and_gets_maxtext(fault_matrix):
     """Same zone, same internal address (recycled), new host keys: the step trusts the new VM's keys.
 
     And it installs first: a recovery whose install failed left a RUNNING VM without MaxText."""
@@ -69,6 +69,10 @@ def test_a_new_vm_at_the_lost_ones_address_is_told_by_its_host_keys_and_gets_max
     step.train_on_adopted_vm({"ti": ti}, adopted)
     assert ti.pushed[RECOVERED_VM]["host_keys"] == NEW_KEYS
     assert step.delegated == [("install", "execute")]  # then training starts on it (start_on_vm)
+    fault_matrix.record(
+        "recovery: the new VM got the lost one's address -> its new host keys pinned, MaxText installed first",
+        None, "n/a", None, "adopted with the new VM's host keys; install ran before training",
+    )
 
 
 def test_the_recorded_vm_itself_is_used_as_it_is():
