@@ -162,13 +162,8 @@ def test_setup_teardown_pair(dags, dag_id):
         assert task_id in delete.get_flat_relative_ids(upstream=True)
 
 
-@pytest.mark.parametrize("dag_id", ALL_DAGS)
-@pytest.mark.parametrize("step", ["train", "export_and_publish"])
-def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step, request):
-    """Each VM that the UI's "Clear" of one step re-creates gets MaxText again.
-
-    The clear re-runs the step's downstream and the setups in its scope; without the install among them the
-    fresh VM has no MaxText and every try fails."""
+def _cleared_vms(dags, dag_id: str, step: str) -> list[tuple[str, str]]:
+    """The (create, install) pairs the UI's "Clear" of ``step`` re-runs, asserted to include each install."""
     cleared = set(dags[dag_id].partial_subset([step], include_downstream=True, include_upstream=False).task_ids)
     vms = [(CREATE, INSTALL, DELETE)] + ([(CREATE_CPU, INSTALL_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [])
     recreated = [(create, install) for create, install, _ in vms if create in cleared]
@@ -176,11 +171,17 @@ def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step, requ
     for create, install in recreated:
         assert install in cleared, f"clearing {step} re-creates {create} without {install}: {sorted(cleared)}"
     assert {delete for create, _, delete in vms if create in cleared} <= cleared  # and deletes them again
-    if dag_id == SFT_GEMMA:  # one row for the fault matrix: the seed model's DAG
-        request.getfixturevalue("fault_matrix").record(
-            f"DAG: the UI's Clear of {step} -> its VMs are re-created with MaxText installed, and deleted again",
-            None, "n/a", None, f"cleared with it: {', '.join(sorted(c for pair in recreated for c in pair))}"[:80],
-        )
+    return recreated
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+@pytest.mark.parametrize("step", ["train", "export_and_publish"])
+def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step):
+    """Each VM that the UI's "Clear" of one step re-creates gets MaxText again.
+
+    The clear re-runs the step's downstream and the setups in its scope; without the install among them the
+    fresh VM has no MaxText and every try fails."""
+    _cleared_vms(dags, dag_id, step)
 
 
 @pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
@@ -295,9 +296,8 @@ def test_execution_timeout_on_every_task(dags, dag_id):
     assert not missing, f"tasks without execution_timeout: {missing}"
 
 
-@pytest.mark.parametrize("dag_id", ALL_DAGS)
-def test_no_run_timeout_and_a_cloud_backstop_beyond_every_retry(dags, dag_id, request):
-    """A run-level timeout would mark the teardowns SKIPPED when it fires; each step is bounded instead."""
+def _bounded_without_a_run_timeout(dags, dag_id: str) -> tuple[timedelta, int]:
+    """Asserts no run-level timeout and a VM deadline beyond every try; returns (maxRunDuration, tries)."""
     dag = dags[dag_id]
     assert dag.dagrun_timeout is None
     assert all(task.execution_timeout for task in dag.tasks)
@@ -305,11 +305,28 @@ def test_no_run_timeout_and_a_cloud_backstop_beyond_every_retry(dags, dag_id, re
     tries = dag.get_task("train").retries + 1
     on_vm = sum((dag.get_task(t).execution_timeout for t in BODY), timedelta(0)) * tries
     assert dag.get_task(CREATE).max_run_duration > on_vm + dag.get_task(CREATE).execution_timeout
-    if dag_id == SFT_GEMMA:
-        request.getfixturevalue("fault_matrix").record(
-            "DAG: a run-level timeout would skip the teardowns -> none; every step bounded, VM deadline beyond all tries",
-            None, "n/a", None, f"maxRunDuration {dag.get_task(CREATE).max_run_duration} > {tries} tries of every step",
+    return dag.get_task(CREATE).max_run_duration, tries
+
+
+@pytest.mark.parametrize("dag_id", ALL_DAGS)
+def test_no_run_timeout_and_a_cloud_backstop_beyond_every_retry(dags, dag_id):
+    """A run-level timeout would mark the teardowns SKIPPED when it fires; each step is bounded instead."""
+    _bounded_without_a_run_timeout(dags, dag_id)
+
+
+def test_the_seed_models_dag_survives_a_cleared_step_and_has_no_run_timeout(dags, fault_matrix):
+    """The fault-matrix rows of the two checks above, for the SFT seed model's DAG."""
+    for step in ("train", "export_and_publish"):
+        recreated = _cleared_vms(dags, SFT_GEMMA, step)
+        fault_matrix.record(
+            f"DAG: the UI's Clear of {step} -> its VMs are re-created with MaxText installed, and deleted again",
+            None, "n/a", None, f"cleared with it: {', '.join(sorted(c for pair in recreated for c in pair))}"[:80],
         )
+    deadline, tries = _bounded_without_a_run_timeout(dags, SFT_GEMMA)
+    fault_matrix.record(
+        "DAG: a run-level timeout would skip the teardowns -> none; every step bounded, VM deadline beyond all tries",
+        None, "n/a", None, f"maxRunDuration {deadline} > {tries} tries of every step",
+    )
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
