@@ -436,9 +436,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace, token: str | None) -> dict:
     expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
     if args.generation_config_from:
-        endpoint = args.hub_endpoint or os.environ.get("HF_ENDPOINT")
+        # Without --hub-endpoint, huggingface_hub reads $HF_ENDPOINT itself.
         carried = carry_generation_config(
-            args.model_dir, args.generation_config_from, args.generation_config_revision, endpoint
+            args.model_dir, args.generation_config_from, args.generation_config_revision, args.hub_endpoint
         )
         print(f"publish_model: {carried}", flush=True)
     validated = validate_export(args.model_dir, expected_config)
