@@ -43,6 +43,9 @@ def airflow_db() -> Path:
 
 
 SSH_LOGIN = "posttrain"
+# The account the tests' Google connection holds a key of, and its roles on PROJECT (what README grants).
+RUNNER_ACCOUNT = "airflow-runner@my-project.iam.gserviceaccount.com"
+RUNNER_ROLES = ("roles/compute.instanceAdmin.v1", "roles/compute.osAdminLogin", "roles/iap.tunnelResourceAccessor")
 
 
 @pytest.fixture(scope="session")
@@ -53,11 +56,25 @@ def client_key(tmp_path_factory) -> Path:
     return key
 
 
+def emulator_credentials(emulator, account: str = "", roles: tuple[str, ...] = ()):
+    """Credentials the Google clients send to ``emulator``: a new key of ``account`` (default the runner's).
+
+    As a user's service account key file, through google-auth (``Credentials.from_service_account_info``)."""
+    from google.oauth2 import service_account
+
+    if not account:
+        account, roles = RUNNER_ACCOUNT, RUNNER_ROLES
+    key = emulator.service_account_key(account, *roles, project=PROJECT)
+    return service_account.Credentials.from_service_account_info(
+        key, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+    )
+
+
 @pytest.fixture
 def emulator(monkeypatch, tmp_path, client_key):
     """A Compute emulator whose instances are local machines (fleet.py), and the connections to use it.
 
-    The default Google connection is pointed at it with anonymous credentials, and the ``tpu_vm_ssh``
+    The default Google connection is pointed at it with a key of ``RUNNER_ACCOUNT``, and the ``tpu_vm_ssh``
     connection is made as README makes it (login and key only)."""
     from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
     from airflow_tpu_posttrain.local.fleet import LocalFleet
@@ -67,8 +84,12 @@ def emulator(monkeypatch, tmp_path, client_key):
         for zone in ("us-east5-a", "us-east5-b"):  # the reservations the tests' DAGs name
             for reservation in ("my-reservation", "r"):
                 emu.add_reservation(reservation, zone, vm_count=8)
-        # The emulator serves the OS Login API too.
-        extra = {"is_anonymous": True, "project": PROJECT, "compute_api_endpoint": emu.url, "oslogin_api_endpoint": emu.url}
+        # The emulator serves the OS Login API too. The connection holds a key of the account tests run as.
+        key = emu.service_account_key(RUNNER_ACCOUNT, *RUNNER_ROLES, project=PROJECT)
+        extra = {
+            "keyfile_dict": json.dumps(key), "project": PROJECT, "compute_api_endpoint": emu.url,
+            "oslogin_api_endpoint": emu.url,
+        }
         monkeypatch.setenv(
             "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
         )

@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from conftest import PROJECT, log_excerpt
+from conftest import PROJECT, emulator_credentials, log_excerpt
 from test_tpu_vm_operators import inserts, no_instances_within, task_states
 
 from airflow_tpu_posttrain.recipes import capacity
@@ -35,11 +35,10 @@ def cap_dag(dag_id: str, cap: int | None = 1, wait: int = 60, reservation: str =
 
 
 def _client(emulator):
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     return compute_v1.InstancesClient(
-        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
 
 

@@ -8,14 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import RUNNER_ACCOUNT, RUNNER_ROLES, emulator_credentials
 from google.api_core import exceptions
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
@@ -37,7 +38,7 @@ def gce(emulator):
     options = {
         "transport": "rest",
         "client_options": {"api_endpoint": emulator.url},
-        "credentials": AnonymousCredentials(),
+        "credentials": emulator_credentials(emulator),
     }
     return SimpleNamespace(
         instances=compute_v1.InstancesClient(**options),
@@ -74,11 +75,21 @@ def wait(gce, operation: str, zone: str = ZONE) -> compute_v1.Operation:
     return gce.zone_operations.wait(project=PROJECT, zone=zone, operation=operation)
 
 
-def admin(emulator, method: str, path: str, body: dict | None = None):
+def admin(emulator, method: str, path: str, body: dict | None = None, token: str | None = None):
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(f"{emulator.url}{path}", data=data, method=method)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(request) as response:
         return json.load(response)
+
+
+def access_token(credentials) -> str:
+    """The access token google-auth gets for ``credentials`` (the OAuth 2.0 JWT bearer grant at the key's token_uri)."""
+    import google.auth.transport.requests
+
+    credentials.refresh(google.auth.transport.requests.Request())
+    return credentials.token
 
 
 def test_insert_then_wait_gives_a_running_instance_with_local_ips(gce):
@@ -307,7 +318,8 @@ def test_a_busy_instance_refuses_a_delete_and_the_hook_waits_it_out(gce, emulato
     inserting = insert(gce, tpu_instance("vm-busy"))
     with pytest.raises(exceptions.BadRequest, match="is not ready"):
         gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-busy")
-    google = {"conn_type": "google_cloud_platform", "extra": {"is_anonymous": True, "project": PROJECT}}
+    key = emulator.service_account_key(RUNNER_ACCOUNT, *RUNNER_ROLES, project=PROJECT)
+    google = {"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": json.dumps(key), "project": PROJECT}}
     monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps(google))
     hook = TpuVmHook(api_endpoint=emulator.url, retry_initial_delay=0.2, retry_deadline=30)
     deleting = hook.delete_instance(PROJECT, ZONE, "vm-busy", str(uuid.uuid4()))
@@ -456,12 +468,13 @@ def test_admin_endpoints(gce, emulator):
 
 
 def test_paths_without_the_compute_v1_prefix(emulator):
+    token = access_token(emulator_credentials(emulator))
     body = {"name": "vm-1", "machineType": f"zones/{ZONE}/machineTypes/e2-standard-2", "labels": {"a": "b"}}
-    operation = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/instances?requestId=r1", body)
-    done = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/operations/{operation['name']}/wait")
+    operation = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/instances?requestId=r1", body, token)
+    done = admin(emulator, "POST", f"/projects/{PROJECT}/zones/{ZONE}/operations/{operation['name']}/wait", None, token)
 
     assert done["status"] == "DONE"
-    instance = admin(emulator, "GET", f"/projects/{PROJECT}/zones/{ZONE}/instances/vm-1")
+    instance = admin(emulator, "GET", f"/projects/{PROJECT}/zones/{ZONE}/instances/vm-1", None, token)
     assert instance["status"] == "RUNNING" and instance["networkInterfaces"][0]["networkIP"] == "127.0.0.1"
     # Without an access config there is no external IP, as on the real API.
     assert "accessConfigs" not in instance["networkInterfaces"][0]
@@ -482,3 +495,63 @@ def test_command_line_runs_until_sigterm():
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=5) == 0
+
+
+def test_a_call_without_valid_credentials_is_refused_401_as_google_refuses_it(emulator):
+    """No credential, an unknown key's self-signed JWT, a refused grant: Google's 401 and 400 bodies."""
+    from google.oauth2 import service_account
+
+    path = f"/projects/{PROJECT}/zones/{ZONE}/instances"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        admin(emulator, "GET", path)
+    error = json.load(missing.value)["error"]
+    assert missing.value.code == 401 and error["status"] == "UNAUTHENTICATED"
+    assert error["errors"][0]["reason"] == "required"
+
+    key = emulator.service_account_key("someone@my-project.iam.gserviceaccount.com", project=PROJECT)
+    forged = ComputeEmulator().iam.create_key(key["client_email"], PROJECT, key["token_uri"])  # not this emulator's
+    clients = {"transport": "rest", "client_options": {"api_endpoint": emulator.url}}
+    stranger = compute_v1.InstancesClient(
+        credentials=service_account.Credentials.from_service_account_info(
+            forged, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+        ),
+        **clients,
+    )
+    with pytest.raises(exceptions.Unauthorized, match="invalid authentication credentials"):
+        stranger.get(project=PROJECT, zone=ZONE, instance="vm-1")
+    with pytest.raises(Exception, match="invalid_grant"):
+        access_token(service_account.Credentials.from_service_account_info(forged, scopes=["x"]))
+    # The account's own key: both ways google-auth makes a bearer credential are let in.
+    own = service_account.Credentials.from_service_account_info(key, scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    assert admin(emulator, "GET", path, None, access_token(own)).get("items", []) == []  # an access token
+    with pytest.raises(exceptions.NotFound):  # a self-signed JWT (the GAPIC clients' way): past authentication
+        compute_v1.InstancesClient(credentials=own, **clients).get(project=PROJECT, zone=ZONE, instance="vm-1")
+
+
+def test_os_login_changes_only_the_callers_own_profile_and_logs_in_only_with_a_role(emulator):
+    """users.importSshPublicKey into another account's profile: 403. The VM's login check: a role is needed."""
+    from google.cloud.oslogin_v1 import OsLoginServiceClient
+
+    from airflow_tpu_posttrain.local.iam import OS_ADMIN_LOGIN, OS_LOGIN
+
+    caller = "caller@my-project.iam.gserviceaccount.com"
+    client = OsLoginServiceClient(
+        transport="rest",
+        credentials=emulator_credentials(emulator, caller),
+        client_options={"api_endpoint": emulator.url},
+    )
+    key = {"key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOp2J1Y4TlY6k1ZbDL3Z8C9eS5hHvH5p1W9K0l8dC3Qm"}
+    with pytest.raises(exceptions.Forbidden, match="The caller does not have permission"):  # REST: by HTTP code
+        client.import_ssh_public_key(request={"parent": "users/other@my-project.iam.gserviceaccount.com", "ssh_public_key": key})
+    profile = client.import_ssh_public_key(request={"parent": f"users/{caller}", "ssh_public_key": key}).login_profile
+
+    def may(policy: str) -> bool:
+        query = f"?email={caller.replace('@', '%40')}&policy={policy}"
+        return admin(emulator, "GET", f"/_vm/{PROJECT}/computeMetadata/v1/oslogin/authorize{query}")["success"]
+
+    assert profile.posix_accounts[0].username.startswith("sa_")
+    assert (may("login"), may("adminLogin")) == (False, False)
+    emulator.iam.grant(PROJECT, caller, OS_LOGIN)
+    assert (may("login"), may("adminLogin")) == (True, False)
+    emulator.iam.grant(PROJECT, caller, OS_ADMIN_LOGIN)
+    assert (may("login"), may("adminLogin")) == (True, True)

@@ -58,7 +58,7 @@ def deployment(stack, tmp_path_factory) -> Iterator:
     # emulator here (a connection in the environment comes before the one airflow-init stored).
     emulator = {
         "conn_type": "google_cloud_platform",
-        "extra": {"is_anonymous": True, "project": LOCAL_PROJECT, "compute_api_endpoint": stack.compute.url},
+        "extra": {"key_path": str(stack.google_key_file), "project": LOCAL_PROJECT, "compute_api_endpoint": stack.compute.url},
     }
     extra_env = {**stack.environment(), "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": json.dumps(emulator)}
     with ComposeDeployment(tmp_path_factory.mktemp("deployment"), dotenv, extra_env) as running:

@@ -149,3 +149,63 @@ def test_a_restarted_server_serves_what_it_held_once_started(tmp_path, monkeypat
     for _ in range(5):
         with server:  # at once, as the outage thread does
             assert [b.name for b in gcs_client.Client().list_blobs(BUCKET)] == ["kept/object"]
+
+
+def _claim(uri: str, owner: str, env: dict, stale_s: int = 3600) -> int:
+    return _bash(storage.claim_command(uri, owner, stale_s, TOOL if storage.is_gcs(uri) else None), env).returncode
+
+
+@pytest.mark.parametrize("where", ["gs", "dir"])
+def test_a_claim_is_held_by_one_owner_until_it_is_stale(env, tmp_path, where):
+    """Of runs racing for a claim one wins; its next try keeps it; another takes it only from a dead owner."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    uri = f"gs://{BUCKET}/conversions/key-{where}/.claim" if where == "gs" else str(tmp_path / "key" / ".claim")
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda owner: _claim(uri, owner, env), [f"dag/run-{i}" for i in range(4)]))
+    assert sorted(codes) == [0, storage.CLAIM_HELD, storage.CLAIM_HELD, storage.CLAIM_HELD], codes
+    winner = f"dag/run-{codes.index(0)}"
+    loser = next(f"dag/run-{i}" for i, code in enumerate(codes) if code)
+    assert _claim(uri, winner, env) == 0  # the winner's retry
+    assert _claim(uri, loser, env) == storage.CLAIM_HELD
+    if where == "dir":  # find -mmin counts whole minutes: age the file instead of waiting
+        old = time.time() - 7200
+        os.utime(uri, (old, old))
+    assert _claim(uri, loser, env, stale_s=0 if where == "gs" else 3600) == 0  # the winner went silent
+    assert _claim(uri, winner, env) == storage.CLAIM_HELD
+
+
+@pytest.mark.parametrize("where", ["gs", "dir"])
+def test_two_jobs_writing_one_output_run_the_step_once(env, tmp_path, where):
+    """Two runs converting the same model at once: one converts, the other waits and reuses it."""
+    from airflow_tpu_posttrain.recipes import remote_job
+
+    output = f"gs://{BUCKET}/conversions/shared-{where}" if where == "gs" else str(tmp_path / "shared")
+    tool = TOOL if where == "gs" else None
+    runs = tmp_path / "step-runs"
+    step = tmp_path / "step.sh"
+    # The conversion: seconds long; the first one to run fails when told to (a failed try of the claim's holder).
+    step.write_text(f"echo ran >> {runs}\nsleep 3\nif [ -e {tmp_path}/fail ]; then rm {tmp_path}/fail; exit 7; fi\n")
+
+    def start(owner: str) -> subprocess.Popen:
+        script = tmp_path / f"{owner.replace('/', '_')}.sh"
+        claim = f"{output}/.claim"
+        script.write_text(
+            remote_job.wrapper_script(
+                str(step), str(tmp_path / "log"), done_marker=f"{output}/.complete", storage_tool=tool,
+                claim=(storage.claim_command(claim, owner, 3600, tool), storage.release_command(claim, owner, tool)),
+                claim_poll_s=0.5,
+            )
+        )
+        return subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+
+    (tmp_path / "fail").touch()
+    failing = start("dag-a/run-1")
+    assert failing.wait(timeout=120) == 7  # failed, and let the claim go: the next run does not wait an hour
+    jobs = [start("dag-a/run-2"), start("dag-b/run-1")]
+    outputs = [job.communicate(timeout=120)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0]
+    assert runs.read_text() == "ran\nran\n"  # the failed try, then the step once for the two runs
+    [waited] = [out for out in outputs if remote_job.CLAIM_WAIT_LINE in out]
+    assert remote_job.CLAIM_DONE_LINE in waited
+    assert _bash(storage.exists_command(f"{output}/.complete", tool), env).returncode == 0

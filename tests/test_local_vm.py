@@ -16,6 +16,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from conftest import PROJECT, emulator_credentials
 
 from airflow_tpu_posttrain.local.vm import LocalVm, allocate_address, authorized_keys
 
@@ -197,16 +198,18 @@ def test_oslogin_vm_takes_only_the_oslogin_profiles_current_keys(make_vm, keys):
 
     Keys imported through the real OS Login client log in as the POSIX name it answered, until they expire;
     metadata keys do not."""
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud.oslogin_v1 import OsLoginServiceClient
 
-    from airflow_tpu_posttrain.local.compute_emulator import GUEST_OSLOGIN_PATH, ComputeEmulator
+    from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
+    from airflow_tpu_posttrain.local.iam import OS_LOGIN
 
     with ComputeEmulator() as emulator:
-        client = OsLoginServiceClient(
-            transport="rest", credentials=AnonymousCredentials(), client_options={"api_endpoint": emulator.url}
-        )
         user = "runner@my-project.iam.gserviceaccount.com"
+        client = OsLoginServiceClient(
+            transport="rest",
+            credentials=emulator_credentials(emulator, user, (OS_LOGIN,)),
+            client_options={"api_endpoint": emulator.url},
+        )
         expire_on = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=8)
         answers = [
             client.import_ssh_public_key(
@@ -222,7 +225,7 @@ def test_oslogin_vm_takes_only_the_oslogin_profiles_current_keys(make_vm, keys):
         vm = make_vm(
             "vm-oslogin",
             f"{LOGIN}:{keys['stranger'][1]}\n",  # metadata keys: ignored under OS Login
-            oslogin_url=emulator.url + GUEST_OSLOGIN_PATH,
+            oslogin_url=emulator.guest_oslogin_url(PROJECT),
             oslogin_logins=[login],
         )
         with _connect(vm, keys["user"][0], user=login) as session:

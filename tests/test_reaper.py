@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import log_excerpt
+from conftest import emulator_credentials, log_excerpt
 
 from airflow_tpu_posttrain.recipes import reaper
 
@@ -136,11 +136,10 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
     victim = run_dag("reaper_victim", CREATE_ONLY)
     assert victim.state == "success" and len(emulator.instances()) == 1
     # Someone else's instance in the same zone, without our label.
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     client = compute_v1.InstancesClient(
-        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
     client.insert(project="test-project", zone="us-east5-b", instance_resource=compute_v1.Instance(
         name="not-ours", machine_type="zones/us-east5-b/machineTypes/e2-standard-2"))
@@ -249,7 +248,6 @@ FIREWALLED = CREATE_ONLY.replace('poll_interval=0.2)', 'poll_interval=0.2, ssh_s
 
 
 def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_dag, capfd, fault_matrix):
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     victim = run_dag("reaper_victim", FIREWALLED)
@@ -257,7 +255,7 @@ def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_da
     [vm] = emulator.instances()
     [ours] = emulator.firewalls()
     assert ours["description"] == f"airflow-tpu-posttrain: SSH to instance {vm['name']}"
-    options = {"transport": "rest", "client_options": {"api_endpoint": emulator.url}, "credentials": AnonymousCredentials()}
+    options = {"transport": "rest", "client_options": {"api_endpoint": emulator.url}, "credentials": emulator_credentials(emulator)}
     rule = compute_v1.Firewall(name="allow-ssh", network="global/networks/default", source_ranges=["0.0.0.0/0"],
                                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])])
     compute_v1.FirewallsClient(**options).insert(project="test-project", firewall_resource=rule)

@@ -9,7 +9,7 @@ import time
 import uuid
 
 import pytest
-from conftest import log_excerpt
+from conftest import emulator_credentials, log_excerpt
 
 
 def _client():
@@ -334,7 +334,6 @@ def test_failed_delete_operation_is_reported_as_failed(emulator, run_dag, capfd,
 
 def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag, fault_matrix):
     """A try died after Compute accepted its insert (worker lost before deferring): the next try adopts that VM."""
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     from airflow_tpu_posttrain.recipes.access import ssh_keys_metadata
@@ -348,7 +347,7 @@ def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag, f
     deployment = this_deployment()
     name = instance_name("lifecycle_half_insert", "manual__half_insert", "tpu", deployment)
     client = compute_v1.InstancesClient(
-        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
     spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation="my-reservation")
     labels = ownership_labels("lifecycle_half_insert", "manual__half_insert", "create_tpu_vm", 2_000_000_000, deployment)
@@ -370,13 +369,12 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     import asyncio
     import importlib
 
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
     from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger, ComputeOperationsTrigger
 
     client = compute_v1.InstancesClient(
-        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
     operation = client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(
         name="tpu-r", machine_type="zones/us-east5-b/machineTypes/ct6e-standard-8t"))

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import PROJECT, log_excerpt
+from conftest import PROJECT, RUNNER_ACCOUNT, RUNNER_ROLES, emulator_credentials, log_excerpt
 from test_tpu_vm_operators import inserts, lifecycle, no_instances_within, task_states, xcom
 
 STEP_DAG = """
@@ -205,24 +205,35 @@ def test_oslogin_mode_puts_the_key_in_os_login_and_the_vm_takes_only_its_posix_n
     )
 
 
-def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
-    emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix
-):
+def iap_gcloud(emulator, tmp_path, monkeypatch, roles=RUNNER_ROLES):
+    """The iap path's prerequisites: gcloud (the stand-in) on the PATH with an account, Private Google Access, NAT.
+
+    gcloud's account is the runner's service account, granted ``roles``."""
     import os
 
-    import paramiko
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import compute_v1
-
-    from airflow_tpu_posttrain.hooks.vm import VmHook, VmHookAsync
-    from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE
+    from airflow_tpu_posttrain.local.iap_tunnel import CREDENTIAL_FILE_VARIABLE, ENDPOINT_VARIABLE
     from airflow_tpu_posttrain.local.stack import write_gcloud_stand_in
 
     write_gcloud_stand_in(tmp_path / "bin")  # gcloud compute start-iap-tunnel, reading the emulator
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
+    account = "iap-user@my-project.iam.gserviceaccount.com"
+    key_file = tmp_path / "gcloud-key.json"
+    key_file.write_text(json.dumps(emulator.service_account_key(account, *roles, project=PROJECT)))
+    monkeypatch.setenv(CREDENTIAL_FILE_VARIABLE, str(key_file))
     emulator.add_subnetwork("default", "us-east5", private_google_access=True)
     emulator.add_router("nat-router", "us-east5")
+
+
+def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
+    emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix
+):
+    import paramiko
+    from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook, VmHookAsync
+
+    iap_gcloud(emulator, tmp_path, monkeypatch)
     dr = run_dag("access_iap", lifecycle("access_iap", tasks="create", create_kwargs='network_path="iap"'))
     assert dr.state == "success", task_states(dr)
     vm = xcom(dr, "create_tpu_vm")
@@ -240,7 +251,7 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
 
     # Without a rule admitting IAP's range, the tunnel cannot reach the VM (IAP's 4003).
     options = {"api_endpoint": emulator.url}
-    firewalls = compute_v1.FirewallsClient(transport="rest", client_options=options, credentials=AnonymousCredentials())
+    firewalls = compute_v1.FirewallsClient(transport="rest", client_options=options, credentials=emulator_credentials(emulator))
     firewalls.delete(project=PROJECT, firewall=rule["name"])
     deadline = time.monotonic() + 5
     while emulator.firewalls() and time.monotonic() < deadline:
@@ -255,6 +266,60 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
         dr.state,
         None,
         refused.stderr.strip()[:80],
+    )
+
+
+def test_iap_without_the_tunnel_role_fails_at_once_naming_it(emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix):
+    """Gcloud's account lacks roles/iap.tunnelResourceAccessor: IAP answers 4033; no wait mends it."""
+    iap_gcloud(emulator, tmp_path, monkeypatch, roles=("roles/compute.instanceAdmin.v1",))
+    create_kwargs = 'network_path="iap", ready_timeout=__import__("datetime").timedelta(seconds=120)'
+    started = time.monotonic()
+    dr = run_dag("access_iap_role", lifecycle("access_iap_role", create_kwargs=create_kwargs))
+    waited = time.monotonic() - started
+    logs = "".join(capfd.readouterr())
+    assert dr.state == "failed" and task_states(dr)["create_tpu_vm"] in ("failed", "up_for_retry")
+    assert "4033: 'not authorized'" in logs and "roles/iap.tunnelResourceAccessor" in logs
+    assert waited < 110  # ended by what the tunnel said, not by the 120 s readiness timeout
+    assert no_instances_within(emulator, seconds=30)
+    fault_matrix.record(
+        "access: IAP path, gcloud's account without roles/iap.tunnelResourceAccessor -> fails at once naming it",
+        True, dr.state, None, log_excerpt(logs, "4033"),
+    )
+
+
+def test_oslogin_into_another_accounts_profile_is_refused_before_anything_is_created(
+    emulator, run_dag, capfd, fault_matrix
+):
+    """OS Login adds keys to the caller's own profile only: another account's is a 403, named with the fix."""
+    kwargs = 'ssh_key_mode="oslogin", oslogin_user="someone-else@my-project.iam.gserviceaccount.com"'
+    dr = run_dag("access_oslogin_other", lifecycle("access_oslogin_other", create_kwargs=kwargs))
+    logs = "".join(capfd.readouterr())
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "OS Login refused to add the SSH key to someone-else@my-project.iam.gserviceaccount.com's profile" in logs
+    assert "The caller does not have permission" in logs and inserts(emulator) == []
+    fault_matrix.record(
+        "access: OS Login into another account's profile -> 403, fails before any VM with the fix",
+        None, dr.state, None, log_excerpt(logs, "OS Login refused"),
+    )
+
+
+def test_oslogin_account_without_a_login_role_fails_naming_the_role_and_deletes_the_vm(
+    emulator, run_dag, capfd, fault_matrix, monkeypatch
+):
+    """The key is in the caller's profile, but the VM lets an account in only with an OS Login role."""
+    from airflow_tpu_posttrain.local.iam import OS_ADMIN_LOGIN
+    from airflow_tpu_posttrain.operators import vm_login
+
+    monkeypatch.setattr(vm_login, "LOGIN_GRACE", __import__("datetime").timedelta(seconds=4))
+    emulator.iam.revoke(PROJECT, RUNNER_ACCOUNT, OS_ADMIN_LOGIN)
+    dr = run_dag("access_oslogin_norole", lifecycle("access_oslogin_norole", create_kwargs='ssh_key_mode="oslogin"'))
+    logs = "".join(capfd.readouterr())
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "refused Airflow's SSH login" in logs and "needs roles/compute.osAdminLogin" in logs
+    assert len(inserts(emulator)) == 1 and no_instances_within(emulator, seconds=30)
+    fault_matrix.record(
+        "access: OS Login account without roles/compute.osAdminLogin -> the create fails naming it, VM deleted",
+        True, dr.state, None, log_excerpt(logs, "needs roles/compute.osAdminLogin"),
     )
 
 
@@ -307,21 +372,11 @@ def test_private_key_is_in_no_log_xcom_request_or_rendered_field(emulator, run_d
 
 def test_iap_readiness_reports_what_the_tunnel_said(emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix):
     """A deny rule of higher priority shuts IAP out: the create's wait ends with the tunnel's own error."""
-    import os
-
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import compute_v1
 
-    from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE
-    from airflow_tpu_posttrain.local.stack import write_gcloud_stand_in
-
-    write_gcloud_stand_in(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
-    emulator.add_subnetwork("default", "us-east5", private_google_access=True)
-    emulator.add_router("nat-router", "us-east5")
+    iap_gcloud(emulator, tmp_path, monkeypatch)
     firewalls = compute_v1.FirewallsClient(
-        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=AnonymousCredentials()
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
     deny = compute_v1.Firewall(
         name="deny-all-ingress", priority=900, source_ranges=["0.0.0.0/0"], denied=[compute_v1.Denied(I_p_protocol="all")]

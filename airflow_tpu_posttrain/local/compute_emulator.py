@@ -51,6 +51,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from zoneinfo import ZoneInfo
 
 from airflow_tpu_posttrain.local import compute_schema
+from airflow_tpu_posttrain.local.iam import TOKEN_PATH, GrantRefused, LocalIam, Unauthenticated
 from airflow_tpu_posttrain.local.oslogin import OsLoginDirectory, OsLoginError
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS
 
@@ -67,7 +68,9 @@ _COMPUTE_TIMEZONE = ZoneInfo("America/Los_Angeles")
 """An operation is PENDING for half its time, but at most this long, then RUNNING until DONE."""
 
 GUEST_OSLOGIN_PATH = "/computeMetadata/v1/oslogin/"
-"""Where a local VM's sshd looks up OS Login keys, as a real one asks its metadata server."""
+"""Where a local VM's sshd looks up OS Login keys, as a real one asks its metadata server (under
+``/_vm/<project>``: the metadata server knows the VM's project, which the login's authorization is asked in)."""
+_GUEST_PREFIX = r"/_vm/(?P<project>[^/]+)" + GUEST_OSLOGIN_PATH
 
 # The machine types this emulator's zones offer: those of the accelerators the pipelines create (any other name
 # is refused as Compute refuses a machine type a zone does not have).
@@ -111,7 +114,9 @@ class Faults:
 class _ApiError(Exception):
     """An HTTP error answered with Google's JSON error body."""
 
-    def __init__(self, status: int, reason: str, message: str, domain: str = "global"):
+    def __init__(
+        self, status: int, reason: str, message: str, domain: str = "global", status_name: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.body = {
@@ -121,6 +126,8 @@ class _ApiError(Exception):
                 "errors": [{"message": message, "domain": domain, "reason": reason}],
             }
         }
+        if status_name:  # the newer APIs' canonical status (OS Login, IAP)
+            self.body["error"]["status"] = status_name
 
 
 # The public image families the pipelines boot (gce-tpu.md: the tutorials' TPU image; Ubuntu 22.04 for the CPU
@@ -367,9 +374,17 @@ class ComputeEmulator:
             # OS Login API v1 (oslogin.googleapis.com), and its metadata-server side that a VM's sshd asks.
             r"/v1/users/(?P<user>[^/:]+):importSshPublicKey": {"POST": (self._import_ssh_public_key, None)},
             r"/v1/users/(?P<user>[^/:]+)/loginProfile": {"GET": (self._get_login_profile, None)},
-            GUEST_OSLOGIN_PATH + "users": {"GET": (self._guest_oslogin_user, None)},
+            _GUEST_PREFIX + "users": {"GET": (self._guest_oslogin_user, None)},
+            _GUEST_PREFIX + "authorize": {"GET": (self._guest_oslogin_authorize, None)},
+            # IAP (iap.googleapis.com v1): what the stand-in IAP tunnel asks before it connects.
+            r"/v1/projects/(?P<project>[^/]+)/iap_tunnel/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/:]+)"
+            r":testIamPermissions": {"POST": (self._test_iap_permissions, None)},
         }
         self._routes = [(re.compile(pattern), methods) for pattern, methods in routes.items()]
+        # Who may call (service accounts, their keys and roles): kept across reset(), as keys handed to
+        # connections outlive the resources a test makes.
+        self.iam = LocalIam()
+        self._request = threading.local()  # the caller of the request a server thread is answering
         self.reset()
 
     # ----------------------------------------------------------------- lifecycle
@@ -409,6 +424,15 @@ class ComputeEmulator:
         return f"http://{host}:{port}"
 
     # ---------------------------------------------------------------- test API
+
+    def service_account_key(self, email: str, *roles: str, project: str) -> dict[str, Any]:
+        """A new key file of service account ``email``, granted ``roles`` on ``project``."""
+        self.iam.grant(project, email, *roles)
+        return self.iam.create_key(email, project, self.url + TOKEN_PATH)
+
+    def guest_oslogin_url(self, project: str) -> str:
+        """Where the sshd of a VM of ``project`` asks for OS Login keys (its metadata server's OS Login)."""
+        return f"{self.url}/_vm/{project}{GUEST_OSLOGIN_PATH}"
 
     @property
     def requests(self) -> list[dict[str, Any]]:
@@ -551,14 +575,30 @@ class ComputeEmulator:
 
     # ---------------------------------------------------------------- dispatch
 
-    def handle(self, method: str, path: str, query: dict[str, str], body: Any) -> tuple[int, Any]:
-        """Answer one HTTP request; returns (status, JSON payload)."""
+    def handle(
+        self, method: str, path: str, query: dict[str, str], body: Any, authorization: str | None = None
+    ) -> tuple[int, Any]:
+        """Answer one HTTP request; returns (status, JSON payload).
+
+        Every API request must carry a service account's credential (``authorization``); the admin paths and
+        the VMs' metadata server do not."""
         try:
             if path.startswith("/_emulator/"):
                 return self._handle_admin(method, path, body)
+            if not path.startswith("/_vm/"):
+                self._request.caller = self.iam.caller(authorization)
             return self._handle_api(method, path, query, body)
+        except Unauthenticated as error:
+            return 401, error.body
         except _ApiError as error:
             return error.status, error.body
+
+    def token(self, form: dict[str, str]) -> tuple[int, Any]:
+        """The OAuth 2.0 token endpoint (the key files' ``token_uri``)."""
+        try:
+            return 200, self.iam.exchange(form)
+        except GrantRefused as error:
+            return 400, error.body
 
     def _handle_api(self, method: str, path: str, query: dict[str, str], body: Any) -> tuple[int, Any]:
         with self._lock:
@@ -788,7 +828,7 @@ class ComputeEmulator:
                     self._schedule_max_run_duration(key, instance)
                     if self.fleet is not None:
                         self.fleet.boot(
-                            key, instance, self.url + GUEST_OSLOGIN_PATH, self.oslogin.usernames()
+                            key, instance, self.guest_oslogin_url(project), self.oslogin.usernames()
                         )
 
             failure = self._insert_failure(project, zone, body)
@@ -1274,23 +1314,47 @@ class ComputeEmulator:
 
     # ---------------------------------------------------------------- OS Login
 
+    def _own_profile(self, user: str) -> str:
+        """``user``'s e-mail if it is the caller's: a caller reads and changes its own login profile only."""
+        email = unquote(user)
+        if email != self._request.caller:
+            raise _ApiError(
+                403, "forbidden", "The caller does not have permission", status_name="PERMISSION_DENIED"
+            )
+        return email
+
     def _import_ssh_public_key(self, query: dict, body: dict, user: str):
         try:
-            return 200, self.oslogin.import_key(unquote(user), body)
+            return 200, self.oslogin.import_key(self._own_profile(user), body)
         except OsLoginError as error:
             return error.code, error.body
 
     def _get_login_profile(self, query: dict, body: dict, user: str):
         try:
-            return 200, self.oslogin.login_profile(unquote(user))
+            return 200, self.oslogin.login_profile(self._own_profile(user))
         except OsLoginError as error:
             return error.code, error.body
 
-    def _guest_oslogin_user(self, query: dict, body: dict):
+    def _guest_oslogin_user(self, query: dict, body: dict, project: str):
         try:
             return 200, self.oslogin.guest_profile(query.get("username", ""))
         except OsLoginError as error:
             return error.code, error.body
+
+    def _guest_oslogin_authorize(self, query: dict, body: dict, project: str):
+        """Whether the account may log in (``policy=login``) or log in with sudo (``adminLogin``) on the VM."""
+        permission = {"login": "compute.instances.osLogin", "adminLogin": "compute.instances.osAdminLogin"}.get(
+            query.get("policy", "")
+        )
+        if permission is None:
+            raise _ApiError(400, "invalid", "policy must be login or adminLogin")
+        return 200, {"success": self.iam.permitted(project, query.get("email", ""), permission)}
+
+    def _test_iap_permissions(self, query: dict, body: dict, project: str, zone: str, name: str):
+        """IAP's ``testIamPermissions`` on a tunnel instance: those of ``permissions`` the caller holds."""
+        asked = body.get("permissions") or []
+        held = [p for p in asked if self.iam.permitted(project, self._request.caller, p)]
+        return 200, {"permissions": held} if held else {}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -1309,12 +1373,20 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         length = int(self.headers.get("Content-Length") or 0)
         raw_body = self.rfile.read(length) if length else b""
+        if (method, url.path) == ("POST", TOKEN_PATH):  # form-encoded, as OAuth 2.0 token requests are
+            self._answer(*self.server.emulator.token(dict(parse_qsl(raw_body.decode()))))
+            return
         try:
             body = json.loads(raw_body) if raw_body else None
         except json.JSONDecodeError:
             status, payload = 400, _ApiError(400, "parseError", "Parse Error").body
         else:
-            status, payload = self.server.emulator.handle(method, url.path, dict(parse_qsl(url.query)), body)
+            status, payload = self.server.emulator.handle(
+                method, url.path, dict(parse_qsl(url.query)), body, self.headers.get("Authorization")
+            )
+        self._answer(status, payload)
+
+    def _answer(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json; charset=UTF-8")

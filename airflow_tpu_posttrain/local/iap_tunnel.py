@@ -8,8 +8,11 @@ from 35.235.240.0/20 to the instance's internal IP, so it reaches the port only 
 the instance's network admits that range on that port for the instance (all instances, or one of its network
 tags) and no deny rule of a higher or equal priority refuses it; else the tunnel fails with ``4003: 'failed to connect to backend'``; an instance that does not exist or
 is not RUNNING fails the same way. The instance and the rules are read from the Compute API at
-``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's own endpoint override). Not emulated: the caller's
-roles/iap.tunnelResourceAccessor.
+``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's own endpoint override) as gcloud's account: the service
+account key of ``CLOUDSDK_AUTH_CREDENTIAL_FILE_OVERRIDE`` (gcloud's ``auth/credential_file_override``), whose
+access token comes from the key's ``token_uri``; without one gcloud has no active account. IAP lets the account
+through only with ``iap.tunnelInstances.accessViaIAP`` on the instance (roles/iap.tunnelResourceAccessor), else
+``4033: 'not authorized'``; asked here of the emulator's IAP ``testIamPermissions``.
 """
 
 from __future__ import annotations
@@ -26,16 +29,43 @@ import urllib.request
 
 IAP_RANGE = ipaddress.ip_network("35.235.240.0/20")
 ENDPOINT_VARIABLE = "CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE"
+CREDENTIAL_FILE_VARIABLE = "CLOUDSDK_AUTH_CREDENTIAL_FILE_OVERRIDE"
+_TUNNEL_PERMISSION = "iap.tunnelInstances.accessViaIAP"
 
 
 class TunnelError(Exception):
     pass
 
 
-def _get(url: str) -> dict | None:
+def access_token() -> str:
+    """An access token of gcloud's account (the key file's service account), from the key's ``token_uri``."""
+    key_file = os.environ.get(CREDENTIAL_FILE_VARIABLE)
+    if not key_file:
+        raise TunnelError(
+            "You do not currently have an active account selected. Please run: $ gcloud auth login"
+        )
+    import google.auth.transport.requests
+    from google.oauth2 import service_account
+
+    credentials = service_account.Credentials.from_service_account_file(
+        key_file, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+    )
+    try:
+        credentials.refresh(google.auth.transport.requests.Request())
+    except Exception as error:  # gcloud reports a refused grant and stops
+        raise TunnelError(f"There was a problem refreshing your current auth tokens: {error}") from None
+    return credentials.token
+
+
+def _call(url: str, token: str, body: dict | None = None) -> dict | None:
+    """A JSON API call as gcloud's account (POST with ``body``); None for 404."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {token}"})
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url, timeout=10) as answer:
+        with opener.open(request, timeout=10) as answer:
             return json.load(answer)
     except urllib.error.HTTPError as error:
         if error.code == 404:
@@ -89,13 +119,19 @@ def admits_iap(rules: list[dict], instance: dict, port: int) -> bool:
 
 def backend(endpoint: str, project: str, zone: str, name: str, port: int) -> tuple[str, int]:
     """The address IAP would connect to, or TunnelError as gcloud reports it."""
-    instance = _get(f"{endpoint}projects/{project}/zones/{zone}/instances/{name}")
+    token = access_token()
+    tunnel = f"projects/{project}/iap_tunnel/zones/{zone}/instances/{name}"
+    iap = endpoint.split("/compute/v1/")[0]  # the emulator serves IAP's API beside Compute's
+    held = _call(f"{iap}/v1/{tunnel}:testIamPermissions", token, {"permissions": [_TUNNEL_PERMISSION]}) or {}
+    if _TUNNEL_PERMISSION not in held.get("permissions", []):
+        raise TunnelError("Error while connecting [4033: 'not authorized'].")
+    instance = _call(f"{endpoint}projects/{project}/zones/{zone}/instances/{name}", token)
     if instance is None:
         raise TunnelError(
             f"Could not fetch resource: - The resource 'projects/{project}/zones/{zone}/instances/{name}' "
             "was not found"
         )
-    rules = (_get(f"{endpoint}projects/{project}/global/firewalls") or {}).get("items", [])
+    rules = (_call(f"{endpoint}projects/{project}/global/firewalls", token) or {}).get("items", [])
     if instance.get("status") != "RUNNING" or not admits_iap(rules, instance, port):
         raise TunnelError("Error while connecting [4003: 'failed to connect to backend'].")
     return instance["networkInterfaces"][0]["networkIP"], port

@@ -33,6 +33,8 @@ from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
 from airflow_tpu_posttrain.local.fleet import LocalFleet
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.hub_server import HubServer
+from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
+from airflow_tpu_posttrain.local.iap_tunnel import CREDENTIAL_FILE_VARIABLE
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
 from airflow_tpu_posttrain.recipes.install import install_script
@@ -41,6 +43,10 @@ from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
 LOCAL_REGION = "local-cpu1"  # the region of the local entries' zones (dags/models.yaml)
+# The service account the local runs call Google's APIs as (its key in the Google connection and gcloud's
+# configuration), with the roles README's Google Cloud section grants.
+LOCAL_RUNNER = f"posttrain-runner@{LOCAL_PROJECT}.iam.gserviceaccount.com"
+LOCAL_RUNNER_ROLES = ("roles/compute.instanceAdmin.v1", OS_ADMIN_LOGIN, IAP_TUNNEL_USER)
 LOCAL_LOGIN = "posttrain"  # the VMs' guest agent creates this account from the ssh-keys metadata
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 
@@ -171,6 +177,10 @@ class LocalStack:
         self.fleet.vm_environment = client_environment(self.gcs.url)
         self.fleet.vm_hosts, self.fleet.vm_ca_bundle = self.gcs.google_hosts, self.gcs.ca_bundle
         self.compute.start()
+        self.google_key_file.write_text(
+            json.dumps(self.compute.service_account_key(LOCAL_RUNNER, *LOCAL_RUNNER_ROLES, project=LOCAL_PROJECT))
+        )
+        self.google_key_file.chmod(0o600)
         # What README asks of a network whose VMs have no external IP (network_path internal or iap), done for the
         # local entries' region: Private Google Access on its subnetwork and a Cloud NAT.
         self.compute.add_subnetwork("default", LOCAL_REGION, private_google_access=True)
@@ -192,6 +202,11 @@ class LocalStack:
         for name in ("sft.jsonl", "sft_eval.jsonl"):
             shutil.copy(self.local_dir / "tiny" / "data" / name, chats / name)
         return self.hub.datasets.seed_repo(TINY_CHATS_REPO, chats)
+
+    @property
+    def google_key_file(self) -> Path:
+        """The key file of ``LOCAL_RUNNER``, made at each start (the emulator knows the keys it made)."""
+        return self.vm_dir / "google-key.json"
 
     @property
     def bin_dir(self) -> Path:
@@ -216,7 +231,7 @@ class LocalStack:
         compute = {
             "conn_type": "google_cloud_platform",
             "extra": {
-                "is_anonymous": True,
+                "key_path": str(self.google_key_file),
                 "project": LOCAL_PROJECT,
                 "compute_api_endpoint": self.compute.url,
                 "oslogin_api_endpoint": self.compute.url,  # the emulator also serves OS Login
@@ -235,6 +250,7 @@ class LocalStack:
             # The iap network path's ProxyCommand: the stand-in gcloud, reading Compute where gcloud would.
             "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             IAP_ENDPOINT_VARIABLE: f"{self.compute.url}/compute/v1/",
+            CREDENTIAL_FILE_VARIABLE: str(self.google_key_file),  # gcloud's account: the same service account
             # The worker's and the tests' storage clients (google-cloud-storage) reach the local GCS server.
             **client_environment(self.gcs.url),
         }

@@ -125,21 +125,29 @@ def authorized_keys(lines: Iterable[str], user: str, now: datetime) -> list[str]
 
 
 def oslogin_keys(url: str, user: str, now: datetime) -> list[str]:
-    """The ``KEYTYPE KEY`` entries of OS Login user ``user`` valid at ``now``.
+    """The ``KEYTYPE KEY`` entries of OS Login user ``user`` valid at ``now``, if the account may log in.
 
-    Read from the metadata server's ``oslogin/users?username=`` (what Google's ``google_authorized_keys``
-    asks); none for an unknown user."""
+    Read from the metadata server's ``oslogin/users?username=``, then ``oslogin/authorize?email=&policy=login``
+    (what Google's ``google_authorized_keys`` asks: an account without roles/compute.osLogin or osAdminLogin
+    gets no keys); none for an unknown user."""
     import urllib.error
     import urllib.parse
     import urllib.request
 
-    request = urllib.request.Request(
-        f"{url}users?username={urllib.parse.quote(user)}", headers={"Metadata-Flavor": "Google"}
-    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the metadata server is local
-    try:
+
+    def ask(query: str) -> dict:
+        request = urllib.request.Request(f"{url}{query}", headers={"Metadata-Flavor": "Google"})
         with opener.open(request, timeout=10) as answer:
-            profiles = json.load(answer).get("loginProfiles", [])
+            return json.load(answer)
+
+    try:
+        profiles = ask(f"users?username={urllib.parse.quote(user)}").get("loginProfiles", [])
+        profiles = [
+            profile
+            for profile in profiles
+            if ask(f"authorize?email={urllib.parse.quote(profile.get('name', ''))}&policy=login").get("success")
+        ]
     except urllib.error.HTTPError:
         return []
     now_usec = int(now.timestamp() * 1_000_000)

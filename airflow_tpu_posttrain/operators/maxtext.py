@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,9 @@ from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, val
 from airflow_tpu_posttrain.recipes.models import GSM8K_REPO, ModelProfile, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Step
 from airflow_tpu_posttrain.recipes.validation import SpecError
+
+# A conversion claim is a dead run's after this long when the convert step has no timeout of its own.
+CLAIM_STALE_DEFAULT = timedelta(hours=2)
 
 if TYPE_CHECKING:
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
@@ -155,7 +158,20 @@ class MaxTextConvertOperator(MaxTextJobOperator):
             f"{spec.layout.converted_dir}/.complete",
             outputs,
             reads_hub=True,
+            claim=self._claim(spec, context) if spec.layout.conversion_key else None,
         )
+
+    def _claim(self, spec: maxtext.RunSpec, context: Context) -> tuple[str, str]:
+        """One conversion per key at a time.
+
+        Runs of several DAGs (or backfills) converting the same model wait for the first and reuse its
+        conversion instead of writing the same checkpoint at once. A claim older than this step's timeout is a dead run's and is taken over."""
+        converted = spec.layout.converted_dir
+        owner = f"{context['dag'].dag_id}/{context['run_id']}"
+        stale_s = int((self.execution_timeout or CLAIM_STALE_DEFAULT).total_seconds())
+        tool = self.storage_tool if storage.is_gcs(converted) else None
+        uri = f"{converted}/.claim"
+        return storage.claim_command(uri, owner, stale_s, tool), storage.release_command(uri, owner, tool)
 
 
 class _TrainOperator(EvaluationMixin, MaxTextJobOperator):

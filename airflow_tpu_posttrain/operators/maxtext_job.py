@@ -57,6 +57,7 @@ class Job:
         reads_hub: bool = False,
         token_file: bool = False,
         prefetch: str | None = None,
+        claim: tuple[str, str] | None = None,
     ):
         self.script = script
         self.done_marker = done_marker
@@ -64,6 +65,7 @@ class Job:
         self.reads_hub = reads_hub  # MaxText / transformers download the model: HF_TOKEN and HF_ENDPOINT set
         self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
         self.prefetch = prefetch  # run with HF_TOKEN before the step, which then runs without it
+        self.claim = claim  # (take, release-on-failure): one run at a time writes done_marker's output
 
 
 class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
@@ -268,6 +270,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             hub_endpoint=self._hub_endpoint() if job.reads_hub or job.prefetch else None,
             done_marker=job.done_marker,
             storage_tool=self.storage_tool if job.done_marker and storage.is_gcs(job.done_marker) else None,
+            claim=job.claim,
         )
         return script, token_file
 

@@ -481,6 +481,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         if action is Action.AWAIT_LOGIN:
             return self._ready_or_defer(context, spec, name, progress, event["instance"])
         if action is Action.DONE:
+            self._check_login(context, spec, name, zone, vm, event["host_keys"])
             record = self._record(context, spec, name, zone, **vm, host_keys=event["host_keys"])
             self.log.info(
                 "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",

@@ -22,6 +22,9 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
+# How long a refused login is asked again before the create gives up (OS Login grants and keys propagate).
+LOGIN_GRACE = timedelta(seconds=30)
+
 
 def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
     """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command``.
@@ -70,7 +73,8 @@ class VmLoginMixin:
         return None, self._import_oslogin_key(spec, public_key, expires_at)
 
     def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
-        from google.api_core.exceptions import PermissionDenied, Unauthenticated
+        # The REST transport raises by HTTP status (Forbidden, Unauthorized), gRPC by canonical code.
+        from google.api_core.exceptions import Forbidden, PermissionDenied, Unauthenticated, Unauthorized
 
         from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyHook
 
@@ -82,13 +86,58 @@ class VmLoginMixin:
             )
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
-        except (PermissionDenied, Unauthenticated) as err:
+        except (Forbidden, PermissionDenied, Unauthorized, Unauthenticated) as err:
             raise VmAccessError(
                 f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
                 "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
             ) from err
         self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
         return login
+
+    def _check_login(
+        self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, vm: dict, host_keys: dict
+    ) -> None:
+        """Log in once, as every SSH step will: a VM that refuses Airflow's key is deleted, with why.
+
+        An SSH port that answers says nothing of the login: OS Login lets in only accounts with an OS Login role,
+        and where the organization enforces OS Login a VM ignores ``ssh-keys``. A refusal is asked again for
+        ``LOGIN_GRACE`` (a key or grant just made takes a moment to reach the VM)."""
+        import paramiko
+
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        deadline = time.monotonic() + LOGIN_GRACE.total_seconds()
+        while True:
+            try:
+                with VmHook(
+                    ssh_conn_id=self.ssh_conn_id,
+                    remote_host=vm["ssh_address"],
+                    username=vm["ssh_login"],
+                    host_keys=host_keys,
+                    proxy_command=vm["ssh_proxy_command"],
+                ) as session:
+                    session.run("true")
+                return
+            except paramiko.AuthenticationException as err:
+                if time.monotonic() > deadline:
+                    refused = err
+                    break
+                time.sleep(2)
+        self._delete_leftover(context, spec, name, zone)
+        if spec.ssh_key_mode == "oslogin":
+            why = (
+                f"OS Login let the key in but not the login {vm['ssh_login']}: the account whose profile holds the "
+                f"key needs roles/compute.osAdminLogin on project {spec.project_id} (the install uses sudo): gcloud "
+                f"projects add-iam-policy-binding {spec.project_id} --member=serviceAccount:ACCOUNT "
+                "--role=roles/compute.osAdminLogin"
+            )
+        else:
+            why = (
+                f"the VM did not take the key of connection {self.ssh_conn_id!r} from its ssh-keys metadata for "
+                f"login {vm['ssh_login']}: where the project or organization enforces OS Login (constraints/"
+                "compute.requireOsLogin, or enable-oslogin in the project metadata) use ssh_key_mode: oslogin"
+            )
+        raise VmAccessError(f"VM {name} refused Airflow's SSH login ({refused}): {why}. The VM was deleted.")
 
     def _ready_or_defer(
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress, instance: dict

@@ -93,6 +93,11 @@ def complete_metric_lines_command(log_file: str) -> str:
     return f"{{ {{ {whole_lines}; }} | grep -aE {shlex.quote(LOG_FILTER)} || true; }}"
 
 
+CLAIM_WAIT_LINE = "[airflow-tpu-posttrain] another run is writing this output; waiting for it to finish"
+CLAIM_DONE_LINE = "[airflow-tpu-posttrain] the run holding the claim finished this output; nothing left to do"
+CLAIM_POLL_S = 15
+
+
 def wrapper_script(
     step_script: str,
     log_file: str,
@@ -104,6 +109,8 @@ def wrapper_script(
     hub_endpoint: str | None = None,
     done_marker: str | None = None,
     storage_tool: storage.GcsTool | None = None,
+    claim: tuple[str, str] | None = None,
+    claim_poll_s: float = CLAIM_POLL_S,
 ) -> str:
     """The script the detached job runs: the token, the step, then the metric lines and the marker.
 
@@ -112,8 +119,25 @@ def wrapper_script(
     soon as it is not needed. A ``prefetch`` command gets the token in its environment alone, before the step
     (which then runs without it). Then the step; then, with a ``done_marker``, the log's metric lines kept in
     storage beside it (a later run on another VM reads them there) and the marker (``storage_tool``: how the
-    VM writes a ``gs://`` marker)."""
+    VM writes a ``gs://`` marker).
+
+    ``claim`` (with ``done_marker``): a :func:`storage.claim_command` taken before the step, and its
+    :func:`storage.release_command`, run if the step fails. Runs writing the same output (two runs converting
+    one model) then do it once: while another run holds the claim the job waits, and ends without running the
+    step once that run's marker is there."""
     lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
+    if claim and done_marker:
+        lines += [
+            "while :; do",
+            f"  claimed=0; {claim[0]} || claimed=$?",
+            '  [ "$claimed" -eq 0 ] && break',
+            f'  [ "$claimed" -eq {storage.CLAIM_HELD} ] || exit "$claimed"',
+            f"  if {storage.exists_command(done_marker, storage_tool)}; then",
+            f"    echo {shlex.quote(CLAIM_DONE_LINE)}; exit 0",
+            "  fi",
+            f"  echo {shlex.quote(CLAIM_WAIT_LINE)}; sleep {claim_poll_s}",
+            "done",
+        ]
     if token_file and token_in_env:
         lines.append(f'export HF_TOKEN="$(cat {shlex.quote(token_file)})"')
     if hub_endpoint:
@@ -127,7 +151,10 @@ def wrapper_script(
         ]
     elif token_file:
         lines.append(f"rm -f {shlex.quote(token_file)}")
-    lines.append(f"bash {shlex.quote(step_script)}")
+    if claim and done_marker:
+        lines.append(f'bash {shlex.quote(step_script)} || {{ failed=$?; {claim[1]} || true; exit "$failed"; }}')
+    else:
+        lines.append(f"bash {shlex.quote(step_script)}")
     if done_marker:
         keep_metrics = storage.write_command(storage.metrics_uri(done_marker), storage_tool)
         lines += [

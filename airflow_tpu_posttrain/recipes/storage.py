@@ -22,6 +22,7 @@ from airflow_tpu_posttrain.recipes.shell import remote_path
 GCS_TOOL_NAME = "gcs_tool.py"  # in airflow_tpu_posttrain/vm_scripts, copied to the VM
 # gcs_tool.py's exit status for "no" (``exists``); anything else but 0 is an error (storage unreachable...).
 EXISTS_NO = 1
+CLAIM_HELD = 3  # gcs_tool.py's (and claim_command's) exit status for "another owner holds the claim"
 ORBAX_COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" on storage without atomic rename
 
 
@@ -135,3 +136,27 @@ def mark_command(uri: str, tool: GcsTool | None = None) -> str:
     if is_gcs(uri):
         return f"printf '' | {write_command(uri, tool)}"
     return f"mkdir -p {shlex.quote(posixpath.dirname(uri))} && touch {shlex.quote(uri)}"
+
+
+def claim_command(uri: str, owner: str, stale_s: int, tool: GcsTool | None = None) -> str:
+    """Take the claim ``uri`` for ``owner``: exit 0 if ``owner`` holds it now, ``CLAIM_HELD`` if another does.
+
+    Created only if absent (a ``gs://`` generation-match precondition; locally ``set -C``, an exclusive
+    create), kept by the same owner's next try, taken over from an owner whose claim is ``stale_s`` old."""
+    if is_gcs(uri):
+        return _tool(uri, tool).command("claim", uri, owner, str(stale_s))
+    path, line = shlex.quote(uri), shlex.quote(owner)
+    stale_minutes = max(1, stale_s // 60)
+    return (
+        f"{{ mkdir -p {shlex.quote(posixpath.dirname(uri))} && "
+        f"{{ (set -C; printf '%s\\n' {line} > {path}) 2>/dev/null || grep -qxF -- {line} {path} || "
+        f'{{ test -n "$(find {path} -mmin +{stale_minutes})" && printf \'%s\\n\' {line} > {path}; }} '
+        f"|| (exit {CLAIM_HELD}); }}; }}"
+    )
+
+
+def release_command(uri: str, owner: str, tool: GcsTool | None = None) -> str:
+    """Delete the claim ``uri`` if ``owner`` holds it (a failed step lets the next run go at once)."""
+    if is_gcs(uri):
+        return _tool(uri, tool).command("release", uri, owner)
+    return f"{{ ! grep -qxF -- {shlex.quote(owner)} {shlex.quote(uri)} || rm -f {shlex.quote(uri)}; }}"

@@ -272,7 +272,7 @@ class ComputeDeleteTrigger(_OperationsTrigger):
 
 # What an IAP tunnel answers that no wait mends: the caller lacks roles/iap.tunnelResourceAccessor (4033), or
 # there is no gcloud to run it (the shell's 127).
-_LASTING_TUNNEL_ERRORS = ("4033", "not authorized", "command not found")
+_LASTING_TUNNEL_ERRORS = ("4033", "not authorized", "command not found", "do not currently have an active account")
 
 
 async def ssh_port_check(
@@ -382,7 +382,7 @@ class VmReadyTrigger(ComputeTrigger):
                     yield self._error(
                         f"The IAP tunnel to VM {self.name} cannot connect: {tunnel_said}. The identity Airflow "
                         "runs gcloud as needs roles/iap.tunnelResourceAccessor, and gcloud must be on the PATH "
-                        "of the triggerer and the workers"
+                        "of the triggerer and the workers, with an account (gcloud auth activate-service-account)"
                     )
                     return
                 instance = await hook.get_instance(self.project_id, self.zone, self.name)

@@ -20,6 +20,11 @@ exits 2 with the error on stderr, so "not there" is never mistaken for "could no
     move SOURCE DEST      the object SOURCE renamed DEST (a server-side rewrite, then SOURCE deleted)
     sync SOURCE DEST      a tree: every object under gs://.../SOURCE/ into the directory DEST, or every file under
                           the directory SOURCE to gs://.../DEST/ (objects whose MD5 already matches are skipped)
+    claim URI OWNER STALE_S
+                          create the object URI naming OWNER only if it does not exist (a generation-match
+                          precondition: of claims racing, one wins); exits 0 if OWNER holds it now (made, already
+                          OWNER's, or taken over from a holder silent for STALE_S seconds), 3 if another does
+    release URI OWNER     delete the claim object URI if OWNER holds it
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -38,6 +44,7 @@ CHUNK_SIZE = 16 * 1024 * 1024  # resumable uploads in 16 MiB chunks (a multiple 
 RETRY_DEADLINE_VARIABLE = "GCS_TOOL_RETRY_DEADLINE_S"
 EXIT_NO = 1
 EXIT_ERROR = 2
+EXIT_HELD = 3
 
 
 class StorageToolError(Exception):
@@ -114,6 +121,52 @@ def move(source: str, destination: str) -> None:
     blob.delete(retry=_retry())
 
 
+def claim(uri: str, owner: str, stale_s: float) -> bool:
+    """Whether ``owner`` holds the claim object ``uri`` now; see the module's docstring."""
+    from datetime import UTC, datetime
+
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    bucket_name, name = split(uri)
+    blob = _client().bucket(bucket_name).blob(name)
+    record = json.dumps({"owner": owner})
+    try:
+        blob.upload_from_string(record, if_generation_match=0, retry=_retry())
+        return True
+    except PreconditionFailed:
+        pass
+    try:
+        blob.reload(retry=_retry())
+        holder = json.loads(blob.download_as_bytes(if_generation_match=blob.generation, retry=_retry()))["owner"]
+    except (NotFound, PreconditionFailed):  # released or taken over meanwhile: ask again next time
+        return False
+    if holder == owner:  # this owner's earlier try
+        return True
+    silent_s = (datetime.now(UTC) - blob.updated).total_seconds()
+    print(f"gcs_tool claim: {uri} is held by {holder} (written {silent_s:.0f} s ago)", file=sys.stderr)
+    if silent_s < stale_s:
+        return False
+    try:
+        blob.upload_from_string(record, if_generation_match=blob.generation, retry=_retry())
+    except PreconditionFailed:
+        return False
+    print(f"gcs_tool claim: taken over from {holder}, silent for {stale_s:.0f} s or more", file=sys.stderr)
+    return True
+
+
+def release(uri: str, owner: str) -> None:
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    bucket_name, name = split(uri)
+    blob = _client().bucket(bucket_name).blob(name)
+    try:
+        blob.reload(retry=_retry())
+        if json.loads(blob.download_as_bytes(if_generation_match=blob.generation))["owner"] == owner:
+            blob.delete(if_generation_match=blob.generation, retry=_retry())
+    except (NotFound, PreconditionFailed):  # gone, or taken over meanwhile: not this owner's to delete
+        pass
+
+
 def _md5(path: Path) -> str:
     digest = hashlib.md5()  # noqa: S324 - GCS's own content hash, not for security
     with path.open("rb") as handle:
@@ -173,10 +226,22 @@ def main(argv: list[str] | None = None) -> int:
         two_uris = commands.add_parser(command)
         two_uris.add_argument("source")
         two_uris.add_argument("destination")
+    claim_parser = commands.add_parser("claim")
+    claim_parser.add_argument("uri")
+    claim_parser.add_argument("owner")
+    claim_parser.add_argument("stale_s", type=float)
+    release_parser = commands.add_parser("release")
+    release_parser.add_argument("uri")
+    release_parser.add_argument("owner")
     args = parser.parse_args(argv)
     try:
         if args.command == "exists":
             return 0 if exists(args.uri) else EXIT_NO
+        if args.command == "claim":
+            return 0 if claim(args.uri, args.owner, args.stale_s) else EXIT_HELD
+        if args.command == "release":
+            release(args.uri, args.owner)
+            return 0
         if args.command == "cat":
             cat(args.uri)
         elif args.command == "write":
