@@ -56,6 +56,14 @@ def client_key(tmp_path_factory) -> Path:
     return key
 
 
+def access_token(credentials) -> str:
+    """The access token google-auth gets for ``credentials`` (the OAuth 2.0 JWT bearer grant at the key's token_uri)."""
+    import google.auth.transport.requests
+
+    credentials.refresh(google.auth.transport.requests.Request())
+    return credentials.token
+
+
 def emulator_credentials(emulator, account: str = "", roles: tuple[str, ...] = ()):
     """Credentials the Google clients send to ``emulator``: a new key of ``account`` (default the runner's).
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import RUNNER_ACCOUNT, RUNNER_ROLES, emulator_credentials
+from conftest import RUNNER_ACCOUNT, RUNNER_ROLES, access_token, emulator_credentials
 from google.api_core import exceptions
 from google.cloud import compute_v1
 
@@ -84,17 +84,13 @@ def admin(emulator, method: str, path: str, body: dict | None = None, token: str
         return json.load(response)
 
 
-def access_token(credentials) -> str:
-    """The access token google-auth gets for ``credentials`` (the OAuth 2.0 JWT bearer grant at the key's token_uri)."""
-    import google.auth.transport.requests
-
-    credentials.refresh(google.auth.transport.requests.Request())
-    return credentials.token
-
-
 def test_insert_then_wait_gives_a_running_instance_with_local_ips(gce):
     operation = insert(gce, tpu_instance("vm-1"))
-    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "PROVISIONING"
+    # "TPU instances start instead in the PENDING state" (Compute's instance-lifecycle page); others PROVISIONING.
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "PENDING"
+    cpu_vm = insert(gce, tpu_instance("vm-cpu", machine_type=f"zones/{ZONE}/machineTypes/e2-standard-2"))
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-cpu").status == "PROVISIONING"
+    wait(gce, cpu_vm)
 
     done = wait(gce, operation)
 

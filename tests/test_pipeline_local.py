@@ -235,6 +235,10 @@ def test_tiny_sft_end_to_end(stack, capfd):
     curve = Path(hf_hub_download(filename="training_curve.png", **download)).read_bytes()
     assert curve.startswith(b"\x89PNG") and (model_copy / "training_curve.png").read_bytes() == curve
     assert ModelCard.load(model_copy / "README.md").content == card.content
+    # MaxText writes no generation config: the published model carries its base model's, so it stops where it stops.
+    base_generation = stack.local_dir / "tiny" / "tiny-llama" / "generation_config.json"
+    published_generation = Path(hf_hub_download(filename="generation_config.json", **download))
+    assert json.loads(published_generation.read_text()) == json.loads(base_generation.read_text())
     if os.environ.get("TPU_POSTTRAIN_SCREENSHOTS"):  # README's example: the card and curve this run published
         example = REPO / "docs" / "example-model-card"
         example.mkdir(exist_ok=True)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+from conftest import access_token
 
 VM_ZONE = "local-cpu1-a"
 
@@ -33,9 +34,9 @@ def context(run_id: str = "manual__reattach"):
     return {"dag_run": dag_run, "ti": FakeTaskInstance()}
 
 
-def _compute(method: str, url: str, body: dict | None = None) -> dict:
+def _compute(method: str, url: str, token: str, body: dict | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     with urllib.request.urlopen(request, timeout=30) as answer:
         return json.loads(answer.read() or b"{}")
@@ -47,6 +48,8 @@ def vm_of_its_own(stack, name: str, zone: str = VM_ZONE) -> Iterator[SimpleNames
 
     The ``local_vm`` connection's public key is in its ``ssh-keys`` metadata, no external IP. Yields its
     machine (``vm``), ``address`` and the ``host_keys`` it published; deleted on exit, its disk with it."""
+    from google.oauth2 import service_account
+
     from airflow_tpu_posttrain.hooks.vm import client_identity
     from airflow_tpu_posttrain.local.stack import LOCAL_PROJECT
     from airflow_tpu_posttrain.recipes import access, compute
@@ -58,26 +61,31 @@ def vm_of_its_own(stack, name: str, zone: str = VM_ZONE) -> Iterator[SimpleNames
     identity = client_identity("local_vm")
     ssh_keys = access.ssh_keys_metadata(identity.login, identity.public_key, int(time.time()) + 3600)
     instances = f"{stack.compute.url}/compute/v1/projects/{LOCAL_PROJECT}/zones/{zone}/instances"
-    _compute("POST", instances, compute.instance_body(spec, name, zone, labels={}, ssh_keys=ssh_keys))
+    token = access_token(
+        service_account.Credentials.from_service_account_file(
+            stack.google_key_file, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+        )
+    )
+    _compute("POST", instances, token, compute.instance_body(spec, name, zone, labels={}, ssh_keys=ssh_keys))
     try:
         deadline = time.monotonic() + 60
-        while _compute("GET", f"{instances}/{name}")["status"] != "RUNNING":
+        while _compute("GET", f"{instances}/{name}", token)["status"] != "RUNNING":
             assert time.monotonic() < deadline, f"{name} never became RUNNING"
             time.sleep(0.2)
         vm = stack.fleet.vm((LOCAL_PROJECT, zone, name))
         vm.wait_until_booted(60)
-        attributes = _compute("GET", f"{instances}/{name}/getGuestAttributes?queryPath=hostkeys/")
-        instance = _compute("GET", f"{instances}/{name}")
+        attributes = _compute("GET", f"{instances}/{name}/getGuestAttributes?queryPath=hostkeys/", token)
+        instance = _compute("GET", f"{instances}/{name}", token)
         yield SimpleNamespace(
             vm=vm,
             address=access.ssh_address(instance, "internal"),
             host_keys=access.host_keys_from_guest_attributes(attributes),
         )
     finally:
-        _compute("DELETE", f"{instances}/{name}")
+        _compute("DELETE", f"{instances}/{name}", token)
         deadline = time.monotonic() + 60
         while stack.fleet.vm((LOCAL_PROJECT, zone, name)) is not None and time.monotonic() < deadline:
-            _compute("GET", instances)  # the emulator moves its operations on when asked
+            _compute("GET", instances, token)  # the emulator moves its operations on when asked
             time.sleep(0.2)
     # Nothing survives a deleted VM: its disk (its /tmp, /var/tmp, /home, /root) is gone, bounded.
     deadline = time.monotonic() + 60

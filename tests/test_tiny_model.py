@@ -25,6 +25,7 @@ MAXTEXT_PYTHON = (
 )
 ARTIFACTS = [
     "tiny-llama/config.json",
+    "tiny-llama/generation_config.json",
     "tiny-llama/model.safetensors",
     "tiny-llama/tokenizer.json",
     "tiny-llama/tokenizer_config.json",

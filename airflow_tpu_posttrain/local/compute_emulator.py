@@ -75,6 +75,7 @@ _GUEST_PREFIX = r"/_vm/(?P<project>[^/]+)" + GUEST_OSLOGIN_PATH
 # The machine types this emulator's zones offer: those of the accelerators the pipelines create (any other name
 # is refused as Compute refuses a machine type a zone does not have).
 KNOWN_MACHINE_TYPES = frozenset(acc.machine_type for acc in ACCELERATORS.values())
+TPU_MACHINE_TYPES = frozenset(acc.machine_type for acc in ACCELERATORS.values() if acc.is_tpu)
 # The zones that sell TPU v6e (the ct6e-standard-* machine types): cloud.google.com/tpu/docs/regions-zones, its
 # North America and Europe rows (read 2026-12-02). Its Asia Pacific and South America rows were not captured, so
 # their zones are refused here: stricter than Compute, never kinder.
@@ -215,6 +216,17 @@ class _Operation:
     on_running: Callable[[], None]
     on_done: Callable[[bool], None]
     """Applies the operation's effect; receives whether the operation failed."""
+
+
+def _is_tpu(instance: dict[str, Any]) -> bool:
+    return instance["machineType"].rsplit("/", 1)[-1] in TPU_MACHINE_TYPES
+
+
+def _is_queued_flex_start(instance: dict[str, Any]) -> bool:
+    """A FLEX_START request still waiting for capacity: the one insert a delete may cancel before it ends."""
+    waits = bool(((instance.get("params") or {}).get("requestValidForDuration") or {}).get("seconds"))
+    flex_start = (instance.get("scheduling") or {}).get("provisioningModel") == "FLEX_START"
+    return instance["status"] == "PENDING" and waits and flex_start
 
 
 def _timestamp(epoch_seconds: float) -> str:
@@ -933,7 +945,9 @@ class ComputeEmulator:
             id=_numeric_id(),
             selfLink=f"{API_ROOT}/{path}",
             zone=f"{API_ROOT}/projects/{project}/zones/{zone}",
-            status="PROVISIONING",
+            # "Flex-start VMs with a wait time and TPU instances start instead in the PENDING state"
+            # (cloud.google.com/compute/docs/instances/instance-lifecycle); other VMs in PROVISIONING.
+            status="PENDING" if _is_tpu(body) else "PROVISIONING",
             creationTimestamp=_timestamp(time.time()),
         )
         address = self.fleet.allocate((project, zone, body["name"])) if self.fleet else self._instance_ip
@@ -1217,7 +1231,7 @@ class ComputeEmulator:
                 op.resource["targetId"] == instance["id"] and op.resource["status"] != "DONE"
                 for op in self._operations.values()
             )
-            if instance["status"] == "STOPPING" or (busy and instance["status"] != "PENDING"):
+            if instance["status"] == "STOPPING" or (busy and not _is_queued_flex_start(instance)):
                 raise _ApiError(
                     400,
                     "resourceNotReady",

@@ -248,11 +248,16 @@ def random_llama_weights(seed: int = SEED) -> dict:
 
 def _write_model_dir(target: Path, corpus: list[str]) -> None:
     from safetensors.numpy import save_file
+    from transformers import GenerationConfig
 
     tokenizer = _build_tokenizer(corpus)
     config = _build_config(tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     tokenizer.save_pretrained(target)
     config.save_pretrained(target)
+    # As the Hub's Llama 3.1 Instruct has one: the published model must stop where its base stops.
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=True, temperature=0.6, top_p=0.9
+    ).save_pretrained(target)
     # transformers refuses safetensors files whose metadata lacks a framework format.
     save_file(random_llama_weights(), str(target / "model.safetensors"), metadata={"format": "pt"})
 

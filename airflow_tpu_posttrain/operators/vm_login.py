@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.exceptions import InvalidInputError, VmAccessError
+from airflow_tpu_posttrain.exceptions import InvalidInputError, VmAccessError, VmHostKeyMismatchError
 from airflow_tpu_posttrain.operators.compute_base import vm_expires_at
 from airflow_tpu_posttrain.recipes import access, compute
 from airflow_tpu_posttrain.recipes.create_phases import Phase, Progress
@@ -118,6 +118,9 @@ class VmLoginMixin:
                 ) as session:
                     session.run("true")
                 return
+            except VmHostKeyMismatchError:
+                self._delete_leftover(context, spec, name, zone)  # never used: not the VM it published
+                raise
             except paramiko.AuthenticationException as err:
                 if time.monotonic() > deadline:
                     refused = err
