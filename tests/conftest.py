@@ -199,6 +199,14 @@ class FaultMatrix:
         self._node.user_properties.append((_ROW_PROPERTY, (case, vm_deleted, str(run_state), model_intact, message)))
 
 
+@pytest.fixture(autouse=True)
+def _models_defined_per_test(monkeypatch):
+    """The models a test's registries define stay in that test (a process keeps them, as a worker does)."""
+    from airflow_tpu_posttrain.recipes import models
+
+    monkeypatch.setattr(models, "_DEFINED", {})
+
+
 @pytest.fixture
 def fault_matrix(request) -> FaultMatrix:
     return FaultMatrix(request.node)

@@ -94,7 +94,7 @@ def test_local_dags_only_with_local_dir(monkeypatch):
 def test_registry_refuses_a_split_layout_without_checkpoint_storage():
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
-    with pytest.raises(ValueError, match="checkpoint_storage is required by the split layout"):
+    with pytest.raises(ValueError, match="checkpoint_storage=None: is required by the split layout"):
         PipelineConfig(model="gemma3-4b", recipe="sft")
     with pytest.raises(ValueError, match="layout='tpu-only'"):
         PipelineConfig(model="gemma3-4b", recipe="sft", layout="tpu-only", checkpoint_storage="gs://bkt/x")
@@ -710,13 +710,11 @@ def test_the_readme_wiring_example_builds_the_dag_it_describes():
     assert dag.get_task(DELETE).is_teardown and CREATE in dag.get_task(DELETE).upstream_task_ids
 
 
-def test_a_new_model_is_a_profile_and_a_registry_line(tmp_path, monkeypatch):
-    """A model is one ModelProfile and one registry entry (README, "Adding a model or an accelerator").
+def test_a_new_model_is_a_models_entry_and_a_pipelines_line(tmp_path, monkeypatch):
+    """A model the package does not know: its profile is data in models.yaml, no package edit.
 
-    The profile in recipes/models.py's table and a pipelines entry in models.yaml make its DAG, with its own
-    commands and defaults."""
-    from types import MappingProxyType
-
+    The DAG it makes renders that model's commands, and the task's process (which parses the DAG file before
+    it runs the task) knows the model by its key."""
     import yaml
 
     from airflow_tpu_posttrain.pipelines.posttrain import build_dag
@@ -726,12 +724,12 @@ def test_a_new_model_is_a_profile_and_a_registry_line(tmp_path, monkeypatch):
     from airflow_tpu_posttrain.recipes.layout import RunLayout
     from airflow_tpu_posttrain.recipes.runtime import tpu_runtime
 
-    qwen = models.ModelProfile(
-        key="qwen3-8b", maxtext_model_name="qwen3-8b", hf_source="Qwen/Qwen3-8B",
-        maxtext_version="0.2.5", sft_steps=300,
-    )
-    monkeypatch.setattr(models, "MODELS", MappingProxyType({**models.MODELS, qwen.key: qwen}))
     registry = yaml.safe_load((DAGS_DIR / "models.yaml").read_text())
+    registry["models"] = {
+        "qwen3-8b": {"hf_source": "Qwen/Qwen3-8B", "maxtext_model_name": "qwen3-8b", "maxtext_version": "0.2.5",
+                     "sft_steps": 300},
+        "gemma3-4b": {"maxtext_version": "0.2.3"},  # a built-in model's field, laid over its profile
+    }
     registry["pipelines"] = [{"model": "qwen3-8b", "recipe": "sft", "hub_repo_id": "my-org/qwen3-8b-sft"}]
     (tmp_path / "models.yaml").write_text(yaml.safe_dump(registry))
 
@@ -740,9 +738,68 @@ def test_a_new_model_is_a_profile_and_a_registry_line(tmp_path, monkeypatch):
     assert dag.dag_id == "posttrain_sft__qwen3-8b"
     params = dag.params.validate()
     assert params["model"] == "qwen3-8b" and params["hub_repo_id"] == "my-org/qwen3-8b-sft"
+    qwen = models.model_profile("qwen3-8b")
+    assert (qwen.hf_source, qwen.sft_dataset.hf_path) == ("Qwen/Qwen3-8B", "HuggingFaceH4/ultrachat_200k")
     spec = maxtext.RunSpec(qwen, accelerator("v6e-8"), tpu_runtime(), RunLayout("qwen3-8b", "run-1"))
     assert "model_name=qwen3-8b" in maxtext.to_maxtext(spec).argv
     assert "steps=300" in maxtext.train_sft(spec).argv
+    gemma = models.model_profile("gemma3-4b")
+    assert (gemma.maxtext_version, gemma.hf_source) == ("0.2.3", "google/gemma-3-4b-it")
+
+
+def test_a_malformed_registry_fails_with_every_problem_and_its_place(tmp_path):
+    """Every problem at once, each with its entry and key and the fix, before any DAG is built."""
+    import yaml
+
+    from airflow_tpu_posttrain.pipelines.registry import RegistryError, load_registry
+
+    registry = yaml.safe_load((DAGS_DIR / "models.yaml").read_text())
+    registry["defaults"].update(retries="two", accelerator_type="v6e-9")
+    registry["pipelines"][0]["zone"] = "us-east5-b"
+    registry["pipelines"][1].update(network_path="vpn", zones="us-east5-b")
+    registry["models"] = {
+        "qwen3-8b": {"hf_source": "Qwen/Qwen3-8B", "maxtext_model_name": "qwen3-8b"},
+        "gemma3-4b": {"steps": 3},
+    }
+    registry["pipeline"] = []
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(registry))
+
+    with pytest.raises(RegistryError) as raised:
+        load_registry(path)
+    problems = raised.value.problems
+    sft, rl = "pipelines[0] (model gemma3-4b, recipe sft)", "pipelines[1] (model llama3.1-8b-Instruct, recipe rl)"
+    expected = [
+        "pipeline: not a key of the registry; did you mean 'pipelines'?",
+        "models.qwen3-8b.maxtext_version: required for a model the package does not know",
+        "models.gemma3-4b.steps: not a field of a model; did you mean 'sft_steps'?",
+        f"{sft}: zone: not a key of the registry; did you mean 'zones'?",
+        "defaults: retries='two': Input should be a valid integer",
+        "defaults: accelerator_type='v6e-9': is not a supported accelerator. Fix: use one of: v6e-1",
+        f"{rl}: zones='us-east5-b': Input should be a valid tuple",
+        f"{rl}: network_path='vpn': is not a supported value. Fix: use one of: 'internal', 'external', 'iap'",
+    ]
+    for text in expected:
+        assert sum(problem.startswith(text) for problem in problems) == 1, (text, problems)
+    assert len(problems) == len(expected), problems
+    assert str(raised.value).startswith(f"{path}: {len(expected)} problem(s), no DAG built from it:")
+
+
+def test_two_registries_may_not_define_one_model_differently(tmp_path):
+    import yaml
+
+    from airflow_tpu_posttrain.pipelines.registry import RegistryError, load_registry
+
+    for name, version in (("a.yaml", "0.2.5"), ("b.yaml", "0.2.3")):
+        registry = yaml.safe_load((DAGS_DIR / "models.yaml").read_text())
+        registry["models"] = {
+            "qwen3-8b": {"hf_source": "Qwen/Qwen3-8B", "maxtext_model_name": "qwen3-8b", "maxtext_version": version}
+        }
+        (tmp_path / name).write_text(yaml.safe_dump(registry))
+    load_registry(tmp_path / "a.yaml")
+    load_registry(tmp_path / "a.yaml")  # the same definition again: a DAG file parsed twice
+    with pytest.raises(RegistryError, match="model='qwen3-8b': is defined differently by another registry"):
+        load_registry(tmp_path / "b.yaml")
 
 
 def test_on_change_schedules_a_pipeline_on_its_inputs_on_the_hub(tmp_path):

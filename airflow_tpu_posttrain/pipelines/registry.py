@@ -5,17 +5,20 @@ Kept apart from the DAG factory so a DAG file that only needs the registry (the 
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from airflow_tpu_posttrain.recipes import cost
+from airflow_tpu_posttrain.recipes import access, compute, cost, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
-from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
-from airflow_tpu_posttrain.recipes.models import model_profile
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
+from airflow_tpu_posttrain.recipes.models import define_models, model_definitions, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
@@ -59,6 +62,15 @@ LOCAL_TIMEOUTS = StepTimeouts(
 
 
 LAYOUTS = ("split", "seeds")
+RECIPES = ("sft", "rl")
+
+
+class ConfigProblems(ValueError):
+    """Every problem of one registry entry, each a :class:`SpecError` naming its field and the fix."""
+
+    def __init__(self, problems: list[SpecError]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(map(str, problems)))
 
 
 @dataclass(frozen=True)
@@ -130,19 +142,51 @@ class PipelineConfig:
     prices: Mapping[str, Mapping[str, float]] = field(default_factory=cost.price_table)
 
     def __post_init__(self) -> None:
-        try:
-            model_profile(self.model)  # refused when the DAG file is parsed, not after its VMs are made
-        except SpecError as err:
-            raise ValueError(f"{self.model}: {err}") from err
-        if self.quality_gate not in gate.RULES:
-            raise ValueError(f"{self.model}: quality_gate={self.quality_gate!r}: use one of {gate.RULES}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"{self.model}: layout={self.layout!r}: use one of {LAYOUTS}")
-        if self.layout == "split" and not self.checkpoint_storage:
-            raise ValueError(
-                f"{self.model}: checkpoint_storage is required by the split layout: set it to a gs://bucket/prefix "
-                "the VMs may write (or use layout: seeds)"
-            )
+        problems = self.problems()
+        if problems:
+            raise ConfigProblems(problems)
+
+    def problems(self) -> list[SpecError]:
+        """Every value the registry may not hold, refused when the DAG file is parsed (not after VMs are made)."""
+        problems: list[SpecError] = []
+
+        def check(validate: Callable[..., object], *args: object) -> None:
+            try:
+                validate(*args)
+            except SpecError as err:
+                problems.append(err)
+
+        check(model_profile, self.model)
+        check(validation.one_of, "recipe", self.recipe, RECIPES)
+        check(validation.one_of, "layout", self.layout, LAYOUTS)
+        check(validation.one_of, "quality_gate", self.quality_gate, gate.RULES)
+        check(accelerator, self.accelerator_type)
+        check(validation.one_of, "provisioning_model", self.provisioning_model, compute.PROVISIONING_MODELS)
+        check(validation.one_of, "network_path", self.network_path, access.NETWORK_PATHS)
+        check(validation.one_of, "ssh_key_mode", self.ssh_key_mode, access.KEY_MODES)
+        if not self.zones:
+            problems.append(SpecError("zones", self.zones, "is empty", "give at least one zone, e.g. [us-east5-b]"))
+        for zone in self.zones:
+            check(validation.zone, "zones", zone)
+        if self.retries < 0:
+            problems.append(SpecError("retries", self.retries, "is negative", "give 0 or more"))
+        if self.layout == "split":
+            cpu = ACCELERATORS.get(self.cpu_accelerator_type)
+            if cpu is None or cpu.is_tpu:
+                cpus = [name for name, acc in ACCELERATORS.items() if not acc.is_tpu]
+                problems.append(
+                    SpecError("cpu_accelerator_type", self.cpu_accelerator_type, "is not a CPU VM", f"use one of {cpus}")
+                )
+            if not self.checkpoint_storage:
+                problems.append(
+                    SpecError(
+                        "checkpoint_storage",
+                        self.checkpoint_storage,
+                        "is required by the split layout",
+                        "set it to a gs://bucket/prefix the VMs may write (or use layout: seeds)",
+                    )
+                )
+        return problems
 
     @property
     def dag_id(self) -> str:
@@ -179,44 +223,163 @@ def local_settings(local_dir: str, python312: str) -> dict[str, str]:
     }
 
 
-def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineConfig]:
-    """Read ``models.yaml``: ``defaults`` merged into each of ``pipelines``.
+class RegistryError(ValueError):
+    """``models.yaml`` is malformed: every problem at once, each with its place (entry and key) and the fix."""
 
-    ``local: true`` entries only when ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run;
-    ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk). ``local``: only the local (True) or only the Google Cloud
-    (False) entries; None: all."""
-    import yaml
+    def __init__(self, path: str | Path, problems: list[str]) -> None:
+        self.problems = problems
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        super().__init__(f"{path}: {len(problems)} problem(s), no DAG built from it:\n{listed}")
 
-    data = yaml.safe_load(Path(path).read_text())
-    defaults = data.get("defaults", {})
+
+# Keys of PipelineConfig set by the loader, never by models.yaml.
+_LOADER_KEYS = frozenset({"local", "timeouts", "prices"})
+_ENTRY_KEYS = frozenset(f.name for f in fields(PipelineConfig)) - _LOADER_KEYS
+_TOP_LEVEL_KEYS = ("defaults", "prices", "models", "pipelines")
+
+
+@functools.cache
+def _pipeline_adapter():
+    """Pydantic's validator of PipelineConfig: types checked (``retries: "two"`` refused), unknown keys refused."""
+    from pydantic import ConfigDict, TypeAdapter
+
+    PipelineConfig.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]
+    return TypeAdapter(PipelineConfig)
+
+
+def _unknown_keys(keys: Iterable[str], known: Iterable[str]) -> list[str]:
+    known = sorted(known)
+    problems = []
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"the keys are: {', '.join(known)}"
+            problems.append(f"{key}: not a key of the registry; {fix}")
+    return problems
+
+
+def _pydantic_problems(error: Any) -> list[tuple[str | None, str]]:
+    """``(top-level key or None, text)`` per error of a pydantic ValidationError."""
+    out = []
+    for item in error.errors():
+        context_error = (item.get("ctx") or {}).get("error")
+        if isinstance(context_error, ConfigProblems):
+            out += [(problem.field, str(problem)) for problem in context_error.problems]
+            continue
+        if isinstance(context_error, SpecError):
+            out.append((context_error.field, str(context_error)))
+            continue
+        loc = item["loc"]
+        place = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+        out.append((str(loc[0]) if loc else None, f"{place}={item['input']!r}: {item['msg']}"))
+    return out
+
+
+def _validated_entries(data: dict[str, Any], local_dir: str | None, problems: list[str]) -> list[tuple[bool, Any]]:
+    """``(is_local, PipelineConfig)`` per ``pipelines`` entry; each problem (with its place) added to ``problems``."""
+    from pydantic import ValidationError
+
+    defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        problems.append(f"defaults: must be a mapping of keys to values, not {type(defaults).__name__}")
+        defaults = {}
+    problems += [f"defaults: {problem}" for problem in _unknown_keys(defaults, _ENTRY_KEYS - {"model", "recipe"})]
     try:
         prices = cost.price_table(data.get("prices"))
     except SpecError as err:
-        raise ValueError(f"{path}: {err}") from err
-    local_dir = os.environ.get("TPU_POSTTRAIN_LOCAL_DIR")
-    configs = []
-    for entry in data["pipelines"]:
-        merged: dict[str, Any] = {**defaults, **entry}
-        is_local = merged.pop("local", False)
-        if local is not None and is_local != local:
+        problems.append(f"prices: {err}")
+        prices = cost.price_table()
+    entries = data.get("pipelines")
+    if not isinstance(entries, list) or not entries:
+        problems.append("pipelines: must be a list with one entry per (model, recipe), e.g. - {model: gemma3-4b, recipe: sft}")
+        return []
+    validated = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            problems.append(f"pipelines[{index}]: must be a mapping such as {{model: gemma3-4b, recipe: sft}}")
             continue
-        if is_local:
-            if not local_dir:
-                continue
-            merged.update(
-                local=local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
-                timeouts=LOCAL_TIMEOUTS,
-                checkpoint_storage=LOCAL_CHECKPOINT_STORAGE,  # the local GCS server's bucket
-                cpu_accelerator_type="cpu",
-                # The local run's pace: steps of a second, so tighter polls, retries and checkpoints.
-                retry_delay_s=5,
-                poll_interval_s=2,
-                checkpoint_period=2,
-                stall_timeout_s=180,
-                watch_interval_s=2,
-            )
-        for key in ("zones", "overrides", "tags", "ssh_source_ranges"):
-            if key in merged:
-                merged[key] = tuple(merged[key])
-        configs.append(PipelineConfig(**merged, prices=prices))
-    return configs
+        place = f"pipelines[{index}] (model {entry.get('model')}, recipe {entry.get('recipe')})"
+        unknown = _unknown_keys([key for key in entry if key != "local"], _ENTRY_KEYS)
+        if unknown:
+            problems += [f"{place}: {problem}" for problem in unknown]
+            continue
+        merged: dict[str, Any] = {key: value for key, value in defaults.items() if key in _ENTRY_KEYS}
+        merged.update(entry)
+        is_local = merged.pop("local", False)
+        if is_local and local_dir:
+            merged.update(_local_entry_settings(local_dir))
+        try:
+            validated.append((is_local, _pipeline_adapter().validate_python({**merged, "prices": prices})))
+        except ValidationError as error:
+            found = _pydantic_problems(error)
+            # The type errors hide the checks of PipelineConfig.problems: run those on the values that had a type.
+            mistyped = {key for key, _ in found}
+            found += [(err.field, str(err)) for err in _problems_of_typed_values(merged, mistyped)]
+            for key, text in found:
+                where = place if key is None or key in entry or key not in defaults else "defaults"
+                problem = f"{where}: {text}"
+                if problem not in problems:  # a bad default is said once, not once per entry
+                    problems.append(problem)
+    return validated
+
+
+def _problems_of_typed_values(merged: dict[str, Any], mistyped: set[str | None]) -> list[SpecError]:
+    """PipelineConfig's own checks over ``merged`` with each mistyped value at its default (none if required)."""
+    values: dict[str, Any] = {}
+    for f in fields(PipelineConfig):
+        if f.name in merged and f.name not in mistyped:
+            values[f.name] = merged[f.name]
+        elif f.default is not MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            values[f.name] = f.default_factory()
+        else:
+            return []  # a required value (model, recipe) is missing or mistyped: said already
+    values["zones"] = tuple(values["zones"])
+    return PipelineConfig.problems(SimpleNamespace(**values))  # type: ignore[arg-type]
+
+
+def _local_entry_settings(local_dir: str) -> dict[str, Any]:
+    return {
+        "local": local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
+        "timeouts": LOCAL_TIMEOUTS,
+        "checkpoint_storage": LOCAL_CHECKPOINT_STORAGE,  # the local GCS server's bucket
+        "cpu_accelerator_type": "cpu",
+        # The local run's pace: steps of a second, so tighter polls, retries and checkpoints.
+        "retry_delay_s": 5,
+        "poll_interval_s": 2,
+        "checkpoint_period": 2,
+        "stall_timeout_s": 180,
+        "watch_interval_s": 2,
+    }
+
+
+def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineConfig]:
+    """Read ``models.yaml``: its ``models`` known to this process, ``defaults`` merged into each of ``pipelines``.
+
+    Every entry is validated, whichever are returned; a malformed registry raises :class:`RegistryError` with
+    every problem and its place, before any DAG is built. ``local: true`` entries are returned only when
+    ``TPU_POSTTRAIN_LOCAL_DIR`` is set (the local CPU run; ``TPU_POSTTRAIN_VM_DIR`` is the "VM"'s disk).
+    ``local``: only the local (True) or only the Google Cloud (False) entries; None: all."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise RegistryError(path, [f"not YAML: {err}"]) from None
+    if not isinstance(data, dict):
+        raise RegistryError(path, [f"must be a mapping with the keys {', '.join(_TOP_LEVEL_KEYS)}"])
+    problems = _unknown_keys(data, _TOP_LEVEL_KEYS)
+    try:  # before the entries are checked: they may name these models
+        define_models(model_definitions(data.get("models"), problems))
+    except SpecError as err:
+        problems.append(f"models: {err}")
+    entries = _validated_entries(data, os.environ.get("TPU_POSTTRAIN_LOCAL_DIR"), problems)
+    if problems:
+        raise RegistryError(path, problems)
+    local_dir = os.environ.get("TPU_POSTTRAIN_LOCAL_DIR")
+    return [
+        config
+        for is_local, config in entries
+        if (local is None or is_local == local) and (not is_local or local_dir)
+    ]

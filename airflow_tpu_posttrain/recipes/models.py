@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from airflow_tpu_posttrain.recipes import validation
@@ -160,11 +161,97 @@ MODELS: Mapping[str, ModelProfile] = MappingProxyType(
 )
 
 
+# Models defined by a registry's ``models:`` section, in this process (see define_models).
+_DEFINED: dict[str, ModelProfile] = {}
+
+# What a registry's ``models:`` entry may set: the fields a new model needs, over the built-in's if it has one.
+MODEL_FIELDS = ("hf_source", "maxtext_model_name", "maxtext_version", "sft_dataset", "sft_steps", "rl_num_batches",
+                "rl_num_test_batches", "maxtext_overrides")
+SFT_DATASET_FIELDS = ("hf_path", "train_split", "train_data_columns", "eval_split", "eval_steps")
+_NEW_MODEL_EXAMPLE = {
+    "hf_source": "the Hub id, e.g. Qwen/Qwen3-8B",
+    "maxtext_model_name": "MaxText's name of the model, e.g. qwen3-8b",
+    "maxtext_version": "the MaxText release its recipes run on, e.g. 0.2.3",
+}
+
+
 def model_profile(key: str) -> ModelProfile:
     try:
-        return MODELS[key]
+        return _DEFINED.get(key) or MODELS[key]
     except (KeyError, TypeError):
-        raise SpecError("model", key, "is not a known model", f"use one of: {', '.join(MODELS)}") from None
+        known = ", ".join(sorted({*MODELS, *_DEFINED}))
+        raise SpecError(
+            "model", key, "is not a known model", f"use one of: {known}, or define it under models: in models.yaml"
+        ) from None
+
+
+def model_definitions(section: object, problems: list[str]) -> list[ModelProfile]:
+    """The profiles a registry's ``models:`` section defines, each over its built-in profile if there is one.
+
+    Each problem, with its place (``models.<key>.<field>``) and fix, is added to ``problems``."""
+    if section is None:
+        return []
+    if not isinstance(section, dict):
+        problems.append("models: must be a mapping of model keys to their fields, e.g. qwen3-8b: {hf_source: ...}")
+        return []
+    profiles = []
+    for key, entry in section.items():
+        place = f"models.{key}"
+        if not isinstance(entry, dict):
+            problems.append(f"{place}: must be a mapping of {', '.join(MODEL_FIELDS)}")
+            continue
+        found = _unknown(place, entry, MODEL_FIELDS)
+        dataset = entry.get("sft_dataset")
+        if dataset is not None and not isinstance(dataset, dict):
+            found.append(f"{place}.sft_dataset: must be a mapping of {', '.join(SFT_DATASET_FIELDS)}")
+        elif dataset is not None:
+            found += _unknown(f"{place}.sft_dataset", dataset, SFT_DATASET_FIELDS)
+        base = MODELS.get(key)
+        if base is None:
+            found += [
+                f"{place}.{name}: required for a model the package does not know; give {example}"
+                for name, example in _NEW_MODEL_EXAMPLE.items()
+                if name not in entry
+            ]
+        if found:
+            problems += found
+            continue
+        fields = dict(entry)
+        if dataset is not None:
+            fields["sft_dataset"] = SftDataset(**dataset) if base is None else replace(base.sft_dataset, **dataset)
+        if "maxtext_overrides" in fields:
+            fields["maxtext_overrides"] = MappingProxyType({str(k): str(v) for k, v in fields["maxtext_overrides"].items()})
+        try:
+            profiles.append(replace(base, **fields) if base else ModelProfile(key=str(key), **fields))
+        except (SpecError, TypeError) as err:
+            field_name = getattr(err, "field", "")
+            problems.append(f"{place}{'.' + field_name if field_name else ''}: {err}")
+    return profiles
+
+
+def _unknown(place: str, entry: dict, known: tuple[str, ...]) -> list[str]:
+    problems = []
+    for name in entry:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"the fields are: {', '.join(known)}"
+            problems.append(f"{place}.{name}: not a field of a model; {fix}")
+    return problems
+
+
+def define_models(profiles: list[ModelProfile]) -> None:
+    """Make ``profiles`` known to :func:`model_profile` in this process.
+
+    The DAG file that loads a registry defines its models wherever it is parsed: the DAG processor, and each
+    task's process, which parses the file before it runs the task. A key defined again differently is refused:
+    two registries in one Airflow may not disagree on what a model is."""
+    for profile in profiles:
+        known = _DEFINED.get(profile.key)
+        if known is not None and known != profile:
+            raise SpecError(
+                "model", profile.key, "is defined differently by another registry", "define each model once"
+            )
+        _DEFINED[profile.key] = profile
 
 
 def input_repos(profile: ModelProfile, recipe: str, dataset: str | None = None) -> list[tuple[str, str]]:

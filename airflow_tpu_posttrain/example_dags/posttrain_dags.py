@@ -1,0 +1,1 @@
+../../dags/posttrain_dags.py

@@ -1,0 +1,1 @@
+../../dags/tpu_reaper.py

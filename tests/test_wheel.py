@@ -1,0 +1,115 @@
+"""What a user installs: the wheel alone, in a fresh venv, runs their models.
+
+The wheel is built from this checkout and installed with nothing else of the repository (the versions of
+requirements/test.lock, from uv's cache); Airflow there lists the provider and parses the DAGs the wheel ships and
+a user's DAG folder holding only a models.yaml and the few-line DAG file README shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# README's DAG file for a user's DAG folder, beside their models.yaml.
+USER_DAG_FILE = '''
+"""Post-training DAGs, one per (recipe, model) entry of models.yaml, and the TPU VM reaper."""
+
+from pathlib import Path
+
+from airflow_tpu_posttrain.pipelines.posttrain import build_dag
+from airflow_tpu_posttrain.pipelines.reaper import build_reaper_dag
+from airflow_tpu_posttrain.pipelines.registry import load_registry
+
+configs = load_registry(Path(__file__).with_name("models.yaml"), local=False)
+globals().update({config.dag_id: build_dag(config) for config in configs})
+tpu_vm_reaper = build_reaper_dag(configs)
+'''
+
+# Run in the wheel's venv: the DAG ids and import errors of each folder, and the provider's name and version.
+PARSE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import airflow_tpu_posttrain
+    from airflow.dag_processing.dagbag import DagBag
+
+    examples = Path(airflow_tpu_posttrain.__file__).with_name("example_dags")
+    out = {"package": airflow_tpu_posttrain.__file__}
+    for name, folder in (("examples", examples), ("user", Path(sys.argv[1]))):
+        bag = DagBag(dag_folder=str(folder))
+        out[name] = {"dags": sorted(bag.dags), "errors": {k: v[-400:] for k, v in bag.import_errors.items()}}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    python = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run(["uv", "build", "--wheel", "-q", "-p", python, "-o", str(out / "dist"), str(REPO)], check=True)
+    [wheel] = (out / "dist").glob("*.whl")
+    venv = out / "venv"
+    subprocess.run(["uv", "venv", "-q", "-p", python, str(venv)], check=True)
+    subprocess.run(
+        ["uv", "pip", "install", "-q", "-p", str(venv / "bin" / "python"), "-c", str(REPO / "requirements" / "test.lock"),
+         str(wheel)],
+        check=True,
+    )
+    return venv
+
+
+def _in_wheel_venv(venv: Path, tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {
+        key: value for key, value in os.environ.items() if not key.startswith(("AIRFLOW", "TPU_POSTTRAIN", "PYTHON"))
+    }
+    env.update(AIRFLOW_HOME=str(tmp_path / "airflow-home"), PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
+    return subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_the_wheel_alone_runs_a_users_own_model(wheel_venv, tmp_path):
+    registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
+    registry["models"] = {
+        "qwen3-8b": {"hf_source": "Qwen/Qwen3-8B", "maxtext_model_name": "qwen3-8b", "maxtext_version": "0.2.5"}
+    }
+    registry["pipelines"] = [{"model": "qwen3-8b", "recipe": "sft", "hub_repo_id": "my-org/qwen3-8b-sft"}]
+    user_dags = tmp_path / "dags"
+    user_dags.mkdir()
+    (user_dags / "models.yaml").write_text(yaml.safe_dump(registry))
+    (user_dags / "posttrain.py").write_text(USER_DAG_FILE)
+
+    parsed = _in_wheel_venv(wheel_venv, tmp_path, "python", "-c", PARSE, str(user_dags))
+    assert parsed.returncode == 0, parsed.stderr[-3000:]
+    found = json.loads(parsed.stdout.strip().splitlines()[-1])
+    assert Path(found["package"]).is_relative_to(wheel_venv)  # the wheel's copy, not this checkout
+    assert found["user"] == {"dags": ["posttrain_sft__qwen3-8b", "tpu_vm_reaper"], "errors": {}}
+    assert found["examples"] == {
+        "dags": ["posttrain_rl__llama3.1-8b-Instruct", "posttrain_sft__gemma3-4b", "tpu_vm_reaper"],
+        "errors": {},
+    }
+
+    provider = _in_wheel_venv(wheel_venv, tmp_path, "airflow", "providers", "get", "airflow-tpu-posttrain", "-o", "json")
+    assert provider.returncode == 0, provider.stderr[-3000:]
+    from airflow_tpu_posttrain import __version__
+
+    [info] = json.loads(provider.stdout[provider.stdout.index("[") :])
+    assert info == {"Provider": "airflow-tpu-posttrain", "Version": __version__}
+
+
+def test_the_wheel_ships_no_local_stand_ins_and_the_readme_shows_its_dag_file(wheel_venv):
+    site = next((wheel_venv / "lib").glob("python3.*/site-packages"))
+    package = site / "airflow_tpu_posttrain"
+    assert not (package / "local").exists() and (package / "py.typed").is_file()
+    assert shutil.which("airflow", path=str(wheel_venv / "bin"))
+    code = USER_DAG_FILE.split('"""', 2)[2].strip()
+    unindented_readme = "\n".join(line.strip() for line in (REPO / "README.md").read_text().splitlines())
+    assert "\n".join(line.strip() for line in code.splitlines()) in unindented_readme
