@@ -40,7 +40,7 @@ if [ ! -x .venv/bin/python ]; then
   uv venv -q -p "$PY312" .venv
 fi
 # The versions of requirements/test.lock (what the last green run used); updating it is a deliberate commit.
-uv pip install -q -p .venv/bin/python -r requirements/test.lock -e ".[test]"
+uv pip install -q -p .venv/bin/python -r requirements/test.lock -e . --group test
 
 # The local "VM"'s image: MaxText's CPU venv (through the same install script the pipeline runs) and the tiny
 # model; and the venv that checks an exported model loads in transformers.

@@ -56,7 +56,8 @@ PARSE = textwrap.dedent(
 def wheel_venv(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     python = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run(["uv", "build", "--wheel", "-q", "-p", python, "-o", str(out / "dist"), str(REPO)], check=True)
+    # The sdist, then the wheel built from it (uv build's default): nothing of the checkout's build/ can slip in.
+    subprocess.run(["uv", "build", "-q", "-p", python, "-o", str(out / "dist"), str(REPO)], check=True)
     [wheel] = (out / "dist").glob("*.whl")
     venv = out / "venv"
     subprocess.run(["uv", "venv", "-q", "-p", python, str(venv)], check=True)
@@ -113,3 +114,36 @@ def test_the_wheel_ships_no_local_stand_ins_and_the_readme_shows_its_dag_file(wh
     code = USER_DAG_FILE.split('"""', 2)[2].strip()
     unindented_readme = "\n".join(line.strip() for line in (REPO / "README.md").read_text().splitlines())
     assert "\n".join(line.strip() for line in code.splitlines()) in unindented_readme
+
+
+def test_the_images_copy_of_the_source_builds_the_same_wheel(tmp_path):
+    """The Dockerfile's COPY lines give pip all the wheel needs (its license file, what example_dags/ links to).
+
+    No Docker engine here: the COPYs are replayed into a folder, which is built as the image's pip builds it."""
+    import re
+    import zipfile
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    copies = re.findall(r"^COPY --chown=\S+ (.+)$", dockerfile, flags=re.MULTILINE)
+    [install] = re.findall(r'^RUN pip install --no-cache-dir "apache-airflow==\$\{AIRFLOW_VERSION\}" (\S+)$', dockerfile,
+                           flags=re.MULTILINE)
+    image = tmp_path / "image"
+    for copy in copies:
+        *sources, target = copy.split()
+        for source in sources:
+            destination = image / target.lstrip("/")
+            if source.endswith("/"):
+                shutil.copytree(REPO / source, destination / "" if target.endswith("/") else destination,
+                                symlinks=True, dirs_exist_ok=True)
+            else:
+                destination.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / source, destination / source)
+    source_dir = image / install.lstrip("/")
+    python = getattr(sys, "_base_executable", sys.executable)
+    built = subprocess.run(["uv", "build", "--wheel", "-q", "-p", python, "-o", str(tmp_path / "dist"), str(source_dir)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    [wheel] = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"airflow_tpu_posttrain/example_dags/models.yaml", "airflow_tpu_posttrain/example_dags/posttrain_dags.py"} <= set(names)
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
