@@ -687,8 +687,8 @@ def test_parsing_imports_no_ssh_library(parse_probe):
     assert not ssh, f"parsing the DAG file imports {ssh}"
 
 
-def test_the_readme_wiring_example_builds_the_dag_it_describes():
-    """README's hand-written DAG (steps wired by XComArgs) parses, and each step finds its VM and its input."""
+def test_the_wiring_example_in_the_operators_doc_builds_the_dag_it_describes():
+    """docs/operators.md's hand-written DAG (steps wired by XComArgs) parses; each step finds its VM and input."""
     from datetime import datetime
 
     from airflow.sdk import DAG
@@ -698,8 +698,8 @@ def test_the_readme_wiring_example_builds_the_dag_it_describes():
     import airflow_tpu_posttrain.operators.tpu_delete as tpu_delete_module
     import airflow_tpu_posttrain.operators.tpu_vm as tpu_vm_module
 
-    readme = (REPO / "README.md").read_text()
-    example = readme.split("Steps are wired to each other by XComArgs", 1)[1].split("```python\n", 1)[1]
+    doc = (REPO / "docs" / "operators.md").read_text()
+    example = doc.split("Steps are wired to each other by XComArgs", 1)[1].split("```python\n", 1)[1]
     example = example.split("```", 1)[0]
     names = {**vars(tpu_vm_module), **vars(tpu_delete_module), **vars(maxtext_module), **vars(export_module)}
     with DAG("readme_example", schedule=None, start_date=datetime(2026, 1, 1)) as dag:

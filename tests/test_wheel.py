@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,7 +121,6 @@ def test_the_images_copy_of_the_source_builds_the_same_wheel(tmp_path):
     """The Dockerfile's COPY lines give pip all the wheel needs (its license file, what example_dags/ links to).
 
     No Docker engine here: the COPYs are replayed into a folder, which is built as the image's pip builds it."""
-    import re
     import zipfile
 
     dockerfile = (REPO / "Dockerfile").read_text()
@@ -147,3 +147,29 @@ def test_the_images_copy_of_the_source_builds_the_same_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {"airflow_tpu_posttrain/example_dags/models.yaml", "airflow_tpu_posttrain/example_dags/posttrain_dags.py"} <= set(names)
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+
+
+def test_the_compatibility_table_says_what_is_required_and_tested():
+    """docs/compatibility.md's rows against pyproject.toml's requirements, the lock file and the model profiles."""
+    import tomllib
+
+    from airflow_tpu_posttrain.recipes.models import MODELS
+
+    rows = {}
+    for line in (REPO / "docs" / "compatibility.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("component", "---"):
+            rows[cells[0]] = (cells[1], cells[2])
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lock = dict(
+        line.split("==", 1) for line in (REPO / "requirements" / "test.lock").read_text().splitlines() if "==" in line
+    )
+    for requirement in project["dependencies"]:
+        name, required = re.match(r"([A-Za-z0-9_.-]+)(.*)", requirement).groups()
+        assert rows[name] == (required, lock[name.replace("_", "-").lower()]), name
+    assert rows["Python"][0] == project["requires-python"]
+    assert rows["MaxText on the TPU VM: SFT of `gemma3-4b`"][0].startswith(MODELS["gemma3-4b"].maxtext_version)
+    assert rows["MaxText on the TPU VM: GRPO of `llama3.1-8b-Instruct`"][0].startswith(
+        MODELS["llama3.1-8b-Instruct"].maxtext_version
+    )
+    assert rows["MaxText on the local CPU \"VM\" (`tiny-llama`)"][0] == MODELS["tiny-llama"].maxtext_version
