@@ -42,6 +42,7 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 
     template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
     step_title = "Install"
+    installs_maxtext = True  # how a recovery finds its VM's install task (operators/recovery.py)
     quick_job_wait = 5.0  # a reused or restored environment is ready in seconds
 
     def __init__(

@@ -276,14 +276,12 @@ class VmRecoveryMixin:
         raise NotImplementedError
 
     def _install_task(self, context: Context) -> BaseOperator:
-        """The DAG's install task for this step's VM."""
-        from airflow_tpu_posttrain.operators.maxtext import MaxTextInstallOperator
-
+        """The DAG's install task for this step's VM (an operator marked ``installs_maxtext``)."""
         creator = self._creator(context)
         installs = [
             task.task_id
             for task in context["dag"].tasks
-            if isinstance(task, MaxTextInstallOperator) and create_task_id(task) == creator
+            if getattr(task, "installs_maxtext", False) and create_task_id(task) == creator
         ]
         if not installs:
             raise VmLostError(f"No install task for {creator}'s VM in this DAG: cannot recover")
