@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import PROJECT, RUNNER_ACCOUNT, RUNNER_ROLES, access_token, emulator_credentials, log_excerpt
+from conftest import PROJECT, RUNNER_ACCOUNT, access_token, emulator_credentials, log_excerpt
 from test_tpu_vm_operators import inserts, lifecycle, no_instances_within, task_states, xcom
 
 STEP_DAG = """
@@ -206,22 +206,26 @@ def test_oslogin_mode_puts_the_key_in_os_login_and_the_vm_takes_only_its_posix_n
     )
 
 
-def iap_gcloud(emulator, tmp_path, monkeypatch, roles=RUNNER_ROLES):
-    """The iap path's prerequisites: gcloud (the stand-in) on the PATH with an account, Private Google Access, NAT.
+def iap_gcloud(emulator, tmp_path, monkeypatch, account: str = "", roles: tuple[str, ...] = ()):
+    """The iap path's prerequisites: gcloud (the stand-in) on the PATH, Private Google Access, NAT.
 
-    gcloud's account is the runner's service account, granted ``roles``."""
+    gcloud has no account of its own: the pipeline runs it as the Google connection's (the runner's, or
+    ``account`` granted ``roles`` when given)."""
     import os
 
-    from airflow_tpu_posttrain.local.iap_tunnel import CREDENTIAL_FILE_VARIABLE, ENDPOINT_VARIABLE
+    from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE
     from airflow_tpu_posttrain.local.stack import write_gcloud_stand_in
 
     write_gcloud_stand_in(tmp_path / "bin")  # gcloud compute start-iap-tunnel, reading the emulator
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv(ENDPOINT_VARIABLE, f"{emulator.url}/compute/v1/")
-    account = "iap-user@my-project.iam.gserviceaccount.com"
-    key_file = tmp_path / "gcloud-key.json"
-    key_file.write_text(json.dumps(emulator.service_account_key(account, *roles, project=PROJECT)))
-    monkeypatch.setenv(CREDENTIAL_FILE_VARIABLE, str(key_file))
+    monkeypatch.delenv("CLOUDSDK_AUTH_CREDENTIAL_FILE_OVERRIDE", raising=False)
+    if account:
+        key = emulator.service_account_key(account, *roles, project=PROJECT)
+        extra = {"keyfile_dict": json.dumps(key), "project": PROJECT, "compute_api_endpoint": emulator.url,
+                 "oslogin_api_endpoint": emulator.url}
+        connection = {"conn_type": "google_cloud_platform", "extra": extra}
+        monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps(connection))
     emulator.add_subnetwork("default", "us-east5", private_google_access=True)
     emulator.add_router("nat-router", "us-east5")
 
@@ -232,7 +236,7 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
     import paramiko
     from google.cloud import compute_v1
 
-    from airflow_tpu_posttrain.hooks.vm import VmHook, VmHookAsync
+    from airflow_tpu_posttrain.hooks.vm import VmHook, VmHookAsync, proxy_command_as
 
     iap_gcloud(emulator, tmp_path, monkeypatch)
     dr = run_dag("access_iap", lifecycle("access_iap", tasks="create", create_kwargs='network_path="iap"'))
@@ -244,11 +248,16 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
     [rule] = emulator.firewalls()
     assert rule["sourceRanges"] == ["35.235.240.0/20"] and rule["targetTags"] == [vm["name"]]
 
+    # The tunnel runs as the Google connection that made the VM: its record names the connection, no credential.
+    assert vm["ssh_proxy_account"] == {"gcp_conn_id": "google_cloud_default", "impersonation_chain": None}
     pinned = {"ssh_conn_id": "tpu_vm_ssh", "host_keys": vm["host_keys"], "proxy_command": vm["ssh_proxy_command"]}
-    with VmHook(remote_host=vm["ssh_address"], **pinned) as session:
+    with VmHook(remote_host=vm["ssh_address"], proxy_account=vm["ssh_proxy_account"], **pinned) as session:
         assert session.run("id -un").strip() == "posttrain"
-    hook = VmHookAsync(host=vm["ssh_address"], **pinned)
+    hook = VmHookAsync(host=vm["ssh_address"], proxy_account=vm["ssh_proxy_account"], **pinned)
     assert asyncio.run(hook.run_command("id -un"))[1].strip() == "posttrain"
+    # gcloud without the connection's account has none (no gcloud auth on this machine).
+    alone = subprocess.run(vm["ssh_proxy_command"], shell=True, capture_output=True, text=True, input="")
+    assert alone.returncode == 1 and "You do not currently have an active account selected" in alone.stderr
 
     # Without a rule admitting IAP's range, the tunnel cannot reach the VM (IAP's 4003).
     options = {"api_endpoint": emulator.url}
@@ -257,9 +266,12 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
     deadline = time.monotonic() + 5
     while emulator.firewalls() and time.monotonic() < deadline:
         time.sleep(0.1)
-    refused = subprocess.run(vm["ssh_proxy_command"], shell=True, capture_output=True, text=True, input="")
+    as_connection = proxy_command_as(vm["ssh_proxy_command"], vm["ssh_proxy_account"])
+    refused = subprocess.run(as_connection, shell=True, capture_output=True, text=True, input="")
     assert refused.returncode == 1 and "4003: 'failed to connect to backend'" in refused.stderr
-    with pytest.raises(paramiko.SSHException), VmHook(remote_host=vm["ssh_address"], **pinned):
+    with pytest.raises(paramiko.SSHException), VmHook(
+        remote_host=vm["ssh_address"], proxy_account=vm["ssh_proxy_account"], **pinned
+    ):
         pass
     fault_matrix.record(
         "access: IAP path -> only through the tunnel, and only while a rule admits IAP's range",
@@ -271,8 +283,9 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
 
 
 def test_iap_without_the_tunnel_role_fails_at_once_naming_it(emulator, run_dag, capfd, tmp_path, monkeypatch, fault_matrix):
-    """Gcloud's account lacks roles/iap.tunnelResourceAccessor: IAP answers 4033; no wait mends it."""
-    iap_gcloud(emulator, tmp_path, monkeypatch, roles=("roles/compute.instanceAdmin.v1",))
+    """The Google connection's account lacks roles/iap.tunnelResourceAccessor: IAP answers 4033; no wait mends it."""
+    account = "no-tunnel@my-project.iam.gserviceaccount.com"
+    iap_gcloud(emulator, tmp_path, monkeypatch, account, roles=("roles/compute.instanceAdmin.v1",))
     create_kwargs = 'network_path="iap", ready_timeout=__import__("datetime").timedelta(seconds=120)'
     started = time.monotonic()
     dr = run_dag("access_iap_role", lifecycle("access_iap_role", create_kwargs=create_kwargs))
@@ -283,9 +296,50 @@ def test_iap_without_the_tunnel_role_fails_at_once_naming_it(emulator, run_dag, 
     assert waited < 110  # ended by what the tunnel said, not by the 120 s readiness timeout
     assert no_instances_within(emulator, seconds=30)
     fault_matrix.record(
-        "access: IAP path, gcloud's account without roles/iap.tunnelResourceAccessor -> fails at once naming it",
+        "access: IAP path, the connection's account without roles/iap.tunnelResourceAccessor -> fails at once naming it",
         True, dr.state, None, log_excerpt(logs, "4033"),
     )
+
+
+def test_iap_through_a_connections_impersonation_chain(emulator, run_dag, tmp_path, monkeypatch):
+    """A connection whose account may not tunnel but may impersonate one that may: the tunnel runs as that one.
+
+    As providers-google's SSH hook: gcloud --impersonate-service-account, which asks IAM Credentials for the
+    impersonated account's token (roles/iam.serviceAccountTokenCreator); without that role gcloud says so."""
+    import paramiko
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook, proxy_command_as
+    from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, TOKEN_CREATOR
+
+    iap_gcloud(emulator, tmp_path, monkeypatch)
+    dr = run_dag("access_iap_chain", lifecycle("access_iap_chain", tasks="create", create_kwargs='network_path="iap"'))
+    assert dr.state == "success", task_states(dr)
+    vm = xcom(dr, "create_tpu_vm")
+    tunneller = f"tunneller@{PROJECT}.iam.gserviceaccount.com"
+    emulator.service_account_key(tunneller, IAP_TUNNEL_USER, project=PROJECT)  # exists, may tunnel
+    pinned = {"ssh_conn_id": "tpu_vm_ssh", "host_keys": vm["host_keys"], "proxy_command": vm["ssh_proxy_command"]}
+    for conn_id, roles in (("gcp_token_creator", (TOKEN_CREATOR,)), ("gcp_no_token_creator", ())):
+        key = emulator.service_account_key(f"{conn_id.replace('_', '-')}@{PROJECT}.iam.gserviceaccount.com", *roles,
+                                           project=PROJECT)
+        connection = {"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": json.dumps(key)}}
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(connection))
+    # As its own account the connection may not tunnel; through the chain it may.
+    alone = proxy_command_as(vm["ssh_proxy_command"], {"gcp_conn_id": "gcp_token_creator"})
+    refused = subprocess.run(alone, shell=True, capture_output=True, text=True, input="")
+    assert refused.returncode == 1 and "4033: 'not authorized'" in refused.stderr
+    chain = {"gcp_conn_id": "gcp_token_creator", "impersonation_chain": [tunneller]}
+    assert proxy_command_as(vm["ssh_proxy_command"], chain).endswith(f" --impersonate-service-account={tunneller}")
+    with VmHook(remote_host=vm["ssh_address"], proxy_account=chain, **pinned) as session:
+        assert session.run("id -un").strip() == "posttrain"
+    asked = [r for r in emulator.requests if r["path"].endswith(":generateAccessToken")]
+    assert asked and all(tunneller in r["path"] for r in asked)
+
+    no_creator = {"gcp_conn_id": "gcp_no_token_creator", "impersonation_chain": tunneller}
+    said = subprocess.run(proxy_command_as(vm["ssh_proxy_command"], no_creator), shell=True, capture_output=True,
+                          text=True, input="")
+    assert said.returncode == 1 and f"Failed to impersonate [{tunneller}]" in said.stderr
+    with pytest.raises(paramiko.SSHException), VmHook(remote_host=vm["ssh_address"], proxy_account=no_creator, **pinned):
+        pass
 
 
 def test_oslogin_into_another_accounts_profile_is_refused_before_anything_is_created(

@@ -9,17 +9,24 @@ Every VM is new, with new host keys: both hooks pin the host keys the VM publish
 
 from __future__ import annotations
 
+import atexit
 import base64
 import io
+import json
+import os
 import posixpath
 import shlex
+import shutil
+import tempfile
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
+from airflow.sdk import BaseHook
 
 from airflow_tpu_posttrain.exceptions import StorageError, VmHostKeyMismatchError
-from airflow_tpu_posttrain.recipes import remote_job
+from airflow_tpu_posttrain.recipes import access, remote_job
 from airflow_tpu_posttrain.recipes.access import HOST_KEY_TYPES, SSH_PORT, known_hosts
 
 if TYPE_CHECKING:
@@ -59,12 +66,71 @@ def client_identity(ssh_conn_id: str) -> ClientIdentity:
     return ClientIdentity(hook.username, f"{key.get_name()} {key.get_base64()}", hook.port)
 
 
+_KEY_FILES: dict[str, str] = {}  # a Google connection's keyfile_dict -> the private file it was written to
+
+
+def _google_key_file(conn: Any) -> str | None:
+    """A Google connection's service account key as a file gcloud can read; None without one (ADC).
+
+    Its ``key_path``; or its ``keyfile_dict`` written once per process to a file only this user can read (as
+    providers-google's ``provide_gcp_credential_file_as_context`` does), removed when the process ends."""
+    extras = conn.extra_dejson
+
+    def field(name: str) -> Any:
+        return extras.get(name) or extras.get(f"extra__google_cloud_platform__{name}")
+
+    if field("key_path"):
+        return str(field("key_path"))
+    keyfile = field("keyfile_dict")
+    if not keyfile:
+        return None
+    content = keyfile if isinstance(keyfile, str) else json.dumps(keyfile)
+    if content not in _KEY_FILES:
+        directory = tempfile.mkdtemp(prefix="tpu-posttrain-gcloud-")  # mode 0700
+        path = os.path.join(directory, "key.json")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as key_file:
+            key_file.write(content)
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        _KEY_FILES[content] = path
+    return _KEY_FILES[content]
+
+
+def _chain(impersonation_chain: str | Sequence[str] | None) -> list[str]:
+    if not impersonation_chain:
+        return []
+    return [impersonation_chain] if isinstance(impersonation_chain, str) else list(impersonation_chain)
+
+
+def proxy_command_as(proxy_command: str | None, proxy_account: dict | None) -> str | None:
+    """``proxy_command`` run as ``proxy_account``; unchanged without one.
+
+    ``proxy_account``: ``{gcp_conn_id, impersonation_chain}``, the Google connection that made the VM."""
+    if not proxy_command or not proxy_account:
+        return proxy_command
+    conn = BaseHook.get_connection(proxy_account["gcp_conn_id"])
+    chain = _chain(proxy_account.get("impersonation_chain"))
+    return access.iap_proxy_command_as(proxy_command, _google_key_file(conn), chain)
+
+
+async def proxy_command_as_async(proxy_command: str | None, proxy_account: dict | None) -> str | None:
+    """:func:`proxy_command_as` for the triggerer (the connection read without blocking its loop)."""
+    if not proxy_command or not proxy_account:
+        return proxy_command
+    from airflow.providers.common.compat.connection import get_async_connection
+
+    conn = await get_async_connection(proxy_account["gcp_conn_id"])
+    chain = _chain(proxy_account.get("impersonation_chain"))
+    return access.iap_proxy_command_as(proxy_command, _google_key_file(conn), chain)
+
+
 class VmHook(SSHHook):
     """An :class:`SSHHook` with one open connection reused for a task's small remote operations.
 
     :param host_keys: ``{key type: base64}`` the VM published; the connection's own host key settings are then
         ignored and the VM must present one of these keys.
     :param proxy_command: reach the VM through this command's stdin/stdout (an IAP tunnel).
+    :param proxy_account: ``{gcp_conn_id, impersonation_chain}``: the Google connection ``proxy_command``'s
+        gcloud runs as (:func:`proxy_command_as`); None: gcloud's own account.
     """
 
     def __init__(
@@ -73,10 +139,14 @@ class VmHook(SSHHook):
         remote_host: str | None = None,
         host_keys: dict[str, str] | None = None,
         proxy_command: str | None = None,
+        proxy_account: dict | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            ssh_conn_id=ssh_conn_id, remote_host=remote_host or "", host_proxy_cmd=proxy_command, **kwargs
+            ssh_conn_id=ssh_conn_id,
+            remote_host=remote_host or "",
+            host_proxy_cmd=proxy_command_as(proxy_command, proxy_account),
+            **kwargs,
         )
         self._client: Any = None
         self.pinned_host_keys = dict(host_keys or {})
@@ -219,18 +289,20 @@ class VmHook(SSHHook):
 class VmHookAsync(SSHHookAsync):
     """The triggerer's connection to the VM, pinned to the VM's published ``host_keys``.
 
-    Reached through ``proxy_command`` (an IAP tunnel) like :class:`VmHook`."""
+    Reached through ``proxy_command`` (an IAP tunnel) as ``proxy_account``, like :class:`VmHook`."""
 
     def __init__(
         self,
         *args: Any,
         host_keys: dict[str, str] | None = None,
         proxy_command: str | None = None,
+        proxy_account: dict | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.host_keys = host_keys or {}
         self.proxy_command = proxy_command
+        self.proxy_account = proxy_account
 
     async def _get_conn(self) -> Any:
         """SSHHookAsync's connection, plus asyncssh's ``proxy_command`` (which SSHHookAsync does not pass)."""
@@ -250,7 +322,7 @@ class VmHookAsync(SSHHookAsync):
             "port": self.port or conn.port or SSH_PORT,
             "username": self.username or conn.login,
             "known_hosts": self.known_hosts,
-            "proxy_command": self.proxy_command,
+            "proxy_command": await proxy_command_as_async(self.proxy_command, self.proxy_account),
         }
         if self.key_file:
             options["client_keys"] = self.key_file

@@ -391,6 +391,11 @@ class ComputeEmulator:
             # IAP (iap.googleapis.com v1): what the stand-in IAP tunnel asks before it connects.
             r"/v1/projects/(?P<project>[^/]+)/iap_tunnel/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/:]+)"
             r":testIamPermissions": {"POST": (self._test_iap_permissions, None)},
+            # IAM Credentials API v1 (iamcredentials.googleapis.com): impersonation, as gcloud's
+            # --impersonate-service-account asks it.
+            r"/v1/projects/-/serviceAccounts/(?P<email>[^/:]+):generateAccessToken": {
+                "POST": (self._generate_access_token, None)
+            },
         }
         self._routes = [(re.compile(pattern), methods) for pattern, methods in routes.items()]
         # Who may call (service accounts, their keys and roles): kept across reset(), as keys handed to
@@ -1369,6 +1374,19 @@ class ComputeEmulator:
         asked = body.get("permissions") or []
         held = [p for p in asked if self.iam.permitted(project, self._request.caller, p)]
         return 200, {"permissions": held} if held else {}
+
+
+    def _generate_access_token(self, query: dict, body: dict, email: str):
+        delegates = [delegate.rsplit("/", 1)[-1] for delegate in body.get("delegates") or []]
+        token = self.iam.impersonate(self._request.caller, unquote(email), delegates)
+        if token is None:  # Google's answer whether the account is missing or the permission is
+            raise _ApiError(
+                403,
+                "forbidden",
+                "Permission 'iam.serviceAccounts.getAccessToken' denied on resource (or it may not exist).",
+                status_name="PERMISSION_DENIED",
+            )
+        return 200, token
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -25,12 +25,14 @@ from typing import Any
 OS_LOGIN = "roles/compute.osLogin"
 OS_ADMIN_LOGIN = "roles/compute.osAdminLogin"
 IAP_TUNNEL_USER = "roles/iap.tunnelResourceAccessor"
+TOKEN_CREATOR = "roles/iam.serviceAccountTokenCreator"  # impersonation: another account's access token
 # What each role used here lets a caller do (the permissions of Google's predefined roles that are asked for).
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     OS_LOGIN: frozenset({"compute.instances.osLogin"}),
     OS_ADMIN_LOGIN: frozenset({"compute.instances.osLogin", "compute.instances.osAdminLogin"}),
     IAP_TUNNEL_USER: frozenset({"iap.tunnelInstances.accessViaIAP"}),
     "roles/compute.instanceAdmin.v1": frozenset(),
+    TOKEN_CREATOR: frozenset({"iam.serviceAccounts.getAccessToken"}),
 }
 TOKEN_PATH = "/token"
 _TOKEN_SECONDS = 3600
@@ -148,6 +150,24 @@ class LocalIam:
         with self._lock:
             self._tokens[token] = (email, time.time() + _TOKEN_SECONDS)
         return {"access_token": token, "expires_in": _TOKEN_SECONDS, "token_type": "Bearer"}
+
+    def impersonate(self, caller: str, target: str, delegates: list[str]) -> dict[str, Any] | None:
+        """IAM Credentials' ``generateAccessToken``: a token of ``target`` for ``caller``; None if refused.
+
+        Each account of the chain (the caller, then each delegate) needs iam.serviceAccounts.getAccessToken on
+        the next one, here granted on the next account's project (a service account's e-mail names it)."""
+        chain = [caller, *delegates, target]
+        for account, impersonated in zip(chain, chain[1:], strict=False):
+            project = impersonated.partition("@")[2].removesuffix(".iam.gserviceaccount.com")
+            if impersonated not in self._accounts or not self.permitted(
+                project, account, "iam.serviceAccounts.getAccessToken"
+            ):
+                return None
+        token = "ya29.local-" + secrets.token_urlsafe(32)
+        expiry = time.time() + _TOKEN_SECONDS
+        with self._lock:
+            self._tokens[token] = (target, expiry)
+        return {"accessToken": token, "expireTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expiry))}
 
     def caller(self, authorization: str | None) -> str:
         """The e-mail of the account a request's ``Authorization`` header speaks for, or :class:`Unauthenticated`."""

@@ -12,7 +12,9 @@ is not RUNNING fails the same way. The instance and the rules are read from the 
 account key of ``CLOUDSDK_AUTH_CREDENTIAL_FILE_OVERRIDE`` (gcloud's ``auth/credential_file_override``), whose
 access token comes from the key's ``token_uri``; without one gcloud has no active account. IAP lets the account
 through only with ``iap.tunnelInstances.accessViaIAP`` on the instance (roles/iap.tunnelResourceAccessor), else
-``4033: 'not authorized'``; asked here of the emulator's IAP ``testIamPermissions``.
+``4033: 'not authorized'``; asked here of the emulator's IAP ``testIamPermissions``. With
+``--impersonate-service-account`` the tunnel's account is the impersonated one: its token is asked of the IAM
+Credentials API (``generateAccessToken``, which needs roles/iam.serviceAccountTokenCreator).
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ _TUNNEL_PERMISSION = "iap.tunnelInstances.accessViaIAP"
 
 class TunnelError(Exception):
     pass
+
+
+def impersonated_token(iam_root: str, token: str, chain: list[str]) -> str:
+    """``--impersonate-service-account=A[,B...]``: an access token of the chain's last account.
+
+    Asked of the IAM Credentials API as gcloud's account, through the others as delegates (as gcloud does)."""
+    *delegates, target = chain
+    body = {
+        "scope": ["https://www.googleapis.com/auth/cloud-platform"],
+        "delegates": [f"projects/-/serviceAccounts/{delegate}" for delegate in delegates],
+    }
+    try:
+        answer = _call(f"{iam_root}/v1/projects/-/serviceAccounts/{target}:generateAccessToken", token, body)
+    except urllib.error.HTTPError:
+        answer = None
+    if not answer:
+        raise TunnelError(
+            f"Failed to impersonate [{target}]. Make sure the account that's trying to impersonate it has access to "
+            'the service account itself and the "roles/iam.serviceAccountTokenCreator" role.'
+        )
+    return answer["accessToken"]
 
 
 def access_token() -> str:
@@ -117,11 +140,15 @@ def admits_iap(rules: list[dict], instance: dict, port: int) -> bool:
     return bool(verdicts) and min(verdicts)[1]
 
 
-def backend(endpoint: str, project: str, zone: str, name: str, port: int) -> tuple[str, int]:
+def backend(
+    endpoint: str, project: str, zone: str, name: str, port: int, impersonate: list[str] | None = None
+) -> tuple[str, int]:
     """The address IAP would connect to, or TunnelError as gcloud reports it."""
+    iap = endpoint.split("/compute/v1/")[0]  # the emulator serves IAP's and IAM Credentials' APIs beside Compute's
     token = access_token()
+    if impersonate:
+        token = impersonated_token(iap, token, impersonate)
     tunnel = f"projects/{project}/iap_tunnel/zones/{zone}/instances/{name}"
-    iap = endpoint.split("/compute/v1/")[0]  # the emulator serves IAP's API beside Compute's
     held = _call(f"{iap}/v1/{tunnel}:testIamPermissions", token, {"permissions": [_TUNNEL_PERMISSION]}) or {}
     if _TUNNEL_PERMISSION not in held.get("permissions", []):
         raise TunnelError("Error while connecting [4033: 'not authorized'].")
@@ -165,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", required=True)
     parser.add_argument("--zone", required=True)
     parser.add_argument("--verbosity", default="warning")
+    parser.add_argument("--impersonate-service-account", default="")
     args = parser.parse_args(argv)
     endpoint = os.environ.get(ENDPOINT_VARIABLE, "")
     try:
@@ -172,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             raise TunnelError(
                 f"{ENDPOINT_VARIABLE} is not set: this stand-in reaches only a local Compute API"
             )
-        relay(backend(endpoint.rstrip("/") + "/", args.project, args.zone, args.instance, args.port))
+        chain = [account for account in args.impersonate_service_account.split(",") if account]
+        relay(backend(endpoint.rstrip("/") + "/", args.project, args.zone, args.instance, args.port, chain))
     except TunnelError as error:
         print(f"ERROR: (gcloud.compute.start-iap-tunnel) {error}", file=sys.stderr)
         return 1

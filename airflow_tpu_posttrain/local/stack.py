@@ -34,7 +34,6 @@ from airflow_tpu_posttrain.local.fleet import LocalFleet
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
-from airflow_tpu_posttrain.local.iap_tunnel import CREDENTIAL_FILE_VARIABLE
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
 from airflow_tpu_posttrain.recipes.install import install_script
@@ -249,8 +248,8 @@ class LocalStack:
             "TPU_POSTTRAIN_PYTHON312": self.python312,
             # The iap network path's ProxyCommand: the stand-in gcloud, reading Compute where gcloud would.
             "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            # No gcloud account of its own: the pipeline runs the tunnel as the local_compute connection's.
             IAP_ENDPOINT_VARIABLE: f"{self.compute.url}/compute/v1/",
-            CREDENTIAL_FILE_VARIABLE: str(self.google_key_file),  # gcloud's account: the same service account
             # The worker's and the tests' storage clients (google-cloud-storage) reach the local GCS server.
             **client_environment(self.gcs.url),
         }

@@ -82,7 +82,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm``: the
         connection's login, or the OS Login POSIX name); empty: the connection's login.
     :param ssh_proxy_command: reach the VM through this command (default: the IAP tunnel the create task names,
-        from ``vm``; empty: dial ``remote_host`` directly).
+        from ``vm``, its gcloud run as the create's Google connection; empty: dial ``remote_host`` directly).
     :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
         ``vm``); every connection, in the worker and in the triggerer, is pinned to them.
     :param accelerator_type: default: the VM's, from ``vm``.
@@ -186,6 +186,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         self.ssh_login = self.ssh_login or vm.get("ssh_login")
         if self.ssh_proxy_command is None:
             self.ssh_proxy_command = vm.get("ssh_proxy_command")
+            self.ssh_proxy_account = vm.get("ssh_proxy_account")
         self.host_keys = self.host_keys or vm.get("host_keys")
         self.accelerator_type = self.accelerator_type or vm.get("accelerator_type")
 
@@ -359,6 +360,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 remote_host=self.remote_host,
                 login=self.ssh_login or None,
                 proxy_command=self._proxy_command(),
+                proxy_account=self.ssh_proxy_account,
                 host_keys=self._pinned_host_keys(),
                 job_id=paths.job_id,
                 job_dir=paths.job_dir,

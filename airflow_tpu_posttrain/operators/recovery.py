@@ -31,7 +31,7 @@ RECOVERED_VM = "recovered_vm"  # XCom key (of the training task): the VM the las
 RECOVERIES = "recoveries"  # XCom key: recoveries so far in this try
 RECOVERY_RESUME = "recovery_resume"  # XCom key: the recovery's deferred task (phase) and its method to resume
 VM_FIELDS = (
-    "name", "zone", "ssh_address", "ssh_login", "ssh_proxy_command", "host_keys",
+    "name", "zone", "ssh_address", "ssh_login", "ssh_proxy_command", "ssh_proxy_account", "host_keys",
     "machine_type", "provisioning_model", "created_at", "started_at",  # what its cost is counted from
 )
 LOST_VMS = "lost_vms"  # XCom key (of the training task): the VMs lost in this try, for the run's cost
@@ -191,6 +191,7 @@ class VmRecoveryMixin:
         task.host_keys = vm["host_keys"]
         task.ssh_login = vm.get("ssh_login") or task.ssh_login
         task.ssh_proxy_command = vm.get("ssh_proxy_command") or ""
+        task.ssh_proxy_account = vm.get("ssh_proxy_account")
 
     # -- the recovery ------------------------------------------------------------------------------------
     def on_vm_lost(self, context: Context, lost: Lost) -> Any:

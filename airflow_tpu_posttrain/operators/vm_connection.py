@@ -20,6 +20,8 @@ class VmConnectionMixin:
     remote_host: str | None
     ssh_login: str | None
     ssh_proxy_command: str | None
+    # Who the proxy command's gcloud runs as, from the VM's record (hooks/vm.py proxy_command_as); None: its own.
+    ssh_proxy_account: dict | None = None
     host_keys: Any
     hf_conn_id: str | None
 
@@ -38,6 +40,7 @@ class VmConnectionMixin:
             username=self.ssh_login or None,
             host_keys=self._pinned_host_keys(),
             proxy_command=self._proxy_command(),
+            proxy_account=self.ssh_proxy_account,
         )
 
     def _proxy_command(self) -> str | None:

@@ -115,6 +115,7 @@ class VmLoginMixin:
                     username=vm["ssh_login"],
                     host_keys=host_keys,
                     proxy_command=vm["ssh_proxy_command"],
+                    proxy_account=vm.get("ssh_proxy_account"),
                 ) as session:
                     session.run("true")
                 return
@@ -146,7 +147,7 @@ class VmLoginMixin:
         self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress, instance: dict
     ) -> Any:
         """Wait until the RUNNING VM can be logged into: briefly here, else in the triggerer."""
-        from airflow_tpu_posttrain.hooks.vm import client_identity
+        from airflow_tpu_posttrain.hooks.vm import client_identity, proxy_command_as
 
         zone = spec.zones[progress.zone_index]
         interface = (instance.get("networkInterfaces") or [{}])[0]
@@ -160,6 +161,12 @@ class VmLoginMixin:
             "ssh_proxy_command": (
                 access.iap_proxy_command(spec.project_id, zone, name) if spec.network_path == "iap" else None
             ),
+            # Who the tunnel's gcloud runs as: the Google connection that made the VM (hooks/vm.py).
+            "ssh_proxy_account": (
+                {"gcp_conn_id": self.gcp_conn_id, "impersonation_chain": self.impersonation_chain}
+                if spec.network_path == "iap"
+                else None
+            ),
             "network_path": spec.network_path,
             "self_link": instance.get("selfLink"),
             "created_at": instance.get("creationTimestamp"),
@@ -171,10 +178,11 @@ class VmLoginMixin:
         }
         self.log.info("VM %s is RUNNING in %s; waiting for its host keys and its SSH port", name, zone)
         self._record(context, spec, name, zone, **vm)
+        proxy_command = proxy_command_as(vm["ssh_proxy_command"], vm["ssh_proxy_account"])
         deadline = time.monotonic() + self.inline_wait
         while time.monotonic() < deadline:
             host_keys = self.hook.get_host_keys(spec.project_id, zone, name)
-            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], vm["ssh_proxy_command"]):
+            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], proxy_command):
                 event = {"status": "ready", "host_keys": host_keys}
                 return self.execute_complete(
                     context, {**event, "state": {"phase": Phase.READY.value, **progress._asdict(), "vm": vm}}

@@ -26,6 +26,7 @@ import ipaddress
 import json
 import re
 import shlex
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -132,6 +133,26 @@ def iap_proxy_command(project: str, zone: str, name: str, port: int = SSH_PORT) 
         f"--project={project}", f"--zone={zone}", "--verbosity=warning",
     ]  # fmt: skip
     return " ".join(shlex.quote(arg) for arg in argv)
+
+
+# gcloud's auth/credential_file_override property ("a path to a credential file ... to use instead of the active
+# account's": cloud.google.com/sdk/gcloud/reference/config/set), set for one gcloud process.
+GCLOUD_CREDENTIAL_FILE_VARIABLE = "CLOUDSDK_AUTH_CREDENTIAL_FILE_OVERRIDE"
+
+
+def iap_proxy_command_as(proxy_command: str, key_file: str | None, impersonation_chain: Sequence[str] = ()) -> str:
+    """``proxy_command`` (gcloud's IAP tunnel) run as the Airflow Google connection's identity.
+
+    As providers-google's ComputeEngineSSHHook does: the connection's service account key as gcloud's credential
+    and its impersonation chain as ``--impersonate-service-account``. Without a key file (the connection uses
+    Application Default Credentials) gcloud keeps its own account: on Google Cloud, the machine's service
+    account."""
+    command = proxy_command
+    if impersonation_chain:
+        command += " " + shlex.quote(f"--impersonate-service-account={','.join(impersonation_chain)}")
+    if key_file:
+        command = f"env {GCLOUD_CREDENTIAL_FILE_VARIABLE}={shlex.quote(key_file)} {command}"
+    return command
 
 
 def ssh_address(instance: dict, network_path: str) -> str | None:

@@ -272,7 +272,9 @@ class ComputeDeleteTrigger(_OperationsTrigger):
 
 # What an IAP tunnel answers that no wait mends: the caller lacks roles/iap.tunnelResourceAccessor (4033), or
 # there is no gcloud to run it (the shell's 127).
-_LASTING_TUNNEL_ERRORS = ("4033", "not authorized", "command not found", "do not currently have an active account")
+_LASTING_TUNNEL_ERRORS = (
+    "4033", "not authorized", "command not found", "do not currently have an active account", "Failed to impersonate"
+)
 
 
 async def ssh_port_check(
@@ -363,26 +365,30 @@ class VmReadyTrigger(ComputeTrigger):
         }
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
+        from airflow_tpu_posttrain.hooks.vm import proxy_command_as_async
+
         hook = self._hook()
         deadline = time.monotonic() + self.timeout
         host_keys: dict[str, str] = {}
         port_open, tunnel_said = False, ""
+        # The tunnel's gcloud runs as the Google connection this trigger asks Compute with, as the create's did.
+        account = {"gcp_conn_id": self.gcp_conn_id, "impersonation_chain": self.impersonation_chain}
         try:
+            proxy_command = await proxy_command_as_async(self.proxy_command, account)
             while True:
                 if not host_keys:
                     host_keys = await hook.get_host_keys(self.project_id, self.zone, self.name)
                 if host_keys and not port_open:
-                    port_open, tunnel_said = await ssh_port_check(
-                        self.address, self.port, proxy_command=self.proxy_command
-                    )
+                    port_open, tunnel_said = await ssh_port_check(self.address, self.port, proxy_command=proxy_command)
                 if host_keys and port_open:
                     yield self._event({"status": "ready", "host_keys": host_keys})
                     return
                 if any(sign in tunnel_said for sign in _LASTING_TUNNEL_ERRORS):
                     yield self._error(
                         f"The IAP tunnel to VM {self.name} cannot connect: {tunnel_said}. The identity Airflow "
-                        "runs gcloud as needs roles/iap.tunnelResourceAccessor, and gcloud must be on the PATH "
-                        "of the triggerer and the workers, with an account (gcloud auth activate-service-account)"
+                        "runs gcloud as (the Google connection's account, or its impersonation chain's last) needs "
+                        "roles/iap.tunnelResourceAccessor, and gcloud must be on the PATH of the triggerer and the "
+                        "workers"
                     )
                     return
                 instance = await hook.get_instance(self.project_id, self.zone, self.name)

@@ -37,6 +37,8 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
     :param host_keys: ``{key type: base64}`` the VM published; the connection to the VM is pinned to them.
     :param login: the login on the VM, instead of the connection's (an OS Login POSIX name).
     :param proxy_command: reach the VM through this command's stdin/stdout (an IAP tunnel).
+    :param proxy_account: ``{gcp_conn_id, impersonation_chain}``: the Google connection the proxy command's gcloud
+        runs as (the one that made the VM); None: gcloud's own account.
     :param vm: the VM as Compute knows it (``project``, ``zone``, ``name``, ``gcp_conn_id``, ``api_endpoint``,
         ``impersonation_chain``): when a reconnect fails, Compute is asked whether the VM is gone (preempted,
         TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
@@ -54,6 +56,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         host_keys: dict[str, str] | None = None,
         login: str | None = None,
         proxy_command: str | None = None,
+        proxy_account: dict[str, Any] | None = None,
         vm: dict[str, Any] | None = None,
         stall_timeout: float | None = None,
         on_output: dict[str, str] | None = None,
@@ -63,6 +66,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         self.host_keys = host_keys or {}
         self.login = login
         self.proxy_command = proxy_command
+        self.proxy_account = proxy_account
         self.vm = vm
         self.stall_timeout = stall_timeout
         self.on_output = on_output
@@ -80,6 +84,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             "host_keys": self.host_keys,
             "login": self.login,
             "proxy_command": self.proxy_command,
+            "proxy_account": self.proxy_account,
             "vm": self.vm,
             "stall_timeout": self.stall_timeout,
             "on_output": self.on_output,
@@ -92,6 +97,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             username=self.login,
             host_keys=self.host_keys,
             proxy_command=self.proxy_command,
+            proxy_account=self.proxy_account,
         )
 
     async def _connect(self) -> SSHClientConnection:
