@@ -112,6 +112,9 @@ def test_airflow_services_run_the_built_image(config: dict[str, Any], raw: dict[
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "FROM apache/airflow:3.3.2-python3.12" in dockerfile
     assert "pip install --no-cache-dir" in dockerfile
+    # The iap path's tunnel needs gcloud in every Airflow service (workers and triggerer): on the PATH, checked.
+    assert 'ENV PATH="${GCLOUD_HOME}/bin/:${PATH}"' in dockerfile and "&& gcloud --version" in dockerfile
+    assert dockerfile.index("gcloud --version") < dockerfile.index("USER airflow")  # installed as root, then dropped
 
 
 def test_dags_read_only_and_logs_volume(config: dict[str, Any]) -> None:
