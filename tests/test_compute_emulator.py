@@ -551,3 +551,25 @@ def test_os_login_changes_only_the_callers_own_profile_and_logs_in_only_with_a_r
     assert (may("login"), may("adminLogin")) == (True, False)
     emulator.iam.grant(PROJECT, caller, OS_ADMIN_LOGIN)
     assert (may("login"), may("adminLogin")) == (True, True)
+
+
+def test_a_queued_flex_start_request_deleted_ends_its_insert_with_an_error(gce, emulator):
+    """A FLEX_START request still waiting for capacity may be deleted mid-insert (no other insert may).
+
+    Its insert then ends DONE with Compute's 409 CONFLICT (deleted while being created); nothing is left."""
+    emulator.set_faults(flex_start_capacity_after=60)
+    scheduling = compute_v1.Scheduling(
+        provisioning_model="FLEX_START", instance_termination_action="DELETE",
+        max_run_duration=compute_v1.Duration(seconds=3600),
+    )
+    params = compute_v1.InstanceParams(request_valid_for_duration=compute_v1.Duration(seconds=120))
+    inserting = insert(gce, tpu_instance("vm-queued", scheduling=scheduling, params=params))
+    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-queued").status == "PENDING"
+
+    deleting = gce.instances.delete(project=PROJECT, zone=ZONE, instance="vm-queued")
+
+    inserted = wait(gce, inserting)
+    assert (inserted.status, inserted.http_error_status_code, inserted.http_error_message) == (DONE, 409, "CONFLICT")
+    assert inserted.error.errors
+    assert wait(gce, deleting.name).status == DONE and not wait(gce, deleting.name).error.errors
+    assert emulator.instances() == []

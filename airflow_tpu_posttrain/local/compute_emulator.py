@@ -770,6 +770,26 @@ class ComputeEmulator:
                 else:
                     self._remove_instance(key)
 
+    def _fail_pending_insert(self, instance: dict[str, Any]) -> None:
+        """End the unfinished insert of ``instance``, deleted before it was created, with an error.
+
+        Compute answers such an insert's operation with 409 CONFLICT (piercefreeman/cloud-gpu-reliability#5:
+        "The GCE API will return a 409 CONFLICT error on the operation result if the instance is deleted while
+        it's in CREATING state"); the error's code and message are not captured publicly: modelled here."""
+        now = time.time()
+        for operation in self._operations.values():
+            resource = operation.resource
+            if resource["targetId"] == instance["id"] and resource["operationType"] == "insert":
+                if resource["status"] != "DONE":
+                    operation.failure = _OperationError(
+                        code="RESOURCE_NOT_FOUND",
+                        message=f"The resource '{instance['selfLink']}' was deleted before its creation ended.",
+                        http_status=409,
+                        http_message="CONFLICT",
+                    )
+                    operation.start_at = min(operation.start_at, now)
+                    operation.done_at = now
+
     def _get_operation(self, query: dict, body: dict, project: str, name: str, zone: str | None = None):
         with self._lock:
             self._advance()
@@ -1242,6 +1262,8 @@ class ComputeEmulator:
                     "resourceNotReady",
                     f"The resource '{_resource_path(project, zone, 'instances', name)}' is not ready",
                 )
+            if busy:  # a queued FLEX_START request, cancelled: its insert ends with an error at once
+                self._fail_pending_insert(instance)
             status_before = instance["status"]
             instance["status"] = "STOPPING"
 
