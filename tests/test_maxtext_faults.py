@@ -88,23 +88,25 @@ def _return_value(dag_run, task_id):
     return _tis(dag_run)[task_id].xcom_pull(task_ids=task_id)
 
 
-def _all_xcom(run_id: str) -> list[tuple[str, str, object]]:
+def all_xcom(run_id: str, dag_id: str = DAG_ID) -> list[tuple[str, str, object]]:
+    """Every XCom of the run, not only return values: (task_id, key, value)."""
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
     with create_session() as session:
-        rows = session.scalars(select(XComModel).where(XComModel.dag_id == DAG_ID, XComModel.run_id == run_id))
+        rows = session.scalars(select(XComModel).where(XComModel.dag_id == dag_id, XComModel.run_id == run_id))
         return [(row.task_id, row.key, row.value) for row in rows]
 
 
-def _rendered_fields(run_id: str) -> dict[str, object]:
+def rendered_fields(run_id: str, dag_id: str = DAG_ID) -> dict[str, object]:
+    """The rendered template fields stored for the UI (RenderedTaskInstanceFields), per task of the run."""
     from airflow.models.renderedtifields import RenderedTaskInstanceFields as RTIF
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
     with create_session() as session:
-        rows = session.scalars(select(RTIF).where(RTIF.dag_id == DAG_ID, RTIF.run_id == run_id))
+        rows = session.scalars(select(RTIF).where(RTIF.dag_id == dag_id, RTIF.run_id == run_id))
         return {row.task_id: row.rendered_fields for row in rows}
 
 
@@ -143,7 +145,7 @@ def _vm_session(vm, leader: int) -> list[int]:
     return members
 
 
-class _ProcessSampler(threading.Thread):
+class ProcessSampler(threading.Thread):
     """Samples every process's argv (/proc/*/cmdline) every 0.5 s; remembers those holding the marker."""
 
     def __init__(self, marker: bytes):
@@ -332,7 +334,7 @@ def _faulted_run(stack, capfd) -> dict:
 
     train_name = f"train-{run_hash(DAG_ID, RUN_ID)}"
     faults = _TrainFaults(stack, train_name)
-    sampler = _ProcessSampler(HF_TOKEN.encode())
+    sampler = ProcessSampler(HF_TOKEN.encode())
     inserts_before = _instance_inserts(stack)
     hub_requests_before = len(stack.hub.requests)
     scratch = Path(tempfile.mkdtemp(prefix="maxtext-faults-"))
@@ -364,8 +366,8 @@ def _faulted_run(stack, capfd) -> dict:
         "states": _states(dag_run),
         "tries": {task_id: ti.try_number for task_id, ti in tis.items()},
         "returns": returns,
-        "xcom": _all_xcom(RUN_ID),
-        "rendered": _rendered_fields(RUN_ID),
+        "xcom": all_xcom(RUN_ID),
+        "rendered": rendered_fields(RUN_ID),
         "logs": logs,
         "debug_log": debug_log,
         "faults": faults,
@@ -532,7 +534,7 @@ def test_hf_token_leaks_nowhere(faulted_run, stack, fault_matrix):
     assert HF_TOKEN not in json.dumps(run["xcom"], default=str)
 
     # The process list while the DAG ran (every 0.5 s; argv only).
-    sampler: _ProcessSampler = run["sampler"]
+    sampler: ProcessSampler = run["sampler"]
     assert sampler.samples >= 0.5 * run["seconds"], (sampler.samples, run["seconds"])
     assert sampler.leaks == []
 

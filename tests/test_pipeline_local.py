@@ -299,12 +299,18 @@ def test_unchanged_inputs_skip_the_run_and_a_new_dataset_revision_does_not(stack
 
 
 def test_tiny_rl_end_to_end(stack, capfd):
+    from test_maxtext_faults import ProcessSampler, all_xcom, rendered_fields
+
+    sampler = ProcessSampler(HF_TOKEN.encode())  # every process's argv while the run goes
+    sampler.start()
     with before_vm_end(stack, token_probe(stack)) as ends:
         dr = run_pipeline("posttrain_rl__tiny-llama")
         logs = "".join(capfd.readouterr())
         assert dr.state == "success", states(dr)
         vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
         ends.wait_gone(vms)
+    sampler.stop.set()
+    sampler.join()
     # The RL entry reaches its VMs as from inside the VPC: no external IP.
     assert xcom(dr, "create_tpu_vm")["ssh_address"] == xcom(dr, "create_tpu_vm")["internal_ip"]
     assert not xcom(dr, "create_tpu_vm")["external_ip"]
@@ -334,7 +340,13 @@ def test_tiny_rl_end_to_end(stack, capfd):
     assert "GRPO, 2 steps" in card and "| accuracy (before → after) |" in card
     assert (Path(local) / "training_curve.png").read_bytes().startswith(b"\x89PNG")
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
+    # The token: in no log, XCom, rendered field or argv of the GRPO run (the SFT's: test_maxtext_faults.py).
     assert HF_TOKEN not in logs
+    ran = {task for task, state in states(dr).items() if state == "success"}
+    rendered, xcoms = rendered_fields(dr.run_id, dr.dag_id), all_xcom(dr.run_id, dr.dag_id)
+    assert ran <= set(rendered) and xcoms
+    assert HF_TOKEN not in json.dumps(rendered, default=str) and HF_TOKEN not in json.dumps(xcoms, default=str)
+    assert sampler.samples > 20 and sampler.leaks == [], sampler.leaks
     for name in vms:
         on_vm = ends.seen[name]
         assert on_vm["token_in"] == [] and on_vm["secrets_left"] == [], (name, on_vm)
