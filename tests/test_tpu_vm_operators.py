@@ -364,6 +364,36 @@ def test_retry_after_a_half_done_insert_reuses_the_instance(emulator, run_dag, f
     )
 
 
+def test_a_vm_of_the_same_name_from_another_deployment_is_neither_used_nor_deleted(emulator, run_dag, capfd):
+    """Two Airflow deployments sharing a project: another deployment's VM of this run's name is left alone.
+
+    (An id collision, or a copied id.) The create refuses it rather than adopt it, and nothing deletes it."""
+    from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.recipes.access import ssh_keys_metadata
+    from airflow_tpu_posttrain.recipes.compute import (
+        TpuVmSpec,
+        instance_body,
+        instance_name,
+        ownership_labels,
+    )
+
+    name = instance_name("lifecycle_foreign", "manual__foreign", "tpu", this_deployment())
+    client = compute_v1.InstancesClient(
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
+    )
+    spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation="my-reservation")
+    labels = ownership_labels("lifecycle_foreign", "manual__foreign", "create_tpu_vm", 2_000_000_000, "otherdeploy")
+    body = instance_body(spec, name, "us-east5-b", labels, ssh_keys=ssh_keys_metadata(*_client(), 2_000_000_000))
+    client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance.from_json(json.dumps(body)))
+    dr = run_dag("lifecycle_foreign", lifecycle("lifecycle_foreign"), run_id="manual__foreign")
+    logs = "".join(capfd.readouterr())
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "was made by Airflow deployment 'otherdeploy', not this one" in logs
+    assert len(inserts(emulator)) == 1 and [i["name"] for i in emulator.instances()] == [name]  # still there
+    assert not [r for r in emulator.requests if r["method"] == "DELETE"]
+
+
 def test_trigger_survives_a_triggerer_restart(emulator):
     """A trigger is rebuilt from its serialized form on another triggerer and finishes the same wait."""
     import asyncio
