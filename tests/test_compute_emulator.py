@@ -287,9 +287,17 @@ def test_labels_beyond_computes_rules_are_refused(gce, emulator, labels, says):
 
 @pytest.mark.parametrize("name", ["Vm-1", "vm_1", "vm-", "1vm", "v" * 64])
 def test_names_beyond_computes_pattern_are_refused(gce, emulator, name):
-    with pytest.raises(exceptions.BadRequest, match=re.escape(f"Invalid value for field 'resource.name': '{name}'")):
+    """Instance and firewall names alike (the pipeline names a VM's firewall rule after the VM)."""
+    says = re.escape(f"Invalid value for field 'resource.name': '{name}'")
+    with pytest.raises(exceptions.BadRequest, match=says):
         insert(gce, tpu_instance(name))
-    assert emulator.instances() == []
+    rule = compute_v1.Firewall(
+        name=name, network="global/networks/default", source_ranges=["10.0.0.0/8"], target_tags=["vm-1"],
+        allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+    )
+    with pytest.raises(exceptions.BadRequest, match=says):
+        gce.firewalls.insert(project=PROJECT, firewall_resource=rule)
+    assert emulator.instances() == [] and emulator.firewalls() == []
 
 
 def test_delete_stops_then_removes_the_instance(gce, emulator):
