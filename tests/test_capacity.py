@@ -6,6 +6,7 @@ fails having created nothing."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -186,6 +187,8 @@ def test_the_later_of_two_racing_creates_yields_once_its_insert_has_ended(
     assert dr.state == "success", task_states(dr)
     logs = "".join(capfd.readouterr())
     assert "is over the cap of 1 TPU VMs (another run created its VM first): deleted it, waiting" in logs
+    # The yielded VM ran (and is billed) from its start to its delete: its cost is said, not lost.
+    assert re.search(r"cost of the yielded VM: tpu-\S+ \(ct6e-standard-8t, \w+\) ran \d+ min \d+ s", logs), logs[-3000:]
     assert "Waiting for TPU capacity" in logs
     assert len(inserts(emulator)) == 3  # the other run's, ours that yielded, ours again
     assert len(ours_deleted()) == 2  # the yield's, accepted at once, and the teardown's
