@@ -84,13 +84,20 @@ def admin(emulator, method: str, path: str, body: dict | None = None, token: str
         return json.load(response)
 
 
+def test_a_tpu_instance_starts_pending_and_others_provisioning(gce, emulator):
+    """"TPU instances start instead in the PENDING state" (Compute's instance-lifecycle page); others PROVISIONING.
+
+    Read at once from the emulator itself: its operations stay PENDING for their first second at most."""
+    emulator.set_faults(operation_seconds=4.0)
+    insert(gce, tpu_instance("vm-tpu"))
+    [first] = emulator.instances()
+    insert(gce, tpu_instance("vm-cpu", machine_type=f"zones/{ZONE}/machineTypes/e2-standard-2"))
+    second = next(i for i in emulator.instances() if i["name"] == "vm-cpu")
+    assert (first["name"], first["status"], second["status"]) == ("vm-tpu", "PENDING", "PROVISIONING")
+
+
 def test_insert_then_wait_gives_a_running_instance_with_local_ips(gce):
     operation = insert(gce, tpu_instance("vm-1"))
-    # "TPU instances start instead in the PENDING state" (Compute's instance-lifecycle page); others PROVISIONING.
-    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-1").status == "PENDING"
-    cpu_vm = insert(gce, tpu_instance("vm-cpu", machine_type=f"zones/{ZONE}/machineTypes/e2-standard-2"))
-    assert gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-cpu").status == "PROVISIONING"
-    wait(gce, cpu_vm)
 
     done = wait(gce, operation)
 
