@@ -113,7 +113,7 @@ from airflow.sdk import DAG
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 with DAG("reaper_victim", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
-    TpuVmCreateOperator(task_id="create_tpu_vm", zones=["us-east5-a"], reservation="r", poll_interval=0.2)
+    TpuVmCreateOperator(task_id="create_tpu_vm", zones=["us-east5-b"], reservation="r", poll_interval=0.2)
 """
 
 REAPER = """
@@ -134,7 +134,8 @@ def reap_counts(dr):
 def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, fault_matrix):
     # A run whose teardown never ran (e.g. marked failed): its VM outlives it, in a zone the reaper is not told
     # of (a run's zones are a Param): every zone is swept.
-    victim = run_dag("reaper_victim", CREATE_ONLY)
+    elsewhere = CREATE_ONLY.replace('zones=["us-east5-b"]', 'zones=["us-east5-a"]')
+    victim = run_dag("reaper_victim", elsewhere)
     assert victim.state == "success" and [i["zone"].rsplit("/", 1)[-1] for i in emulator.instances()] == ["us-east5-a"]
     # Someone else's instance in the same zone, without our label.
     from google.cloud import compute_v1
