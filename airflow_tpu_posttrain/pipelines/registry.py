@@ -5,7 +5,6 @@ Kept apart from the DAG factory so a DAG file that only needs the registry (the 
 
 from __future__ import annotations
 
-import difflib
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -248,14 +247,7 @@ def _pipeline_adapter():
 
 
 def _unknown_keys(keys: Iterable[str], known: Iterable[str]) -> list[str]:
-    known = sorted(known)
-    problems = []
-    for key in keys:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            fix = f"did you mean {close[0]!r}?" if close else f"the keys are: {', '.join(known)}"
-            problems.append(f"{key}: not a key of the registry; {fix}")
-    return problems
+    return validation.unknown_keys(keys, sorted(known), "key of the registry", "keys")
 
 
 def _pydantic_problems(error: Any) -> list[tuple[str | None, str]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -230,13 +229,7 @@ def model_definitions(section: object, problems: list[str]) -> list[ModelProfile
 
 
 def _unknown(place: str, entry: dict, known: tuple[str, ...]) -> list[str]:
-    problems = []
-    for name in entry:
-        if name not in known:
-            close = difflib.get_close_matches(str(name), known, n=1)
-            fix = f"did you mean {close[0]!r}?" if close else f"the fields are: {', '.join(known)}"
-            problems.append(f"{place}.{name}: not a field of a model; {fix}")
-    return problems
+    return validation.unknown_keys(entry, known, "field of a model", "fields", prefix=f"{place}.")
 
 
 def define_models(profiles: list[ModelProfile]) -> None:

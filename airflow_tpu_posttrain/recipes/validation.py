@@ -7,8 +7,9 @@ the second.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 # Characters that let a value escape a shell word or start a second command.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
@@ -307,3 +308,15 @@ def flag(field: str, value: bool | str) -> bool:
     if text in ("false", "0", "no", ""):
         return False
     raise SpecError(field, value, "is not true or false", "give true or false")
+
+
+def unknown_keys(keys: Iterable[object], known: Iterable[str], what: str, listed: str, prefix: str = "") -> list[str]:
+    """``<prefix><key>: not a <what>; did you mean ...?`` (else the ``listed`` known names) per unknown key."""
+    known = list(known)
+    problems = []
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"the {listed} are: {', '.join(known)}"
+            problems.append(f"{prefix}{key}: not a {what}; {fix}")
+    return problems
