@@ -75,10 +75,10 @@ sft_args=(model_name="$model_name" load_parameters_path="$converted/0/items" bas
   "train_data_columns=['messages']" hf_eval_split= tokenizer_path="$hf_model" max_target_length=128
   per_device_batch_size=1 checkpoint_period=2)
 rl_args=(model_name="$model_name" load_parameters_path="$converted/0/items" run_name=rl base_output_directory="$work/rl"
-  "${cpu[@]}" "${dims[@]}" chips_per_vm=1 num_batches="$rl_batches" num_test_batches=2
+  "${dims[@]}" chips_per_vm=1 num_batches="$rl_batches" num_test_batches=2
   rollout_data_parallelism=1 rollout_tensor_parallelism=-1 tokenizer_path="$hf_model"
   hf_train_files="$tiny/data/gsm8k/train.parquet" hf_eval_files="$tiny/data/gsm8k/test.parquet"
-  max_prefill_predict_length=128 max_target_length=160 use_pathways=false)
+  max_prefill_predict_length=128 max_target_length=160)  # rl.yml sets MaxText's CPU-safe settings itself
 # export_step NAME MAXTEXT_PARAMS_DIR OUT_DIR
 export_step() {
   run_step "$1" 'successfully saved in HuggingFace format|NNX-RL checkpoint' \

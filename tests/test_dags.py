@@ -30,9 +30,11 @@ SFT_TINY = "posttrain_sft__tiny-llama"
 RL_TINY = "posttrain_rl__tiny-llama"
 SEEDS_TINY = "posttrain_sft__tiny-llama__seeds"  # the tutorials' layout: every step on the TPU VM
 CLOUD_DAGS = (SFT_GEMMA, RL_LLAMA)
-LOCAL_DAGS = (SFT_TINY, RL_TINY, SEEDS_TINY)
+# The local twins of the cloud DAGs: their commands on a tiny Gemma 3 / Llama 3.1 Instruct (tests/test_twins.py).
+SFT_TWIN, RL_TWIN = "posttrain_sft__tiny-gemma3-4b", "posttrain_rl__tiny-llama3.1-8b-Instruct"
+LOCAL_DAGS = (SFT_TINY, RL_TINY, SEEDS_TINY, SFT_TWIN, RL_TWIN)
 ALL_DAGS = CLOUD_DAGS + LOCAL_DAGS
-SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_TINY, RL_TINY)
+SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_TINY, RL_TINY, SFT_TWIN, RL_TWIN)
 
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
 CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"

@@ -324,10 +324,8 @@ def test_cpu_runtime_commands():
         "hf_eval_files=/dev/shm/tiny-llama/source/data/gsm8k/test.parquet",
         "tokenizer_path=/dev/shm/tiny-llama/base-model-files",
         *dims,
-        *cpu,
         "max_prefill_predict_length=128",
         "max_target_length=160",
-        "use_pathways=false",
     )
 
     export = maxtext.to_huggingface(spec, spec.layout.rl_params(2))
@@ -502,7 +500,7 @@ def test_overrides_refuse_reserved_keys_and_hostile_values(pair):
 
 
 def test_cpu_only_keys_are_reserved_on_cpu():
-    assert _field_of(lambda: maxtext.train_rl(_cpu_spec(), overrides=["use_pathways=true"])) == "overrides[0]"
+    assert _field_of(lambda: maxtext.train_rl(_cpu_spec(), overrides=["max_target_length=1024"])) == "overrides[0]"
     assert _field_of(lambda: maxtext.train_sft(_cpu_spec(), overrides=["base_emb_dim=8"])) == "overrides[0]"
 
 

@@ -30,6 +30,11 @@ ARTIFACTS = [
     "tiny-llama/tokenizer.json",
     "tiny-llama/tokenizer_config.json",
     "tiny-llama/chat_template.jinja",
+    "tiny-gemma3/config.json",
+    "tiny-gemma3/generation_config.json",
+    "tiny-gemma3/model.safetensors",
+    "tiny-gemma3/tokenizer.json",
+    "tiny-gemma3/tokenizer_config.json",
     "data/sft.jsonl",
     "data/sft_eval.jsonl",
     "data/gsm8k/train.parquet",
@@ -129,7 +134,7 @@ def test_build_writes_every_artifact(built):
 def test_rebuild_skips_existing_artifacts(built):
     before = _digests(built)
     output = _build(built)
-    assert "built:" not in output and output.count("exists:") == 5
+    assert "built:" not in output and output.count("exists:") == 6
     assert _digests(built) == before
 
 
@@ -142,7 +147,7 @@ def test_partial_output_is_completed(built, tmp_path):
     _build(tmp_path)
     (tmp_path / "data" / "gsm8k" / "test.parquet").unlink()
     output = _build(tmp_path)
-    assert output.count("exists:") == 4 and "built:" in output and "test.parquet" in output
+    assert output.count("exists:") == 5 and "built:" in output and "test.parquet" in output
     assert _digests(tmp_path) == _digests(built)
 
 
@@ -235,3 +240,66 @@ def test_gsm8k_shaped_parquet(facts):
         reasoning, final = row["answer"].rsplit("\n#### ", 1)
         assert reasoning and final.isdigit()
         assert f">>{final}." in reasoning, "the worked answer should end in the final number"
+
+
+# Runs in the MaxText venv: the tiny Gemma 3's config, tensors and tokenizer as the SFT twin reads them.
+INSPECT_GEMMA3 = textwrap.dedent(
+    """
+    import json, struct, sys
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = f"{sys.argv[1]}/tiny-gemma3"
+    config = json.load(open(f"{model_dir}/config.json"))
+    with open(f"{model_dir}/model.safetensors", "rb") as f:  # bf16 tensors: numpy has no such dtype
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    header.pop("__metadata__", None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    print(json.dumps({
+        "config": config,
+        "loaded_type": AutoConfig.from_pretrained(model_dir).model_type,
+        "generation": json.load(open(f"{model_dir}/generation_config.json")),
+        "shapes": {name: entry["shape"] for name, entry in header.items()},
+        "dtypes": sorted({entry["dtype"] for entry in header.values()}),
+        "tokens": len(tokenizer),
+        "ids": {t: tokenizer.convert_tokens_to_ids(t) for t in ("<bos>", "<eos>", "<end_of_turn>", "<image_soft_token>")},
+        "chat": tokenizer.apply_chat_template(chat, tokenize=False),
+    }))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def gemma3(built) -> dict:
+    return json.loads(_maxtext_python("-c", INSPECT_GEMMA3, str(built)))
+
+
+def test_the_tiny_gemma3_is_shaped_as_gemma_3_4b_it(gemma3):
+    """What the SFT twin converts: google/gemma-3-4b-it's layout, shrunk.
+
+    A multimodal checkpoint, its text model under text_config, the Hub file's tensor names, tied embeddings padded
+    past the vocabulary."""
+    from airflow_tpu_posttrain.recipes.models import TINY_GEMMA3_DIMS
+
+    config, text = gemma3["config"], gemma3["config"]["text_config"]
+    assert config["architectures"] == ["Gemma3ForConditionalGeneration"] and gemma3["loaded_type"] == "gemma3"
+    assert config["vision_config"]["model_type"] == "siglip_vision_model"
+    dims = TINY_GEMMA3_DIMS  # what the twin's MaxText commands say the model is
+    assert (text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]) == (
+        int(dims["base_emb_dim"]), int(dims["base_mlp_dim"]), int(dims["base_num_decoder_layers"])
+    )
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (
+        int(dims["base_num_query_heads"]), int(dims["base_num_kv_heads"]), int(dims["head_dim"])
+    )
+    assert text["sliding_window"] == int(dims["sliding_window_size"])
+    shapes = gemma3["shapes"]
+    assert shapes["language_model.model.embed_tokens.weight"] == [int(dims["vocab_size"]) + 64, 64]
+    assert not [name for name in shapes if "lm_head" in name]
+    assert {name.split(".")[0] for name in shapes} == {"language_model", "vision_tower", "multi_modal_projector"}
+    assert len([n for n in shapes if n.startswith("language_model.model.layers.")]) == 14 * 13
+    assert gemma3["dtypes"] == ["BF16"]  # as the Hub's file
+    # Gemma's chat turns, and its answers end at <end_of_turn>: the generation config stops there.
+    assert gemma3["chat"] == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+    ids = gemma3["ids"]
+    assert ids["<image_soft_token>"] == int(dims["vocab_size"]) and gemma3["tokens"] == int(dims["vocab_size"]) + 1
+    assert sorted(gemma3["generation"]["eos_token_id"]) == sorted([ids["<eos>"], ids["<end_of_turn>"]])

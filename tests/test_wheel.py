@@ -172,4 +172,10 @@ def test_the_compatibility_table_says_what_is_required_and_tested():
     assert rows["MaxText on the TPU VM: GRPO of `llama3.1-8b-Instruct`"][0].startswith(
         MODELS["llama3.1-8b-Instruct"].maxtext_version
     )
-    assert rows["MaxText on the local CPU \"VM\" (`tiny-llama`)"][0] == MODELS["tiny-llama"].maxtext_version
+    assert rows["MaxText on the local CPU \"VM\" (`tiny-llama`, the fault tests' model)"][0] == MODELS[
+        "tiny-llama"
+    ].maxtext_version
+    for cloud, row in (("gemma3-4b", "SFT of `gemma3-4b`"), ("llama3.1-8b-Instruct", "GRPO of `llama3.1-8b-Instruct`")):
+        twin = MODELS[f"tiny-{cloud}"]
+        assert f"maxtext-v{twin.maxtext_version}" in rows[f"MaxText on the TPU VM: {row}"][1]
+        assert f"`{twin.key}`" in rows[f"MaxText on the TPU VM: {row}"][1]

@@ -37,7 +37,7 @@ from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
 from airflow_tpu_posttrain.recipes.install import install_script
-from airflow_tpu_posttrain.recipes.models import TINY_CHATS_REPO, TINY_LLAMA_REPO, model_profile
+from airflow_tpu_posttrain.recipes.models import LOCAL_HUB_SOURCES, TINY_CHATS_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
@@ -79,9 +79,10 @@ def package_cache(local_dir: Path) -> Path:
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
     """A MaxText venv on this machine, and the cpu runtime's launcher scripts.
 
-    The venv is made by the same idempotent script the install step runs (it builds the tiny model and data);
+    The venv is made by the same idempotent script the install step runs (it builds the tiny models and data);
     installing it also fills the package cache the VMs install from. The launcher scripts go where the local
-    settings name them (``launcher_source_dir``)."""
+    settings name them (``launcher_source_dir``). The twins' releases (0.2.2, 0.2.3) are not cached: a VM of a
+    twin's DAG installs them from the package index."""
     shutil.copytree(Path(__file__).with_name("vm_launchers"), local_dir / LOCAL_LAUNCHERS, dirs_exist_ok=True)
     venv = local_dir / "maxtext-venv"
     runtime = cpu_runtime(str(local_dir / "launchers"), str(venv), python312)
@@ -185,9 +186,12 @@ class LocalStack:
         self.compute.add_subnetwork("default", LOCAL_REGION, private_google_access=True)
         self.compute.add_router("posttrain-nat", LOCAL_REGION)
         self.hub.start()
-        self.hub.store.seed_repo(TINY_LLAMA_REPO, self.local_dir / "tiny" / "tiny-llama", gated="manual")
-        for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted
-            self.hub.grant(token, TINY_LLAMA_REPO)
+        # The tiny models, gated as Gemma and Llama are, each under the repo id its model reads: the twins' under
+        # the tutorials' ids (MaxText's converters look those up by model name).
+        for repo, source in LOCAL_HUB_SOURCES.items():
+            self.hub.store.seed_repo(repo, self.local_dir / "tiny" / source, gated="manual")
+            for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted
+                self.hub.grant(token, repo)
         self.seed_tiny_chats()
         return self.environment()
 

@@ -31,7 +31,7 @@ from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
-from airflow_tpu_posttrain.recipes.models import ModelProfile, model_profile, tiny_llama_profile
+from airflow_tpu_posttrain.recipes.models import ModelProfile, local_profile, model_profile
 from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -231,7 +231,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     def _profile(self) -> ModelProfile:
         profile = model_profile(self.model)
         if profile.is_local and self.model_source_dir:
-            return tiny_llama_profile(self.model_source_dir)
+            return local_profile(profile, self.model_source_dir)
         return profile
 
     def run_spec(self, context: Context, conversion_key: str = "") -> maxtext.RunSpec:

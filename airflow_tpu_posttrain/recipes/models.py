@@ -71,6 +71,11 @@ class ModelProfile:
     maxtext_overrides: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # The local CPU model: served by the local Hub, its datasets local files (``model_source_dir``).
     is_local: bool = False
+    # MaxText's own table of Hub ids (its converters' ``HF_IDS``) names ``hf_source`` for ``maxtext_model_name``:
+    # the converters read it by name. Else the cpu runtime gives it as ``--hf_model_path``.
+    hf_source_in_maxtext_table: bool = True
+    # A local twin: the key of the cloud model whose commands it runs, shrunk (recipes/runtime.LOCAL_DIFFERENCES).
+    twin_of: str | None = None
 
     def __post_init__(self) -> None:
         validation.safe_name("model", self.key)
@@ -102,8 +107,30 @@ TINY_LLAMA_REPO = "local/tiny-llama"
 TINY_CHATS_REPO = "local/tiny-chats"
 
 
+def _local_sft_dataset(root: str) -> SftDataset:
+    # A JSON file loads as the split "train"; the held-out chats are a file of their own.
+    return SftDataset(
+        hf_path="json",
+        train_split="train",
+        train_files=f"{root}/data/sft.jsonl",
+        eval_split="train",
+        eval_files=f"{root}/data/sft_eval.jsonl",
+        eval_steps=2,
+        source_repo=TINY_CHATS_REPO,
+    )
+
+
+def _local_rl_dataset(root: str) -> RlDataset:
+    return RlDataset(train_files=f"{root}/data/gsm8k/train.parquet", eval_files=f"{root}/data/gsm8k/test.parquet")
+
+
+# What a local model trains for: a few steps, enough to checkpoint, resume and evaluate (the GRPO twin runs the
+# tutorial's 50 batches: a tiny model's batch takes a fraction of a second).
+_LOCAL_SFT_STEPS = 5
+
+
 def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
-    """The local CPU model: its weights and tokenizer on the local Hub, its datasets under ``root``.
+    """The local CPU model of the fault tests: its weights and tokenizer on the local Hub, its datasets under ``root``.
 
     The weights and tokenizer are ``TINY_LLAMA_REPO``, uploaded from ``<root>/tiny-llama`` by the local stack.
 
@@ -117,28 +144,76 @@ def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
         maxtext_model_name="llama3.1-8b",
         hf_source=TINY_LLAMA_REPO,
         maxtext_version="0.2.5",
-        # A JSON file loads as the split "train"; the held-out chats are a file of their own.
-        sft_dataset=SftDataset(
-            hf_path="json",
-            train_split="train",
-            train_files=f"{root}/data/sft.jsonl",
-            eval_split="train",
-            eval_files=f"{root}/data/sft_eval.jsonl",
-            eval_steps=2,
-            source_repo=TINY_CHATS_REPO,
-        ),
-        rl_dataset=RlDataset(
-            train_files=f"{root}/data/gsm8k/train.parquet", eval_files=f"{root}/data/gsm8k/test.parquet"
-        ),
-        sft_steps=5,
-        rl_num_batches=2,
-        rl_num_test_batches=2,
+        sft_dataset=_local_sft_dataset(root),
+        rl_dataset=_local_rl_dataset(root),
         maxtext_overrides=TINY_LLAMA_DIMS,
         is_local=True,
+        hf_source_in_maxtext_table=False,
+        sft_steps=_LOCAL_SFT_STEPS,
+        rl_num_batches=2,
+        rl_num_test_batches=2,
     )
 
 
-MODELS: Mapping[str, ModelProfile] = MappingProxyType(
+# A Gemma 3 4B shrunk (local/tiny_model.py builds it): 14 layers are two scanned blocks of gemma3's six-layer
+# pattern and a remainder of two, as 34 = 5 x 6 + 4; the sliding window must match the checkpoint's, or MaxText
+# trains another model without a word.
+TINY_GEMMA3_DIMS: Mapping[str, str] = MappingProxyType(
+    {
+        "override_model_config": "true",
+        "base_emb_dim": "64",
+        "base_num_query_heads": "4",
+        "base_num_kv_heads": "2",
+        "base_num_decoder_layers": "14",
+        "base_mlp_dim": "128",
+        "head_dim": "32",
+        "vocab_size": "512",
+        "sliding_window_size": "32",
+    }
+)
+# The local twins: the cloud model's MaxText model, Hub repo (served by the local Hub under the same id, gated)
+# and release, with the shape above and local data.
+TWIN_DIMS: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {"gemma3-4b": TINY_GEMMA3_DIMS, "llama3.1-8b-Instruct": TINY_LLAMA_DIMS}
+)
+# Which local/tiny_model.py directory the local Hub serves under each twin's repo id.
+LOCAL_HUB_SOURCES: Mapping[str, str] = MappingProxyType(
+    {
+        TINY_LLAMA_REPO: "tiny-llama",
+        "google/gemma-3-4b-it": "tiny-gemma3",
+        "meta-llama/Llama-3.1-8B-Instruct": "tiny-llama",
+    }
+)
+
+
+def twin_key(cloud_key: str) -> str:
+    return f"tiny-{cloud_key}"
+
+
+def twin_profile(cloud: ModelProfile, root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
+    """The local twin of the cloud model ``cloud``: its commands, shrunk to run on a CPU from files under ``root``."""
+    root = validation.safe_absolute_path("model_source_dir", root)
+    return replace(
+        cloud,
+        key=twin_key(cloud.key),
+        sft_dataset=_local_sft_dataset(root),
+        rl_dataset=_local_rl_dataset(root),
+        maxtext_overrides=TWIN_DIMS[cloud.key],
+        is_local=True,
+        twin_of=cloud.key,
+        sft_steps=_LOCAL_SFT_STEPS,
+    )
+
+
+def local_profile(profile: ModelProfile, root: str) -> ModelProfile:
+    """A local profile with its files under ``root`` (where the local stack put them)."""
+    if profile.twin_of:
+        return twin_profile(CLOUD_MODELS[profile.twin_of], root)
+    return tiny_llama_profile(root)
+
+
+# The tutorials' models.
+CLOUD_MODELS: Mapping[str, ModelProfile] = MappingProxyType(
     {
         profile.key: profile
         for profile in (
@@ -154,8 +229,14 @@ MODELS: Mapping[str, ModelProfile] = MappingProxyType(
                 hf_source="meta-llama/Llama-3.1-8B-Instruct",
                 maxtext_version="0.2.3",
             ),
-            tiny_llama_profile(),
         )
+    }
+)
+MODELS: Mapping[str, ModelProfile] = MappingProxyType(
+    {
+        **CLOUD_MODELS,
+        **{twin_key(key): twin_profile(profile) for key, profile in CLOUD_MODELS.items()},
+        "tiny-llama": tiny_llama_profile(),
     }
 )
 

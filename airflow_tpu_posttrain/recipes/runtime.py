@@ -1,10 +1,10 @@
 """Where MaxText runs: the tutorials' TPU VM, or this machine's CPU. The ONE place for local-only adaptations.
 
 The ``tpu`` runtime changes nothing: commands are the tutorials'. The ``cpu`` runtime runs the same four steps
-on a tiny local model (maxtext-on-cpu.md): JAX on the CPU, MaxText's CPU settings, the model read from its
-repo on the local Hub (MaxText's table of Hub ids names the real models only), short sequences, and three steps
-started through launcher scripts (kept in ``local/``) that take exactly the wrapped module's argv and patch what
-cannot run on a CPU.
+on a tiny local model (maxtext-on-cpu.md): a local twin of a cloud model runs the cloud entry's commands, on its
+MaxText release, from its Hub repo id (served by the local Hub), differing by ``LOCAL_DIFFERENCES`` only: JAX on
+the CPU, MaxText's CPU settings, short sequences, and three steps started through launcher scripts (kept in
+``local/``) that take exactly the wrapped module's argv and patch what cannot run on a CPU.
 """
 
 from __future__ import annotations
@@ -40,8 +40,113 @@ _CPU_LAUNCHERS: Mapping[Step, str] = MappingProxyType(
         Step.TO_HUGGINGFACE: "to_huggingface_cpu.py",  # writes the local model's config
     }
 )
-# attention=dot_product: MaxText 0.2.3's autoselect picks a GPU kernel on a CPU; safe on 0.2.5 too.
-_CPU_ARGS: Mapping[str, str] = MappingProxyType({**CPU_CONVERSION_ARGS, "attention": "dot_product"})
+# What each step adds on a CPU, on top of the cloud command (the conversions already carry MaxText's CPU
+# settings: they run on a CPU on Google Cloud too).
+_CPU_STEP_ARGS: Mapping[Step, Mapping[str, str]] = MappingProxyType(
+    {
+        # False (the tutorials') loads through torch, which the CPU environment does not have.
+        Step.TO_MAXTEXT: {"--lazy_load_tensors": "True"},
+        # attention=dot_product: at short lengths MaxText 0.2.2's autoselect takes the flash kernel's branch.
+        Step.TRAIN_SFT: {**CPU_CONVERSION_ARGS, "attention": "dot_product", "max_target_length": "128"},
+        # rl.yml already sets skip_jax_distributed_system and dot_product attention (0.2.3 and 0.2.5).
+        Step.TRAIN_RL: {"max_prefill_predict_length": "128", "max_target_length": "160"},
+        Step.TO_HUGGINGFACE: {},
+    }
+)
+
+
+@dataclass(frozen=True)
+class LocalDifference:
+    """One way a local twin's command differs from its cloud entry's, and why."""
+
+    item: str  # 'entry point', 'venv', 'env', or 'argv <key>'
+    steps: frozenset[Step]
+    reason: str
+
+
+_ALL = frozenset(Step)
+_TRAINING = frozenset({Step.TRAIN_SFT, Step.TRAIN_RL})
+
+
+def _argv(keys: str, steps: frozenset[Step], reason: str) -> list[LocalDifference]:
+    return [LocalDifference(f"argv {key}", steps, reason) for key in keys.split()]
+
+
+# Every difference between the commands of a local twin (split layout, its "TPU" VM a CPU) and of its cloud entry;
+# tests/test_twins.py renders both DAGs' commands and asserts they differ by exactly this list.
+LOCAL_DIFFERENCES: tuple[LocalDifference, ...] = (
+    *_argv(
+        "override_model_config base_emb_dim base_num_query_heads base_num_kv_heads base_num_decoder_layers "
+        "base_mlp_dim head_dim vocab_size",
+        _ALL,
+        "the tiny model's shape (recipes/models.TWIN_DIMS): the real one neither fits a CPU's memory nor its time",
+    ),
+    *_argv(
+        "sliding_window_size",
+        frozenset({Step.TO_MAXTEXT, Step.TRAIN_SFT, Step.TO_HUGGINGFACE}),
+        "Gemma 3's local attention window (the SFT twin), shrunk with the model",
+    ),
+    *_argv(
+        "hf_path train_split hf_train_files hf_eval_files hf_eval_split",
+        frozenset({Step.TRAIN_SFT}),
+        "local chats in the tiny tokenizer's vocabulary (local/tiny_model.py), not UltraChat's 200k",
+    ),
+    *_argv("hf_train_files hf_eval_files", frozenset({Step.TRAIN_RL}), "local GSM8K-shaped problems"),
+    *_argv("steps", frozenset({Step.TRAIN_SFT}), "a few steps on a CPU: enough to checkpoint, resume and evaluate"),
+    *_argv(
+        "eval_interval eval_steps",
+        frozenset({Step.TRAIN_SFT}),
+        "the quality gate's evaluations: after the last of the few steps, over the local held-out chats",
+    ),
+    *_argv(
+        "checkpoint_period",
+        frozenset({Step.TRAIN_SFT}),
+        "a checkpoint every 2 of the 5 steps (the local entries' setting), so a retried try resumes from one",
+    ),
+    *_argv("chips_per_vm", frozenset({Step.TRAIN_RL}), "the CPU is one JAX device, a v6e-8 eight"),
+    *_argv(
+        "hardware skip_jax_distributed_system",
+        frozenset({Step.TRAIN_SFT}),
+        "the trainer runs on a CPU: without them MaxText's pyconfig calls jax.distributed.initialize(), which "
+        "off a TPU raises 'coordinator_address should be defined' (the conversions carry them on Google Cloud too; "
+        "rl.yml sets skip_jax_distributed_system itself)",
+    ),
+    *_argv(
+        "attention",
+        frozenset({Step.TRAIN_SFT}),
+        "at 128 tokens MaxText 0.2.2's autoselect takes the flash kernel's branch, which a CPU has not (rl.yml "
+        "sets dot_product itself)",
+    ),
+    *_argv(
+        "max_target_length",
+        _TRAINING,
+        "short sequences for a CPU's time (the CPU sampler standing in for vLLM has no KV cache: at rl.yml's "
+        "lengths a GRPO batch takes a minute)",
+    ),
+    *_argv("max_prefill_predict_length", frozenset({Step.TRAIN_RL}), "short prompts, as above"),
+    *_argv(
+        "--lazy_load_tensors",
+        frozenset({Step.TO_MAXTEXT}),
+        "the eager load goes through torch, which the CPU environment has not (maxtext[tpu-post-train] pins "
+        "torch from PyTorch's own index, unreachable here)",
+    ),
+    LocalDifference(
+        "entry point",
+        frozenset(_CPU_LAUNCHERS),
+        "launchers (local/vm_launchers/README.md) that run the MaxText module unchanged after a patch: the "
+        "conversions read the tiny model's config where MaxText reads its table's, train_rl samples on the CPU "
+        "where it would start vLLM on the TPU",
+    ),
+    LocalDifference(
+        "venv",
+        _ALL,
+        "MaxText's CPU environment on the local VM's own disk (maxtext[tpu] and google-tunix, installed from "
+        "the local package cache: the tutorials' tpu-post-train extra needs PyTorch's index and GitHub)",
+    ),
+    LocalDifference(
+        "env", _TRAINING, "the accelerator is the CPU: JAX_PLATFORMS=cpu instead of the TPU slice's environment"
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -72,10 +177,11 @@ class Runtime:
         return dict(CPU_JAX_ENV) if self.is_cpu else {}
 
     def check_model(self, model: ModelProfile) -> None:
-        """The cpu runtime runs the local tiny model only (a real model does not fit a CPU's time or memory)."""
+        """The cpu runtime runs the local tiny models only (a real model does not fit a CPU's time or memory)."""
         if self.is_cpu and not model.is_local:
             raise SpecError(
-                "model", model.key, "is not the local model; the cpu runtime runs it only", "use 'tiny-llama'"
+                "model", model.key, "is not a local model; the cpu runtime runs those only",
+                f"use its local twin 'tiny-{model.key}', or 'tiny-llama'",
             )
 
     def check_accelerator(self, accelerator: Accelerator) -> None:
@@ -98,23 +204,17 @@ class Runtime:
         return (_PYTHON, "-m", step.value)
 
     def step_args(self, step: Step, model: ModelProfile) -> dict[str, str]:
-        """Arguments set on top of the tutorial's, replacing the tutorial's value where both set a key."""
+        """Arguments set on top of the cloud command's, replacing its value where both set a key."""
         if not self.is_cpu:
             return {}
-        repo = model.hf_source
-        per_step = {
-            # False (the tutorials') loads through torch, which the CPU environment does not have.
-            Step.TO_MAXTEXT: {"--hf_model_path": repo, "--lazy_load_tensors": "True"},
-            Step.TRAIN_SFT: {"max_target_length": "128"},
-            Step.TRAIN_RL: {
-                "max_prefill_predict_length": "128",
-                "max_target_length": "160",
-                "use_pathways": "false",
-            },
-            # The tiny model's dims differ from the named model's Hub config.
-            Step.TO_HUGGINGFACE: {"--override_model_architecture": "true", "--hf_model_path": repo},
-        }
-        return {**_CPU_ARGS, **per_step[step]}
+        args = dict(_CPU_STEP_ARGS[step])
+        if not model.hf_source_in_maxtext_table and step in (Step.TO_MAXTEXT, Step.TO_HUGGINGFACE):
+            # A model MaxText's table does not name (the fault tests' tiny-llama, MaxText 0.2.5): given by repo,
+            # and the export's config written with the repo's dims.
+            if step is Step.TO_HUGGINGFACE:
+                args["--override_model_architecture"] = "true"
+            args["--hf_model_path"] = model.hf_source
+        return args
 
 
 def tpu_runtime(venv: str = DEFAULT_TPU_VENV) -> Runtime:

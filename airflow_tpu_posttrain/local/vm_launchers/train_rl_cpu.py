@@ -1,11 +1,11 @@
 """Local-only launcher: `maxtext.trainers.post_train.rl.train_rl` (GRPO) on CPU.
 
-Takes exactly train_rl's argv. train_rl imports MaxText's vLLM integration (tpu_inference, vLLM and
-TPU-only Pallas kernels) and hard-wires its rollout engine to `MaxTextVllmRollout`. This launcher puts
-stand-ins for those two modules into sys.modules: a no-op adapter registration, and `CpuRollout`, a
-small KV-cache-free sampler that re-runs the actor's forward pass for every new token. Then it runs
-train_rl's main unchanged. Fine for a model with a few hundred thousand parameters, far too slow for
-a real one.
+Takes exactly train_rl's argv; works with maxtext 0.2.3 and 0.2.5 (google-tunix 0.1.7). train_rl's rollout
+engine is vLLM on TPU (tpu_inference, vLLM and TPU-only Pallas kernels, none of them installed or usable
+here). This launcher puts stand-ins for the modules that reach it into sys.modules (see
+install_vllm_stand_ins), all resolving to `CpuRollout`, a small KV-cache-free sampler that re-runs the
+actor's forward pass for every new token. Then it runs train_rl's main unchanged. Fine for a model with a
+few hundred thousand parameters, far too slow for a real one.
 """
 
 import functools
@@ -23,6 +23,7 @@ from tunix.rl.rollout import base_rollout
 
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
 VLLM_PACKAGE = "maxtext.integration.vllm"
+TUNIX_ROLLOUT_PACKAGE = "tunix.rl.rollout"
 log = logging.getLogger("train_rl_cpu")
 
 
@@ -59,17 +60,19 @@ def _next_tokens(graphdef, state, tokens, valid, index, rng, *, temperature, top
 class CpuRollout(base_rollout.BaseRollout):
     """Tunix rollout engine that samples with the actor model itself, without a KV cache.
 
-    Constructed the way train_rl constructs MaxTextVllmRollout (the mesh it also passes is unused:
-    the actor's own sharding applies). Prompts are left-padded to max_prefill_predict_length and
-    sequences span max_target_length, as in MaxText's config, so one compilation serves every call
-    with the same batch size and sampling settings.
+    Constructed as either engine train_rl asks for: MaxTextVllmRollout (keyword arguments, plus
+    maxtext_config) or tunix's VllmRollout (actor and tokenizer positionally, plus cache_config_or_size).
+    The mesh both pass is unused: the actor's own sharding applies. Prompts are left-padded to
+    rollout_config.max_prompt_length and sequences span that plus max_tokens_to_generate (train_rl sets
+    these to max_prefill_predict_length and max_target_length - max_prefill_predict_length), so one
+    compilation serves every call with the same batch size and sampling settings.
     """
 
-    def __init__(self, rollout_actor, tokenizer, rollout_config, maxtext_config, **_):
+    def __init__(self, rollout_actor, tokenizer, *, rollout_config, **_):
         self._model = rollout_actor
         self._tokenizer = tokenizer
-        self._prompt_width = maxtext_config.max_prefill_predict_length
-        self._total_width = maxtext_config.max_target_length
+        self._prompt_width = rollout_config.max_prompt_length
+        self._total_width = rollout_config.max_prompt_length + rollout_config.max_tokens_to_generate
         self._rng = jax.random.PRNGKey(int(rollout_config.seed) if rollout_config.seed is not None else 0)
         self._next_tokens = jax.jit(
             functools.partial(_next_tokens, nnx.graphdef(rollout_actor)),
@@ -166,16 +169,36 @@ class CpuRollout(base_rollout.BaseRollout):
 
 
 def install_vllm_stand_ins() -> None:
-    """Registers stand-ins for the two vLLM integration modules train_rl imports."""
+    """Registers stand-ins for the vLLM rollout modules train_rl reaches; each resolves to CpuRollout.
+
+    - maxtext.integration.vllm.maxtext_vllm_rollout (train_rl imports MaxTextVllmRollout at module
+      level: 0.2.3 train_rl.py:119, 0.2.5 train_rl.py:81). The real module imports tunix's vLLM sampler,
+      hence vllm, which is not installed. 0.2.5 always uses it (train_rl.py:413); 0.2.3 only with
+      use_standalone_converter=true (train_rl.py:428-432).
+    - maxtext.integration.vllm.maxtext_vllm_adapter, a no-op register(): 0.2.5 imports it and calls
+      adapter.register() at import (train_rl.py:67-69), which registers MaxText models with vLLM. Harmless
+      on 0.2.3, which never imports it.
+    - tunix.rl.rollout.vllm_rollout: 0.2.3 passes rollout_engine="vllm" (train_rl.py:428-432, as
+      use_standalone_converter defaults to false), for which tunix 0.1.7 imports this module and
+      constructs VllmRollout (rl/rl_cluster.py:407-431). The real module imports
+      tunix.generate.vllm_sampler, hence vllm. Never reached on 0.2.5.
+    """
     import maxtext.integration.vllm as vllm_package
+    import tunix.rl.rollout as tunix_rollout_package
 
     adapter = types.ModuleType(f"{VLLM_PACKAGE}.maxtext_vllm_adapter")
     adapter.register = lambda: None
     rollout = types.ModuleType(f"{VLLM_PACKAGE}.maxtext_vllm_rollout")
     rollout.MaxTextVllmRollout = CpuRollout
-    for module in (adapter, rollout):
+    tunix_rollout = types.ModuleType(f"{TUNIX_ROLLOUT_PACKAGE}.vllm_rollout")
+    tunix_rollout.VllmRollout = CpuRollout
+    for package, module in (
+        (vllm_package, adapter),
+        (vllm_package, rollout),
+        (tunix_rollout_package, tunix_rollout),
+    ):
         sys.modules[module.__name__] = module
-        setattr(vllm_package, module.__name__.rsplit(".", 1)[1], module)
+        setattr(package, module.__name__.rsplit(".", 1)[1], module)
 
 
 if __name__ == "__main__":
