@@ -162,28 +162,36 @@ def _tokenizer_corpus(chats: list[dict], gsm8k_rows: list[dict]) -> list[str]:
     return corpus
 
 
-def _build_tokenizer(corpus: list[str]):
-    """A byte-level BPE (like Llama 3's) with exactly VOCAB_SIZE entries, wrapped for transformers."""
+def _byte_level_bpe(corpus: list[str], vocab_size: int, special_tokens: list[str], bos_token: str):
+    """A byte-level BPE of exactly ``vocab_size`` entries that prepends ``bos_token`` on a plain encode.
+
+    Llama 3 and Gemma both do; their chat templates write the BOS themselves."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    # Llama 3 prepends BOS on plain encode; its chat template writes BOS itself.
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} entries, expected {vocab_size}")
+    bos_id = tokenizer.token_to_id(bos_token)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)]
     )
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} entries, expected {VOCAB_SIZE}")
+    return tokenizer
+
+
+def _build_tokenizer(corpus: list[str]):
+    """A byte-level BPE (like Llama 3's) with exactly VOCAB_SIZE entries, wrapped for transformers."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = _byte_level_bpe(corpus, VOCAB_SIZE, SPECIAL_TOKENS, BOS_TOKEN)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
@@ -373,28 +381,11 @@ def _build_gemma3_tokenizer(corpus: list[str]):
 
     (The Hub's is a SentencePiece BPE with byte fallback; a byte-level BPE is the same kind of thing that trains
     to a tiny vocabulary without unknown tokens.)"""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=GEMMA3_VOCAB_SIZE,
-        special_tokens=GEMMA3_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    if tokenizer.get_vocab_size() != GEMMA3_VOCAB_SIZE:
-        raise RuntimeError(
-            f"tokenizer has {tokenizer.get_vocab_size()} entries, expected {GEMMA3_VOCAB_SIZE}"
-        )
+    tokenizer = _byte_level_bpe(corpus, GEMMA3_VOCAB_SIZE, GEMMA3_SPECIAL_TOKENS, "<bos>")
     tokenizer.add_special_tokens([AddedToken(GEMMA3_IMAGE_SOFT_TOKEN, normalized=False, special=True)])
-    bos_id = tokenizer.token_to_id("<bos>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos_id)]
-    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<bos>",

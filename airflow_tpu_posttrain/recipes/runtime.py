@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from airflow_tpu_posttrain.recipes import validation
 from airflow_tpu_posttrain.recipes.accelerators import CPU_CONVERSION_ARGS, CPU_JAX_ENV, Accelerator
-from airflow_tpu_posttrain.recipes.models import ModelProfile
+from airflow_tpu_posttrain.recipes.models import ModelProfile, twin_key
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 DEFAULT_TPU_VENV = "maxtext_venv"  # the tutorials' name, relative to the SSH user's home
@@ -181,7 +181,7 @@ class Runtime:
         if self.is_cpu and not model.is_local:
             raise SpecError(
                 "model", model.key, "is not a local model; the cpu runtime runs those only",
-                f"use its local twin 'tiny-{model.key}', or 'tiny-llama'",
+                f"use its local twin {twin_key(model.key)!r}, or 'tiny-llama'",
             )
 
     def check_accelerator(self, accelerator: Accelerator) -> None:
