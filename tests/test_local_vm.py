@@ -389,7 +389,9 @@ def test_googles_storage_host_reaches_the_local_gcs_server_over_https(make_vm, k
     """A client with no endpoint setting (TSL's GCS client: JAX's profiler, TensorFlow) calls Google's host.
 
     The VM resolves it to the local server's HTTPS front and trusts the front's CA besides the system's. The
-    upload is sent as TSL sends it, ``Transfer-Encoding: identity``, which the server behind refuses (501)."""
+    upload is sent as TSL sends it, ``Transfer-Encoding: identity``, which the server behind refuses (501); the
+    read back is TSL's too: the XML API's path-style URL on storage.googleapis.com with the object name's slashes
+    percent-encoded (orbax 0.12.8 reads its array metadata back so through tf.io.gfile)."""
     from google.cloud import storage as gcs_client
 
     from airflow_tpu_posttrain.local.gcs_server import SYSTEM_CA_BUNDLE, GcsServer, client_environment
@@ -407,6 +409,14 @@ def test_googles_storage_host_reaches_the_local_gcs_server_over_https(make_vm, k
                 "echo via-google-host | curl -sSf -X POST -H 'Transfer-Encoding: identity' --data-binary @- "
                 f"'{api}/upload/storage/v1/b/bucket/o?uploadType=media&name=from-vm/tsl-marker'",
             )
+            session = _run(
+                client,
+                f"curl -sSf -o /dev/null -D - -X POST '{api}/upload/storage/v1/b/bucket/o?uploadType=resumable&name=x'",
+            )
+            location = next(line for line in session.splitlines() if line.lower().startswith("location:"))
+            assert location.split(None, 1)[1].startswith(f"{api}/upload/storage/v1/b/bucket/o?"), location
+            read_back = "curl -sSf -H 'Range: bytes=4-9' https://storage.googleapis.com/bucket/from-vm%2Ftsl-marker"
+            assert _run(client, read_back) == "google"
         os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
         try:
             blob = gcs_client.Client().bucket("bucket").blob("from-vm/tsl-marker")

@@ -5,7 +5,11 @@ emulator setting. A local VM resolves that host to this front (its /etc/hosts), 
 (``CURL_CA_BUNDLE``), and the front relays each request to the local server over HTTP. It also does what
 Google's frontends do and fake-gcs-server (Go's net/http) does not: it accepts a request body sent with
 ``Transfer-Encoding: identity`` (TSL's uploads; Go answers 501 "Unsupported transfer encoding"). Upload session
-URLs the server hands out (``Location``) are rewritten to the front, so the upload's next requests come back here.
+URLs the server hands out (``Location``, http on the server's address or on the host asked) are rewritten to https
+on the host asked, as Google's are, so the upload's next requests come back here.
+The ``Host`` header is relayed as sent: TSL reads objects through the XML API's path-style URL
+(``https://storage.googleapis.com/BUCKET/OBJECT``, slashes in the name percent-encoded), which the server behind
+serves only to requests for that host.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 # Hop-by-hop headers, and those the relay sets itself.
-_NOT_RELAYED = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "content-length", "te"})
+_NOT_RELAYED = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "te"})
 UPSTREAM_TIMEOUT_S = 300.0
 
 
@@ -56,7 +60,7 @@ class _Relay(BaseHTTPRequestHandler):
                 if name.lower() in _NOT_RELAYED:
                     continue
                 if name.lower() == "location":
-                    value = value.replace(self.server.upstream_url, f"https://{self.headers.get('Host')}")
+                    value = self._through_front(value)
                 self.send_header(name, value)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -65,6 +69,14 @@ class _Relay(BaseHTTPRequestHandler):
             self.send_error(502, "the local server behind the front did not answer")
         finally:
             upstream.close()
+
+    def _through_front(self, location: str) -> str:
+        """An upload session's URL as Google hands it out: https on the host asked, not the server's HTTP."""
+        host = self.headers.get("Host")
+        url = urlsplit(location)
+        if url.netloc not in (self.server.upstream.netloc, host):
+            return location
+        return url._replace(scheme="https", netloc=host).geturl()
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _relay
 
