@@ -536,11 +536,12 @@ def test_an_export_without_generation_config_gets_the_base_models(tmp_path, run_
     export = make_export(tmp_path / "export", drop_file="generation_config.json")
     proc = run_publish(
         "--model-dir", str(export), "--result-file", str(tmp_path / "result.json"), *hub_args(hub),
-        "--generation-config-from", "acme/tiny-llama-instruct", "--generation-config-revision", revision,
+        "--base-model", "acme/tiny-llama-instruct", "--base-revision", revision,
         token_file=token_file, env={"HF_TOKEN": token},
     )
     assert proc.returncode == 0, proc.stderr
     assert f"generation_config.json of acme/tiny-llama-instruct@{revision} added" in proc.stdout
+    assert f"config.json agrees with acme/tiny-llama-instruct@{revision}'s" in proc.stdout
     published = HfApi(endpoint=hub.url, token=token).hf_hub_download(
         REPO_ID, "generation_config.json", revision=BRANCH, cache_dir=tmp_path / "hf-cache"
     )
@@ -549,7 +550,7 @@ def test_an_export_without_generation_config_gets_the_base_models(tmp_path, run_
     own = make_export(tmp_path / "export-own")  # an export with its own generation config keeps it
     proc = run_publish(
         "--model-dir", str(own), "--result-file", str(tmp_path / "result-own.json"), *hub_args(hub),
-        "--generation-config-from", "acme/tiny-llama-instruct", token_file=token_file, env={"HF_TOKEN": token},
+        "--base-model", "acme/tiny-llama-instruct", token_file=token_file, env={"HF_TOKEN": token},
     )
     assert proc.returncode == 0 and "the export's own generation_config.json kept" in proc.stdout
     assert json.loads((own / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
@@ -562,7 +563,63 @@ def test_an_export_without_generation_config_gets_the_base_models(tmp_path, run_
     without = make_export(tmp_path / "export-without", drop_file="generation_config.json")
     proc = run_publish(
         "--model-dir", str(without), "--result-file", str(tmp_path / "result-without.json"), *hub_args(hub),
-        "--generation-config-from", "acme/bare-base", token_file=token_file, env={"HF_TOKEN": token},
+        "--base-model", "acme/bare-base", token_file=token_file, env={"HF_TOKEN": token},
     )
     assert proc.returncode == 0, proc.stderr
     assert "acme/bare-base has no generation_config.json: none added" in proc.stdout
+
+
+def test_a_gemma3_export_is_published_with_its_base_models_settings(tmp_path, run_publish, hub, token, token_file):
+    """A Gemma 3 export is published with its base model's config.json, not MaxText's table's.
+
+    MaxText 0.2.2 writes gemma3-4b's config from its own table: the global layers' RoPE base 10000 (transformers
+    5 writes it as ``rope_parameters``), 163840 positions. The model trained with 1,000,000 (gemma3-4b.yml
+    ``rope_max_timescale``) and the Hub's config says so: the published config is the base model's, with the
+    export's vocabulary (MaxText's embedding rows), and an export of another shape is refused."""
+    from huggingface_hub import HfApi
+
+    text = TINY_GEMMA3_CONFIG["text_config"]
+    hub_text = {key: value for key, value in text.items() if key != "vocab_size"}
+    base_config = TINY_GEMMA3_CONFIG | {
+        "text_config": hub_text | {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                                   "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                   "max_position_embeddings": 131072, "vocab_size": 576},
+        "transformers_version": "4.50.0.dev0",
+    }
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(base_config))
+    revision = hub.store.seed_repo("google/tiny-gemma-3-it", base, gated="manual")
+    hub.grant(token, "google/tiny-gemma-3-it")
+    export = make_gemma3_export(tmp_path / "export")
+    maxtext_table = TINY_GEMMA3_CONFIG | {
+        "text_config": text | {"max_position_embeddings": 163840, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
+        "transformers_version": "5.12.1",
+    }
+    (export / "config.json").write_text(json.dumps(maxtext_table))
+    proc = run_publish(
+        "--model-dir", str(export), "--result-file", str(tmp_path / "result.json"), *hub_args(hub),
+        "--base-model", "google/tiny-gemma-3-it", "--base-revision", revision,
+        token_file=token_file, env={"HF_TOKEN": token},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (f"config.json is google/tiny-gemma-3-it@{revision}'s; MaxText's export differed in: "
+            "max_position_embeddings, rope_local_base_freq, rope_parameters, rope_scaling, rope_theta") in proc.stdout
+    published = json.loads(Path(HfApi(endpoint=hub.url, token=token).hf_hub_download(
+        REPO_ID, "config.json", revision=BRANCH, cache_dir=tmp_path / "hf-cache")).read_text())
+    assert published["text_config"] == base_config["text_config"] | {"vocab_size": 512}
+    assert published["transformers_version"] == "5.12.1"  # the export's: it wrote the files
+    assert published["vision_config"] == base_config["vision_config"]
+
+    other = make_gemma3_export(tmp_path / "other")
+    (other / "config.json").write_text(json.dumps(TINY_GEMMA3_CONFIG | {"text_config": text | {"num_hidden_layers": 4}}))
+    proc = run_publish(
+        "--model-dir", str(other), "--result-file", str(tmp_path / "other.json"),
+        "--storage-uri", str(tmp_path / "kept"), "--base-model", "google/tiny-gemma-3-it", "--base-revision", revision,
+        "--hub-endpoint", hub.url, env={"HF_TOKEN": token},
+    )
+    assert proc.returncode == 1 and not (tmp_path / "kept").exists()
+    assert (f"the export is not shaped as its base model google/tiny-gemma-3-it@{revision}: "
+            "num_hidden_layers=4 (base 6)") in proc.stderr

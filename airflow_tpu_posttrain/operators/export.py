@@ -158,10 +158,10 @@ class HfExportOperator(MaxTextJobOperator):
             uri = validation.storage_uri("storage_uri", storage_uri)
             publish += ["--storage-uri", f"{uri}/{spec.layout.run_name}"]
         card_file = f"{spec.layout.export_dir}.card.json"
-        publish += ["--card", card_file, "--generation-config-from", spec.model.hf_source]
+        publish += ["--card", card_file, "--base-model", spec.model.hf_source]
         base_revision = (self.trained if isinstance(self.trained, dict) else {}).get("source_revision")
         if base_revision:
-            publish += ["--generation-config-revision", base_revision]
+            publish += ["--base-revision", base_revision]
         export_marker = f"{spec.layout.export_dir}/.complete"
         kept = spec.layout.kept_export_dir
         export_step = [f"  bash -c {shlex.quote(export.script())}"]

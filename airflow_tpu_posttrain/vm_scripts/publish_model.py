@@ -8,9 +8,17 @@ google-cloud-storage (only for gs:// URIs), both imported where needed.
 The Hub token is read from the file named by $HF_TOKEN_FILE; it never comes from argv and is never
 printed (error messages are scrubbed of it too).
 
-With --generation-config-from, an export without ``generation_config.json`` gets the base model's (MaxText's
-to_huggingface writes none, and its config.json carries MaxText's table's single eos id: Llama 3.1 Instruct's
-128001, not its end of turn 128009, so ``generate()`` would run past the end of every answer).
+With --base-model, the export takes its base model's settings from the Hub:
+- ``generation_config.json``, when the export has none (MaxText's to_huggingface writes none, and its config.json
+  carries MaxText's table's single eos id: Llama 3.1 Instruct's 128001, not its end of turn 128009, so
+  ``generate()`` would run past the end of every answer);
+- ``config.json``: to_huggingface writes the config of MaxText's own table, which can differ from the base
+  model's in settings no tensor shape shows. MaxText 0.2.2's ``gemma3-4b`` entry says RoPE base 10000 for the
+  global layers, which MaxText trains with 1,000,000 (its gemma3-4b.yml ``rope_max_timescale``), and 163840
+  positions where the Hub's config allows 131072: published as written, every global layer would rotate with
+  the wrong base. Post-training changes no setting, so the published config is the base model's; its shape keys
+  must agree with the export's, and ``vocab_size`` stays the export's (MaxText's 262144 embedding rows for
+  Gemma 3, the Hub's 262208).
 
 With --card, the folder first gets a model card (README.md, made with huggingface_hub's ModelCard and
 ModelCardData) and the training curve it shows (training_curve.png, drawn with matplotlib, a MaxText
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import hashlib
 import json
 import math
@@ -238,24 +247,73 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
 # ---- publishing -------------------------------------------------------------------------------------
 
 
-def carry_generation_config(model_dir: Path, repo_id: str, revision: str | None, endpoint: str | None) -> str:
-    """Put the base model's ``generation_config.json`` into an export that has none; say what was done.
+def base_model_file(repo_id: str, filename: str, revision: str | None, endpoint: str | None) -> Path | None:
+    """A file of the base model on the Hub, or None if it has none.
 
     Read with the token in $HF_TOKEN (the base model is gated; the export step's environment holds it)."""
-    target = model_dir / "generation_config.json"
-    if target.exists():
-        return "the export's own generation_config.json kept"
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        downloaded = hf_hub_download(
-            repo_id, "generation_config.json", revision=revision or None, endpoint=endpoint or None
-        )
+        return Path(hf_hub_download(repo_id, filename, revision=revision or None, endpoint=endpoint or None))
     except EntryNotFoundError:
+        return None
+
+
+def carry_generation_config(model_dir: Path, repo_id: str, revision: str | None, endpoint: str | None) -> str:
+    """Put the base model's ``generation_config.json`` into an export that has none; say what was done."""
+    target = model_dir / "generation_config.json"
+    if target.exists():
+        return "the export's own generation_config.json kept"
+    downloaded = base_model_file(repo_id, "generation_config.json", revision, endpoint)
+    if downloaded is None:
         return f"{repo_id} has no generation_config.json: none added"
     shutil.copyfile(downloaded, target)
     return f"generation_config.json of {repo_id}@{revision or 'main'} added"
+
+
+# Keys that describe the files written, not the model: the export's own stay.
+_EXPORT_OWN_KEYS = ("torch_dtype", "dtype", "transformers_version")
+
+
+def carry_base_config(model_dir: Path, repo_id: str, revision: str | None, endpoint: str | None) -> str:
+    """Make the export's config.json its base model's, keeping the export's shapes; say what changed.
+
+    Raises PublishError when a shape key disagrees (the export is not of the base model's architecture)."""
+    source = f"{repo_id}@{revision or 'main'}"
+    downloaded = base_model_file(repo_id, "config.json", revision, endpoint)
+    if downloaded is None:
+        raise PublishError(f"{source} has no config.json: the export's settings cannot be checked")
+    base = read_json_file(downloaded, f"config.json of {source}")
+    exported = read_json_file(model_dir / "config.json", "config.json")
+    base_model, _ = language_model(base)
+    export_model, _ = language_model(exported)
+    if (base_model is base) != (export_model is exported):
+        raise PublishError(f"config.json and {source}'s differ in layout: one has text_config, the other not")
+    mismatched = [
+        f"{key}={export_model[key]!r} (base {base_model[key]!r})"
+        for key in SHAPE_CONFIG_KEYS
+        if key != "vocab_size" and key in base_model and key in export_model and base_model[key] != export_model[key]
+    ]
+    if mismatched:
+        raise PublishError(f"the export is not shaped as its base model {source}: {', '.join(mismatched)}")
+    published = copy.deepcopy(base)
+    published_model, _ = language_model(published)
+    published_model["vocab_size"] = export_model.get("vocab_size", base_model.get("vocab_size"))
+    for key in _EXPORT_OWN_KEYS:
+        if key in exported:
+            published[key] = exported[key]
+        else:
+            published.pop(key, None)
+    changed = sorted(
+        key
+        for key in set(export_model) | set(published_model)
+        if key not in _EXPORT_OWN_KEYS and export_model.get(key) != published_model.get(key)
+    )
+    write_json_atomically(model_dir / "config.json", published)
+    if not changed:
+        return f"config.json agrees with {source}'s"
+    return f"config.json is {source}'s; MaxText's export differed in: {', '.join(changed)}"
 
 
 def read_hub_token() -> str:
@@ -415,11 +473,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hub.add_argument("--hub-endpoint", help="Hub URL (default: $HF_ENDPOINT, else huggingface.co)")
     parser.add_argument("--storage-uri", help="gs://bucket/prefix, file:///abs/dir or /abs/dir")
     parser.add_argument(
-        "--generation-config-from",
+        "--base-model",
         metavar="REPO_ID",
-        help="the base model on the Hub whose generation_config.json an export without one gets",
+        help="the base model on the Hub whose config.json (and generation_config.json) the export takes",
     )
-    parser.add_argument("--generation-config-revision", help="its revision (default: main)")
+    parser.add_argument("--base-revision", help="its revision (default: main)")
     parser.add_argument(
         "--card", type=Path, help="JSON of what the model card says (base model, run, metrics)"
     )
@@ -435,12 +493,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, token: str | None) -> dict:
     expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
-    if args.generation_config_from:
+    if args.base_model and args.model_dir.is_dir():
         # Without --hub-endpoint, huggingface_hub reads $HF_ENDPOINT itself.
-        carried = carry_generation_config(
-            args.model_dir, args.generation_config_from, args.generation_config_revision, args.hub_endpoint
-        )
-        print(f"publish_model: {carried}", flush=True)
+        base = (args.model_dir, args.base_model, args.base_revision, args.hub_endpoint)
+        for carried in (carry_base_config(*base), carry_generation_config(*base)):
+            print(f"publish_model: {carried}", flush=True)
     validated = validate_export(args.model_dir, expected_config)
     if args.card:
         write_card(args.model_dir, read_json_file(args.card, "model card facts"))
