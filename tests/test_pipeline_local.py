@@ -24,6 +24,10 @@ from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
 WORKDIR = "/tmp/airflow-tpu-posttrain"  # the jobs, scripts, launchers and token files on a VM (production's)
 SEEDS_ROOT = "/dev/shm/tiny-llama"  # the seeds' layout root on the VM (a tmpfs of its own)
+# The local twins of the tutorials' entries (recipes/models.twin_profile): their DAGs run the cloud entries' commands
+# on the cloud entries' MaxText releases, differing only by recipes/runtime.LOCAL_DIFFERENCES.
+SFT_TWIN, RL_TWIN = "tiny-gemma3-4b", "tiny-llama3.1-8b-Instruct"
+SFT_TWIN_DAG, RL_TWIN_DAG = f"posttrain_sft__{SFT_TWIN}", f"posttrain_rl__{RL_TWIN}"
 # A VM's own places, as it sees them; its MaxText venv and package cache (installed before any token exists,
 # from packages) and the shared storage bound into its /tmp are left out of the scans of its files.
 VM_PLACES = ("/tmp", "/var/tmp", "/home", "/root", "/dev/shm")
@@ -40,6 +44,18 @@ def run_pipeline(dag_id: str, conf: dict | None = None):
 
 def states(dag_run):
     return {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
+
+
+def assert_succeeded(dag_run, logs: str) -> None:
+    """The run succeeded; else the failure names the tasks that did not, and shows the end of the run's logs.
+
+    ``dag.test`` logs every task to the output the test captured; the SSH libraries' chatter is left out."""
+    if dag_run.state == "success":
+        return
+    told = [line for line in logs.splitlines() if "[asyncssh]" not in line and "[paramiko" not in line]
+    print("\n".join(told[-300:]))
+    unfinished = {task: state for task, state in states(dag_run).items() if state not in ("success", "skipped")}
+    raise AssertionError(f"{dag_run.dag_id} ended {dag_run.state}: {unfinished}")
 
 
 def xcom(dag_run, task_id):
@@ -159,9 +175,9 @@ def token_in_storage_and_hub(stack) -> tuple[int, list[str]]:
 def test_tiny_sft_end_to_end(stack, capfd):
     published_dir = stack.published_dir
     with before_vm_end(stack, token_probe(stack)) as ends:
-        dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(published_dir)})
+        dr = run_pipeline(SFT_TWIN_DAG, {"storage_uri": str(published_dir)})
         logs = "".join(capfd.readouterr())
-        assert dr.state == "success", states(dr)
+        assert_succeeded(dr, logs)
         vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
         ends.wait_gone(vms)
     assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
@@ -170,7 +186,7 @@ def test_tiny_sft_end_to_end(stack, capfd):
     # the TPU VM trained from there and wrote its checkpoints there, and both VMs are gone.
     storage = LOCAL_CHECKPOINT_STORAGE
     converted = xcom(dr, "convert_to_maxtext")
-    assert converted["converted_params"].startswith(f"{storage}/conversions/tiny-llama/mt0.2.5-")
+    assert converted["converted_params"].startswith(f"{storage}/conversions/{SFT_TWIN}/mt0.2.2-")
     assert xcom(dr, "create_cpu_vm")["machine_type"] == "e2-standard-2"
     trained = xcom(dr, "train")
     assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and storage_has(trained["checkpoint"])
@@ -184,9 +200,9 @@ def test_tiny_sft_end_to_end(stack, capfd):
     key = converted["conversion_key"]
     run = trained["run_name"]
     objects = storage_objects(storage)
-    assert f"conversions/tiny-llama/{key}/.complete" in objects
-    assert f"conversions/tiny-llama/{key}/0/commit_success.txt" in objects
-    assert any(o.startswith(f"conversions/tiny-llama/{key}/0/items/") for o in objects)
+    assert f"conversions/{SFT_TWIN}/{key}/.complete" in objects
+    assert f"conversions/{SFT_TWIN}/{key}/0/commit_success.txt" in objects
+    assert any(o.startswith(f"conversions/{SFT_TWIN}/{key}/0/items/") for o in objects)
     steps = {o.split("/")[3] for o in objects if o.startswith(f"post-train/{run}/checkpoints/")}
     assert "5" in steps
     for step in steps:  # every checkpoint orbax left is a committed one
@@ -211,7 +227,7 @@ def test_tiny_sft_end_to_end(stack, capfd):
 
     published = xcom(dr, "export_and_publish")
     hub = published["hub"]
-    assert hub["repo_id"] == "local/tiny-llama-sft" and hub["revision"].startswith("run-posttrain-sft-tiny-llama")
+    assert hub["repo_id"] == "local/tiny-gemma3-4b-sft" and hub["revision"].startswith("run-posttrain-sft-tiny-gemma3-4b")
     [export_ti] = [ti for ti in dr.get_task_instances() if ti.task_id == "export_and_publish"]
     assert export_ti.xcom_pull(task_ids="export_and_publish", key="_link_PublishedModelLink") == hub["url"]
     model_copy = Path(published["storage_uri"].removeprefix("file://"))
@@ -224,9 +240,9 @@ def test_tiny_sft_end_to_end(stack, capfd):
     download = {"repo_id": hub["repo_id"], "revision": hub["revision"], "endpoint": stack.hub.url,
                 "token": HF_TOKEN, "cache_dir": stack.vm_dir / "hf-cache"}
     card = ModelCard.load(hf_hub_download(filename="README.md", **download))
-    assert card.data.base_model == "local/tiny-llama" and "sft" in card.data.tags
+    assert card.data.base_model == "google/gemma-3-4b-it" and "sft" in card.data.tags
     assert f"at revision `{converted['source_revision']}`" in card.text and "SFT, 5 steps" in card.text
-    assert f"`posttrain_sft__tiny-llama` / `{dr.run_id}`" in card.text
+    assert f"`{SFT_TWIN_DAG}` / `{dr.run_id}`" in card.text
     assert f"| eval loss on held-out data (base → trained) | {base} → {after} |" in card.text
     # What training cost: the TPU VM from its creation (Compute's timestamp) to the end of training.
     assert re.search(r"\| training VM, creation → end of training \| tpu-\S+ \(e2-standard-2, STANDARD\) ran "
@@ -236,7 +252,7 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert curve.startswith(b"\x89PNG") and (model_copy / "training_curve.png").read_bytes() == curve
     assert ModelCard.load(model_copy / "README.md").content == card.content
     # MaxText writes no generation config: the published model carries its base model's, so it stops where it stops.
-    base_generation = stack.local_dir / "tiny" / "tiny-llama" / "generation_config.json"
+    base_generation = stack.local_dir / "tiny" / "tiny-gemma3" / "generation_config.json"
     published_generation = Path(hf_hub_download(filename="generation_config.json", **download))
     assert json.loads(published_generation.read_text()) == json.loads(base_generation.read_text())
     if os.environ.get("TPU_POSTTRAIN_SCREENSHOTS"):  # README's example: the card and curve this run published
@@ -281,14 +297,14 @@ def test_unchanged_inputs_skip_the_run_and_a_new_dataset_revision_does_not(stack
     from airflow.dag_processing.dagbag import DagBag
 
     inserts_before = len([r for r in stack.compute.requests if r["method"] == "POST"])
-    dr = run_pipeline("posttrain_sft__tiny-llama", {"storage_uri": str(stack.published_dir)})
+    dr = run_pipeline(SFT_TWIN_DAG, {"storage_uri": str(stack.published_dir)})
     logs = "".join(capfd.readouterr())
     assert dr.state == "success" and set(states(dr).values()) == {"skipped"}, states(dr)
     assert "Inputs unchanged since the last published model" in logs and "Trigger with force=true" in logs
     assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before  # no VM, no rule
 
     revision = stack.seed_tiny_chats()
-    dag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag("posttrain_sft__tiny-llama")
+    dag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag(SFT_TWIN_DAG)
     # Only the check runs; every other task is marked done without running (no VM is created).
     checked = dag.test(run_conf={"storage_uri": str(stack.published_dir)}, mark_success_pattern=r"(?!check_inputs$).*")
     logs = "".join(capfd.readouterr())
@@ -304,9 +320,9 @@ def test_tiny_rl_end_to_end(stack, capfd):
     sampler = ProcessSampler(HF_TOKEN.encode())  # every process's argv while the run goes
     sampler.start()
     with before_vm_end(stack, token_probe(stack)) as ends:
-        dr = run_pipeline("posttrain_rl__tiny-llama")
+        dr = run_pipeline(RL_TWIN_DAG)
         logs = "".join(capfd.readouterr())
-        assert dr.state == "success", states(dr)
+        assert_succeeded(dr, logs)
         vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
         ends.wait_gone(vms)
     sampler.stop.set()
@@ -316,7 +332,8 @@ def test_tiny_rl_end_to_end(stack, capfd):
     assert not xcom(dr, "create_tpu_vm")["external_ip"]
 
     trained = xcom(dr, "train")
-    assert trained["checkpoint"].endswith("/checkpoints/actor/2/model_params") and storage_has(trained["checkpoint"])
+    # The tutorial's 50 batches of GRPO (recipes/models.twin_profile keeps them): the actor's last checkpoint is 50.
+    assert trained["checkpoint"].endswith("/checkpoints/actor/50/model_params") and storage_has(trained["checkpoint"])
     assert trained["checkpoint"].startswith(f"{LOCAL_CHECKPOINT_STORAGE}/post-train/")
     metrics = trained["metrics"]
     assert metrics["rl_completed"] is True
@@ -327,7 +344,7 @@ def test_tiny_rl_end_to_end(stack, capfd):
     assert xcom(dr, "quality_gate")["passed"]
 
     hub = xcom(dr, "export_and_publish")["hub"]
-    assert hub["repo_id"] == "local/tiny-llama-grpo"
+    assert hub["repo_id"] == "local/tiny-llama3.1-8b-grpo"
     # The published branch holds the exported model; download it through huggingface_hub and load it.
     from huggingface_hub import snapshot_download
 
@@ -337,7 +354,7 @@ def test_tiny_rl_end_to_end(stack, capfd):
     )
     print(loads_and_generates(Path(local)))
     card = (Path(local) / "README.md").read_text()
-    assert "GRPO, 2 steps" in card and "| accuracy (before → after) |" in card
+    assert "GRPO, 50 steps" in card and "| accuracy (before → after) |" in card
     assert (Path(local) / "training_curve.png").read_bytes().startswith(b"\x89PNG")
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
     # The token: in no log, XCom, rendered field or argv of the GRPO run (the SFT's: test_maxtext_faults.py).

@@ -243,7 +243,7 @@ def test_the_watch_runs_a_command_once_when_the_log_shows_its_marker(stack):
     from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
     from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
 
-    marker = "Completed eval after train step 0,"
+    marker = "eval metrics after step: 0,"  # MaxText 0.2.2's; 0.2.5 writes the other one watched for
     job = RemoteJobPaths(job_id="marked", remote_os="posix", base_dir=f"{DEFAULT_WORKDIR}/jobs")
     script = f"{{ echo warming up; sleep 2; echo '{marker} loss=6.297'; sleep 2; echo '{marker} loss=6.297'; sleep 8; }}"
     counter = f"{DEFAULT_WORKDIR}/marked.count"
@@ -254,7 +254,7 @@ def test_the_watch_runs_a_command_once_when_the_log_shows_its_marker(stack):
             ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
             job_id=job.job_id, job_dir=job.job_dir, log_file=job.log_file, exit_code_file=job.exit_code_file,
             remote_os="posix", poll_interval=1, log_chunk_size=32,
-            on_output={"marker": marker, "command": f"echo kept >> {counter}", "description": "counting"},
+            on_output={"markers": ["Completed eval after train step 0,", marker], "command": f"echo kept >> {counter}", "description": "counting"},
         )
         _, kwargs = trigger.serialize()  # rebuilt, as the triggerer does
         event = asyncio.run(asyncio.wait_for(until_done(MaxTextJobTrigger(**kwargs)), timeout=120)).payload

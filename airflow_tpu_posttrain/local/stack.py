@@ -37,7 +37,7 @@ from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
 from airflow_tpu_posttrain.recipes.install import install_script
-from airflow_tpu_posttrain.recipes.models import LOCAL_HUB_SOURCES, TINY_CHATS_REPO, model_profile
+from airflow_tpu_posttrain.recipes.models import LOCAL_HUB_SOURCES, MODELS, TINY_CHATS_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
@@ -77,20 +77,22 @@ def package_cache(local_dir: Path) -> Path:
 
 
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
-    """A MaxText venv on this machine, and the cpu runtime's launcher scripts.
+    """A MaxText venv on this machine per release a local entry runs, and the cpu runtime's launcher scripts.
 
-    The venv is made by the same idempotent script the install step runs (it builds the tiny models and data);
-    installing it also fills the package cache the VMs install from. The launcher scripts go where the local
-    settings name them (``launcher_source_dir``). The twins' releases (0.2.2, 0.2.3) are not cached: a VM of a
-    twin's DAG installs them from the package index."""
+    Each venv is made by the same idempotent script the install step runs; installing it also fills the package
+    cache the VMs install from (the twins' releases too: 0.2.2, 0.2.3). The tiny-llama release's venv builds the
+    tiny models and data. The launcher scripts go where the local settings name them (``launcher_source_dir``)."""
     shutil.copytree(Path(__file__).with_name("vm_launchers"), local_dir / LOCAL_LAUNCHERS, dirs_exist_ok=True)
-    venv = local_dir / "maxtext-venv"
-    runtime = cpu_runtime(str(local_dir / "launchers"), str(venv), python312)
-    script = install_script(runtime, model_profile("tiny-llama").maxtext_version)
     cache = package_cache(local_dir)
+    venv = local_dir / "maxtext-venv"
     if not cache.exists():  # a venv from before the cache existed: built again, to fill the cache
         shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run(["bash", "-c", script], check=True, env={**os.environ, "UV_CACHE_DIR": str(cache)})
+    tiny_release = model_profile("tiny-llama").maxtext_version
+    twin_releases = sorted({profile.maxtext_version for profile in MODELS.values() if profile.twin_of} - {tiny_release})
+    for release in (tiny_release, *twin_releases):
+        release_venv = venv if release == tiny_release else local_dir / f"maxtext-venv-{release}"
+        script = install_script(cpu_runtime(str(local_dir / "launchers"), str(release_venv), python312), release)
+        subprocess.run(["bash", "-c", script], check=True, env={**os.environ, "UV_CACHE_DIR": str(cache)})
     subprocess.run(
         [str(venv / "bin" / "python"), str(TINY_MODEL_SCRIPT), "--out", str(local_dir / "tiny")],
         check=True,

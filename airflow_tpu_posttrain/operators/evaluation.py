@@ -19,10 +19,14 @@ if TYPE_CHECKING:
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
 BASE_EVALUATION_FILE = "base_evaluation.log"
-# The log line that ends the base model's evaluation: SFT, MaxText's summary of the evaluation before step 1;
-# GRPO, the tutorial's "Pre RL Training" (also logged by a resumed process, whose lines are then not kept: the
-# first process's are there already).
-BASE_EVALUATION_MARKERS = {"SFT": "Completed eval after train step 0,", "GRPO": "Pre RL Training:"}
+# The log lines that end the base model's evaluation: SFT, MaxText's summary of the evaluation before step 1
+# (0.2.5: "Completed eval after train step 0,"; 0.2.2 and 0.2.3: "eval metrics after step: 0,"); GRPO, the
+# tutorial's "Pre RL Training" (also logged by a resumed process, whose lines are then not kept: the first
+# process's are there already).
+BASE_EVALUATION_MARKERS = {
+    "SFT": ("Completed eval after train step 0,", "eval metrics after step: 0,"),
+    "GRPO": ("Pre RL Training:",),
+}
 
 
 class EvaluationMixin:
@@ -43,7 +47,7 @@ class EvaluationMixin:
         lines = remote_job.complete_metric_lines_command(log_file)
         keep = f"{storage.exists_command(uri, self.storage_tool)} || {{ {lines} | {storage.write_command(uri, self.storage_tool)}; }}"
         return {
-            "marker": BASE_EVALUATION_MARKERS[self.step_title],
+            "markers": list(BASE_EVALUATION_MARKERS[self.step_title]),
             "command": keep,
             "description": f"keeping the base model's evaluation at {uri}",
         }

@@ -31,9 +31,11 @@ _STEP_LOSS = re.compile(rf",\s*loss: ({_NUMBER})", re.I)
 # Logged by every ``PeftTrainer.train()`` call, timing that call's loop: SFT makes one call, the RL learner one per
 # batch (a tiny GRPO run: 5.1119 s, then 0.0396 s), so the training loop's time is their sum.
 # MaxText, after each evaluation (``eval_interval``): "Completed eval after train step 4, loss=6.291,
-# perplexity=541.219, total_weights=28.0, ...". This loss is that evaluation's own mean over its batches; Tunix's
-# "Train step 4 eval loss: 6.293824" beside it is the mean over every evaluation of the process so far.
-_EVAL = re.compile(rf"Completed eval after train step (\d+), loss=({_NUMBER})")
+# perplexity=541.219, total_weights=28.0, ..." (0.2.5), "eval metrics after step: 4, loss=6.291, perplexity=541.219,
+# total_weights=28.0" (0.2.2, 0.2.3: maxtext/common/metric_logger.py ``_log_eval_metrics``). This loss is that
+# evaluation's own mean over its batches; Tunix's "Train step 4 eval loss: 6.293824" beside it is the mean over
+# every evaluation of the process so far.
+_EVAL = re.compile(rf"(?:Completed eval after train step|eval metrics after step:) (\d+), loss=({_NUMBER})")
 _TRAIN_LOOP_FINISHED = re.compile(rf"Train loop finished in: ({_NUMBER}) seconds")
 _RESTORED = re.compile(r"Restored params from step: (\d+)")
 
@@ -56,7 +58,7 @@ _EXPORT_SAVED = re.compile(r"successfully saved in HuggingFace format at (\S.*)"
 # What the lines above contain (an extended regular expression, for ``grep -E``): after a job, only the lines
 # matching it are read back from the VM's log, and kept in storage with the job's output.
 LOG_FILTER = (
-    "Train step|completed step|Completed eval|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|"
+    "Train step|completed step|Completed eval|eval metrics after step|Train loop finished|Restored params|RL Train|Pre RL|Post RL|Conversion complete|"
     "Peak Memory|successfully saved|Finished load in|read/worker/io/requested"
 )
 

@@ -43,8 +43,8 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         ``impersonation_chain``): when a reconnect fails, Compute is asked whether the VM is gone (preempted,
         TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
         remaining reconnect attempts.
-    :param on_output: ``{"marker", "command", "description"}``: once the log shows ``marker``, ``command`` runs on the
-        VM, once per watch (the training keeps the base model's evaluation where a resumed try finds it).
+    :param on_output: ``{"markers", "command", "description"}``: once the log shows one of ``markers``, ``command``
+        runs on the VM, once per watch (the training keeps the base model's evaluation where a resumed try finds it).
     :param stall_timeout: seconds without a new byte in the job's log after which the job is taken for hung (a
         trainer whose storage is unreachable is silent for minutes): its processes are stopped and the watch ends
         with the exit code ``remote_job.JOB_STALLED``. 0 or None: never. The clock starts with the watch.
@@ -139,8 +139,9 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         chunk, offset = await super()._read_log_chunk(conn)
         if self.on_output and chunk:
             seen, self._output_tail = self._output_tail + chunk, chunk[-_MARKER_OVERLAP:]
-            if self.on_output["marker"] in seen:
-                self.log.info("The log shows %r: %s", self.on_output["marker"], self.on_output["description"])
+            shown = next((marker for marker in self.on_output["markers"] if marker in seen), None)
+            if shown is not None:
+                self.log.info("The log shows %r: %s", shown, self.on_output["description"])
                 _, _, stderr = await self._run_command(conn, self.on_output["command"])
                 if stderr.strip():
                     self.log.warning("%s: %s", self.on_output["description"], stderr.strip())
