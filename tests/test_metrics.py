@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -330,8 +331,6 @@ def test_non_finite_rl_reward_is_json_safe():
 )
 def test_the_log_filter_keeps_every_line_the_parser_reads(log):
     """Only the lines matching LOG_FILTER are read back from a VM: parsing them alone gives the same metrics."""
-    import re
-
     kept = [line for line in log if re.search(LOG_FILTER, line)]
     assert parse_lines(kept).as_xcom() == parse_lines(log).as_xcom()
 
@@ -359,6 +358,28 @@ def test_real_sft_evaluations_are_each_evaluations_own():
     assert "eval loss 6.297 (step 0) → 6.291 (step 4)" in metrics.summary("SFT")
     # The training loss lines are still the steps' own, not the evaluations'.
     assert metrics.loss_curve == [(1, 6.275753), (3, 6.207013), (4, 6.277575)]
+
+
+# The SFT twin's run on MaxText 0.2.2 (tiny Gemma 3, CPU; the evaluation after step 5 is logged before the step's
+# training line): its evaluation line is metric_logger's "eval metrics
+# after step"; Tunix's 6.196593 is the mean of the step 0 and step 5 evaluations.
+SFT_EVAL_REAL_LOG_0_2_2 = """\
+I1203 03:13:32.249369 140359477468032 peft_trainer.py:840] Train step 0 eval loss: 6.213040 - eval perplexity: 499.216705
+I1203 03:14:10.092379 140359477468032 peft_trainer.py:488] Train step 4 training loss: 6.169139  - training perplexity: 477.774475
+I1203 03:14:10.096206 140359477468032 metric_logger.py:196] completed step: 4, seconds: 4.424, TFLOP/s/device: 0.000, Tokens/s/device: 28.932, total_weights: 30, loss: 6.169, lm_loss: 0.000, perplexity: 0.000
+I1203 03:14:22.975094 140359477468032 peft_trainer.py:840] Train step 5 eval loss: 6.196593 - eval perplexity: 491.073212
+I1203 03:14:22.976382 140359477468032 metric_logger.py:216] eval metrics after step: 5, loss=6.180, perplexity=483.063, total_weights=63.0
+I1203 03:14:37.557792 140359477468032 peft_trainer.py:488] Train step 5 training loss: 6.213147  - training perplexity: 499.270081
+I1203 03:14:37.563482 140359477468032 metric_logger.py:196] completed step: 5, seconds: 27.465, TFLOP/s/device: 0.000, Tokens/s/device: 4.660, total_weights: 33, loss: 6.213, lm_loss: 0.000, perplexity: 0.000
+""".splitlines()
+
+
+def test_maxtext_0_2_2_evaluations_are_read_too():
+    metrics = parse_lines(SFT_EVAL_REAL_LOG_0_2_2)
+    assert metrics.eval_losses == [(5, 6.18)]  # not Tunix's running mean 6.196593
+    assert metrics.trained_evaluation() == {"eval_loss": 6.18}
+    kept = [line for line in SFT_EVAL_REAL_LOG_0_2_2 if re.search(LOG_FILTER, line)]
+    assert parse_lines(kept).as_xcom() == metrics.as_xcom()  # the lines kept with the job's output suffice
 
 
 def test_a_resumed_process_has_no_base_evaluation():
