@@ -3,16 +3,22 @@
 Shape (split layout, the default): a CPU VM converts (cached) and later exports while the TPU VM is created,
 installed and trains; the TPU VM's teardown follows the training directly. Seeds' layout: create VM (setup) →
 install → convert → train → export + publish → delete VM (teardown). Teardowns run whatever happened; a
-watcher fails the run when a body step failed (teardowns do not count toward the run's state). Every value a user can change per run is a Param, validated by the trigger form and the REST API, and
-again by the operators before anything is created.
+watcher fails the run when a body step failed (teardowns do not count toward the run's state). Every value a
+user can change per run is a Param, validated by the trigger form and the REST API, and again by the operators
+before anything is created.
+
+A DAG is built from tables: ``STEPS`` (each task: its operator, its arguments, the VM it runs on), ``WIRING``
+(what runs after what, per layout) and ``TEARDOWNS`` (each VM's delete and its setups).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import DAG, BaseOperator, TriggerRule
+from airflow.sdk import DAG, BaseOperator, TriggerRule, chain
 
 from airflow_tpu_posttrain.exceptions import StepFailedError
 from airflow_tpu_posttrain.operators.export import HfExportOperator
@@ -32,6 +38,9 @@ from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 from airflow_tpu_posttrain.recipes import compute
 
 POOL = "tpu_vms"
+MAX_RETRY_DELAY = timedelta(minutes=20)
+FIVE_MINUTES = timedelta(minutes=5)  # the timeout of the tasks that use no VM
+WATCHER = "fail_run_if_a_step_failed"
 
 
 class FailRunOperator(BaseOperator):
@@ -65,31 +74,251 @@ SHAPES = {
 }
 
 
-MAX_RETRY_DELAY = timedelta(minutes=20)
+@dataclass(frozen=True)
+class Output:
+    """An argument that is an earlier task's result (its XComArg): Airflow runs that task first."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One task of the DAG: its operator and the operator's arguments for a registry entry.
+
+    ``vm``: the VM the step runs on ("tpu" or "cpu"); the step gets that VM (its create's result) and the
+    connections to it, and a step on the TPU VM a slot of the ``tpu_vms`` pool. The seeds layout has no CPU
+    VM: its "cpu" steps run on the TPU VM. ``layout``, ``recipe``: the step is only in that layout's or that
+    recipe's DAGs.
+    """
+
+    task_id: str
+    operator: type[BaseOperator]
+    arguments: Callable[[PipelineConfig], dict[str, Any]]
+    vm: str | None = None
+    layout: str | None = None
+    recipe: str | None = None
+
+
+# The Params each recipe's training reads. The inputs check records them, with the accelerator and the
+# destinations, as the settings a published model was trained with.
+TRAINING_PARAMS = {
+    "sft": ("steps", "dataset", "train_split", "eval_split", "train_data_columns", "overrides"),
+    "rl": ("num_batches", "num_test_batches", "overrides"),
+}
+
+
+# Every task, in the order it is added to the DAG (the serialized DAG keeps that order: another is a new DAG
+# version).
+STEPS = (
+    Step(
+        "check_inputs",
+        InputsCheckOperator,
+        lambda cfg: {
+            "model": "{{ params.model }}",
+            "recipe": cfg.recipe,
+            "dataset": "{{ params.dataset }}" if cfg.recipe == "sft" else None,
+            "maxtext_version": "{{ params.maxtext_version }}",
+            "settings": _params(
+                ("accelerator_type", *TRAINING_PARAMS[cfg.recipe], "hub_repo_id", "storage_uri")
+            ),
+            "hf_conn_id": cfg.hf_conn_id,
+            "hub_repo_id": "{{ params.hub_repo_id }}",
+            "force": "{{ params.force }}",
+            "execution_timeout": FIVE_MINUTES,
+        },
+    ),
+    Step(
+        "create_tpu_vm",
+        TpuVmCreateOperator,
+        lambda cfg: {
+            "accelerator_type": "{{ params.accelerator_type }}",
+            "provisioning_model": "{{ params.provisioning_model }}",
+            "reservation": "{{ params.reservation }}",
+            # Caps the VMs themselves; the pool caps the TPU VM's steps (a waiting create holds no VM or
+            # slot).
+            "max_tpu_vms": cfg.max_tpu_vms,
+            "prices": cfg.prices,
+            "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
+            **_creating_vm(cfg),
+            "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg),
+        },
+    ),
+    # The split layout's CPU VM: the conversion and the export run there, outside the TPU pool.
+    Step(
+        "create_cpu_vm",
+        TpuVmCreateOperator,
+        lambda cfg: {
+            "name_prefix": "cpu",
+            "accelerator_type": cfg.cpu_accelerator_type,
+            "provisioning_model": "STANDARD",
+            "image_project": compute.CPU_IMAGE_PROJECT,
+            "image_family": compute.CPU_IMAGE_FAMILY,
+            **_creating_vm(cfg),
+        },
+        layout="split",
+    ),
+    Step(
+        "install_maxtext",
+        MaxTextInstallOperator,
+        lambda cfg: {
+            "maxtext_version": "{{ params.maxtext_version }}",
+            "execution_timeout": cfg.timeouts.install,
+            "poll_interval": _poll(cfg, 15),
+        },
+        vm="tpu",
+    ),
+    Step(
+        "convert_to_maxtext",
+        MaxTextConvertOperator,
+        lambda cfg: {
+            "maxtext_version": "{{ params.maxtext_version }}",
+            "execution_timeout": cfg.timeouts.convert,
+            "poll_interval": _poll(cfg, 15),
+        },
+        vm="cpu",
+    ),
+    Step(
+        "train",
+        SftTrainOperator,
+        lambda cfg: {
+            **_params(TRAINING_PARAMS["sft"]),
+            "conversion": Output("convert_to_maxtext"),
+            "checkpoint_period": cfg.checkpoint_period,
+            "evaluate": "{{ params.quality_gate != 'off' }}",
+            "max_recoveries": "{{ params.max_recoveries }}",
+            "stall_timeout_s": cfg.stall_timeout_s,
+            "execution_timeout": cfg.timeouts.train,
+            "poll_interval": _poll(cfg, 30),
+        },
+        vm="tpu",
+        recipe="sft",
+    ),
+    Step(
+        "train",
+        GrpoTrainOperator,
+        lambda cfg: {
+            **_params(TRAINING_PARAMS["rl"]),
+            "conversion": Output("convert_to_maxtext"),
+            "max_recoveries": "{{ params.max_recoveries }}",
+            "stall_timeout_s": cfg.stall_timeout_s,
+            "execution_timeout": cfg.timeouts.train,
+            "poll_interval": _poll(cfg, 30),
+        },
+        vm="tpu",
+        recipe="rl",
+    ),
+    Step(
+        "quality_gate",
+        QualityGateOperator,
+        lambda cfg: {
+            "trained": Output("train"),
+            "rule": "{{ params.quality_gate }}",
+            "min_improvement_pct": "{{ params.min_improvement_pct }}",
+            "execution_timeout": FIVE_MINUTES,
+        },
+    ),
+    Step(
+        "export_and_publish",
+        HfExportOperator,
+        lambda cfg: {
+            "trained": Output("train"),
+            "inputs": Output("check_inputs"),
+            "prices": cfg.prices,
+            "hub_repo_id": "{{ params.hub_repo_id }}",
+            "storage_uri": "{{ params.storage_uri }}",
+            "execution_timeout": cfg.timeouts.export,
+            "poll_interval": _poll(cfg, 15),
+        },
+        vm="cpu",
+    ),
+    Step("delete_tpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "tpu")),
+    Step(
+        WATCHER,
+        FailRunOperator,
+        lambda cfg: {"trigger_rule": TriggerRule.ONE_FAILED, "retries": 0, "execution_timeout": FIVE_MINUTES},
+    ),
+    Step(
+        "install_maxtext_cpu",
+        MaxTextInstallOperator,
+        lambda cfg: {
+            "maxtext_version": "{{ params.maxtext_version }}",
+            "save_environment": True,  # the TPU VM only restores: its time is the expensive one
+            "execution_timeout": cfg.timeouts.install,
+            "poll_interval": _poll(cfg, 15),
+        },
+        vm="cpu",
+        layout="split",
+    ),
+    Step("delete_cpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "cpu"), layout="split"),
+)
+
+# The steps whose failure fails the run, through the watcher.
+BODY = ("convert_to_maxtext", "train", "quality_gate", "export_and_publish")
+
+# What runs after what, per layout: each line a chain, left to right (a tuple in it: tasks side by side). An
+# Output argument runs its task first too.
+WIRING = {
+    "split": (
+        ("check_inputs", "create_tpu_vm", "install_maxtext", "train", "delete_tpu_vm"),
+        ("check_inputs", "create_cpu_vm", "install_maxtext_cpu", "convert_to_maxtext", "train"),
+        ("train", "quality_gate", "export_and_publish", "delete_cpu_vm"),
+        (BODY, WATCHER),
+    ),
+    "seeds": (
+        (
+            "check_inputs",
+            "create_tpu_vm",
+            "install_maxtext",
+            "convert_to_maxtext",
+            "train",
+            "quality_gate",
+            "export_and_publish",
+            "delete_tpu_vm",
+        ),
+        (BODY, WATCHER),
+    ),
+}
+
+# Each VM's teardown (its delete) and its setups (its create and its install): clearing a step (a re-run of
+# train or of the export) clears the setups in its scope, so the fresh VMs get MaxText too. A setup is
+# followed by all_success tasks only: a failed install reaches the watcher as its steps' upstream_failed. A
+# teardown runs unless its run was skipped (nothing changed, no VM made), a failed create included: it may
+# have inserted its VM.
+TEARDOWNS = {
+    "delete_tpu_vm": ("create_tpu_vm", "install_maxtext"),
+    "delete_cpu_vm": ("create_cpu_vm", "install_maxtext_cpu"),
+}
 
 
 def build_dag(cfg: PipelineConfig) -> DAG:
-    t = cfg.timeouts
-    wait_for_capacity = timedelta(minutes=cfg.max_wait_for_capacity_minutes)
-    split = cfg.layout == "split"
-    train_title = "SFT" if cfg.recipe == "sft" else "GRPO"
-    default_args = {
-        "retries": cfg.retries,
-        "retry_delay": timedelta(seconds=cfg.retry_delay_s),
-        "retry_exponential_backoff": True,
-        "max_retry_delay": MAX_RETRY_DELAY,
-        # Later steps first. A deferred training that resumes needs a tpu_vms slot again; by the default rule
-        # ("downstream") another run's install outranks it, and its VM idled for that run's whole training
-        # (tests/test_deployment.py).
-        "weight_rule": "upstream",
-    }
-    dag = DAG(
+    """The DAG of one registry entry: the ``STEPS`` of its layout and recipe, wired as its layout says."""
+    with _dag(cfg) as dag:
+        tasks: dict[str, BaseOperator] = {}
+        for step in STEPS:
+            if step.layout in (None, cfg.layout) and step.recipe in (None, cfg.recipe):
+                tasks[step.task_id] = _operator(step, cfg, tasks)
+        _wire(tasks, cfg.layout)
+    return dag
+
+
+def _dag(cfg: PipelineConfig) -> DAG:
+    """The entry's DAG without its tasks: schedule, trigger form, every task's defaults, tags and doc."""
+    return DAG(
         dag_id=cfg.dag_id,
         schedule=input_assets(cfg) if cfg.schedule == ON_CHANGE else cfg.schedule,
         start_date=None if cfg.schedule is None else START_DATE,
         catchup=False,
         max_active_runs=1,
-        default_args=default_args,
+        default_args={
+            "retries": cfg.retries,
+            "retry_delay": timedelta(seconds=cfg.retry_delay_s),
+            "retry_exponential_backoff": True,
+            "max_retry_delay": MAX_RETRY_DELAY,
+            # Later steps first. A deferred training that resumes needs a tpu_vms slot again; by the default
+            # rule ("downstream") another run's install outranks it, and its VM idled for that run's whole
+            # training (tests/test_deployment.py).
+            "weight_rule": "upstream",
+        },
         params=trigger_form(cfg),
         render_template_as_native_obj=True,
         tags=["tpu", "maxtext", cfg.recipe, cfg.model, *cfg.tags],
@@ -97,29 +326,64 @@ def build_dag(cfg: PipelineConfig) -> DAG:
             recipe=cfg.recipe.upper(),
             model=cfg.model,
             layout=cfg.layout,
-            shape=SHAPES[cfg.layout].format(train=train_title),
+            shape=SHAPES[cfg.layout].format(train="SFT" if cfg.recipe == "sft" else "GRPO"),
         ),
     )
-    storage = cfg.checkpoint_storage if split else None
 
-    def poll(seconds: int) -> int:
-        return cfg.poll_interval_s or seconds
 
-    on_vm = {
-        "ssh_conn_id": cfg.ssh_conn_id,
-        "hf_conn_id": cfg.hf_conn_id,
-        "model": "{{ params.model }}",
-        "checkpoint_storage": storage,
-        **(cfg.local or {}),
-    }
-    on_compute = {
+def _operator(step: Step, cfg: PipelineConfig, tasks: dict[str, BaseOperator]) -> BaseOperator:
+    """The step's task; an ``Output`` argument becomes the result of that task, made before it."""
+    arguments = step.arguments(cfg)
+    if step.vm:
+        arguments |= _on_vm(cfg, step.vm)
+    for name, value in arguments.items():
+        if isinstance(value, Output):
+            arguments[name] = tasks[value.task_id].output
+    return step.operator(task_id=step.task_id, **arguments)
+
+
+def _wire(tasks: dict[str, BaseOperator], layout: str) -> None:
+    """What runs after what (the layout's ``WIRING``), then each VM's teardown and setups (``TEARDOWNS``)."""
+    for line in WIRING[layout]:
+        chain(*([tasks[t] for t in link] if isinstance(link, tuple) else tasks[link] for link in line))
+    for teardown_id, setup_ids in TEARDOWNS.items():
+        if teardown_id in tasks:
+            teardown = tasks[teardown_id]
+            teardown.as_teardown(setups=[tasks[t] for t in setup_ids], on_failure_fail_dagrun=True)
+            teardown.trigger_rule = TriggerRule.NONE_SKIPPED  # after as_teardown, which sets its own
+
+
+# The arguments several steps share.
+
+
+def _params(names: Iterable[str]) -> dict[str, str]:
+    """Each named Param as a template the task renders when it runs: ``{"steps": "{{ params.steps }}"}``."""
+    return {name: f"{{{{ params.{name} }}}}" for name in names}
+
+
+def _poll(cfg: PipelineConfig, seconds: int) -> int:
+    """Seconds between a step's trigger polls: the entry's ``poll_interval_s``, else the step's own."""
+    return cfg.poll_interval_s or seconds
+
+
+def _capacity_wait(cfg: PipelineConfig) -> timedelta:
+    return timedelta(minutes=cfg.max_wait_for_capacity_minutes)
+
+
+def _on_compute(cfg: PipelineConfig) -> dict[str, Any]:
+    """The Compute API's arguments, for every create and delete of a VM."""
+    return {
         "project_id": cfg.project_id,
         "gcp_conn_id": cfg.gcp_conn_id,
-        "poll_interval": poll(10),
+        "poll_interval": _poll(cfg, 10),
         "zones": "{{ params.zones }}",
     }
-    creating = {
-        **on_compute,
+
+
+def _creating_vm(cfg: PipelineConfig) -> dict[str, Any]:
+    """Every VM's create: its network and SSH access, its service account, its deadline on Google's side."""
+    return {
+        **_on_compute(cfg),
         "network": cfg.network,
         "subnetwork": cfg.subnetwork,
         "network_path": cfg.network_path,
@@ -128,163 +392,38 @@ def build_dag(cfg: PipelineConfig) -> DAG:
         "ssh_key_mode": cfg.ssh_key_mode,
         "oslogin_user": cfg.oslogin_user,
         "service_account": cfg.service_account,
-        "max_run_duration": t.vm_lifetime(cfg.retries, MAX_RETRY_DELAY) + wait_for_capacity + timedelta(minutes=30),
-        "execution_timeout": t.create,
+        "max_run_duration": cfg.timeouts.vm_lifetime(cfg.retries, MAX_RETRY_DELAY)
+        + _capacity_wait(cfg)
+        + timedelta(minutes=30),
+        "execution_timeout": cfg.timeouts.create,
     }
 
-    def delete_vm(kind: str) -> TpuDeleteOperator:
-        """The teardown of ``create_<kind>_vm``; it retries at least 3 times and never waits for a pool slot."""
-        return TpuDeleteOperator(
-            task_id=f"delete_{kind}_vm",
-            create_task_id=f"create_{kind}_vm",
-            name_prefix=kind,
-            firewall=bool(cfg.ssh_source_ranges),
-            prices=cfg.prices,
-            execution_timeout=t.delete,
-            retries=max(cfg.retries, 3),
-            **on_compute,
-        )
 
-    if cfg.recipe == "sft":
-        settings = ("steps", "dataset", "train_split", "eval_split", "train_data_columns", "overrides")
-    else:
-        settings = ("num_batches", "num_test_batches", "overrides")
-    with dag:
-        check = InputsCheckOperator(
-            task_id="check_inputs",
-            model="{{ params.model }}",
-            recipe=cfg.recipe,
-            dataset="{{ params.dataset }}" if cfg.recipe == "sft" else None,
-            maxtext_version="{{ params.maxtext_version }}",
-            settings={
-                name: f"{{{{ params.{name} }}}}"
-                for name in ("accelerator_type", *settings, "hub_repo_id", "storage_uri")
-            },
-            hf_conn_id=cfg.hf_conn_id,
-            hub_repo_id="{{ params.hub_repo_id }}",
-            force="{{ params.force }}",
-            execution_timeout=timedelta(minutes=5),
-        )
-        create_tpu = TpuVmCreateOperator(
-            task_id="create_tpu_vm",
-            accelerator_type="{{ params.accelerator_type }}",
-            provisioning_model="{{ params.provisioning_model }}",
-            reservation="{{ params.reservation }}",
-            # Caps the VMs themselves; the pool caps the TPU VM's steps (a waiting create holds no VM or slot).
-            max_tpu_vms=cfg.max_tpu_vms,
-            prices=cfg.prices,
-            max_wait_for_capacity="{{ params.max_wait_for_capacity * 60 }}",
-            **{**creating, "execution_timeout": t.create + wait_for_capacity},
-        )
-        on_tpu = {**on_vm, "vm": create_tpu.output, "pool": POOL}
-        on_cpu = on_tpu
-        if split:  # the conversion and the export run on the CPU VM, outside the TPU pool
-            create_cpu = TpuVmCreateOperator(
-                task_id="create_cpu_vm",
-                name_prefix="cpu",
-                accelerator_type=cfg.cpu_accelerator_type,
-                provisioning_model="STANDARD",
-                image_project=compute.CPU_IMAGE_PROJECT,
-                image_family=compute.CPU_IMAGE_FAMILY,
-                **creating,
-            )
-            on_cpu = {**on_vm, "vm": create_cpu.output}
-        install_tpu = MaxTextInstallOperator(
-            task_id="install_maxtext",
-            maxtext_version="{{ params.maxtext_version }}",
-            execution_timeout=t.install,
-            poll_interval=poll(15),
-            **on_tpu,
-        )
-        convert = MaxTextConvertOperator(
-            task_id="convert_to_maxtext",
-            maxtext_version="{{ params.maxtext_version }}",
-            execution_timeout=t.convert,
-            poll_interval=poll(15),
-            **on_cpu,
-        )
-        if cfg.recipe == "sft":
-            train = SftTrainOperator(
-                task_id="train",
-                steps="{{ params.steps }}",
-                dataset="{{ params.dataset }}",
-                train_split="{{ params.train_split }}",
-                eval_split="{{ params.eval_split }}",
-                train_data_columns="{{ params.train_data_columns }}",
-                overrides="{{ params.overrides }}",
-                conversion=convert.output,
-                checkpoint_period=cfg.checkpoint_period,
-                evaluate="{{ params.quality_gate != 'off' }}",
-                max_recoveries="{{ params.max_recoveries }}",
-                stall_timeout_s=cfg.stall_timeout_s,
-                execution_timeout=t.train,
-                poll_interval=poll(30),
-                **on_tpu,
-            )
-        else:
-            train = GrpoTrainOperator(
-                task_id="train",
-                num_batches="{{ params.num_batches }}",
-                num_test_batches="{{ params.num_test_batches }}",
-                overrides="{{ params.overrides }}",
-                conversion=convert.output,
-                max_recoveries="{{ params.max_recoveries }}",
-                stall_timeout_s=cfg.stall_timeout_s,
-                execution_timeout=t.train,
-                poll_interval=poll(30),
-                **on_tpu,
-            )
-        judge = QualityGateOperator(
-            task_id="quality_gate",
-            trained=train.output,
-            rule="{{ params.quality_gate }}",
-            min_improvement_pct="{{ params.min_improvement_pct }}",
-            execution_timeout=timedelta(minutes=5),
-        )
-        export = HfExportOperator(
-            task_id="export_and_publish",
-            trained=train.output,
-            inputs=check.output,
-            prices=cfg.prices,
-            hub_repo_id="{{ params.hub_repo_id }}",
-            storage_uri="{{ params.storage_uri }}",
-            execution_timeout=t.export,
-            poll_interval=poll(15),
-            **on_cpu,
-        )
-        delete_tpu = delete_vm("tpu")
-        watcher = FailRunOperator(
-            task_id="fail_run_if_a_step_failed",
-            trigger_rule=TriggerRule.ONE_FAILED,
-            retries=0,
-            execution_timeout=timedelta(minutes=5),
-        )
-        # Each VM's setups are its create and its install: clearing a step (a re-run of train or of the export)
-        # clears the setups in its scope, so the fresh VMs get MaxText too. A setup is followed by all_success
-        # tasks only: a failed install reaches the watcher as its steps' upstream_failed. A teardown runs unless
-        # its run was skipped (nothing changed, no VM made), a failed create included: it may have inserted its VM.
-        teardown = {"on_failure_fail_dagrun": True}
-        check >> create_tpu
-        if not split:
-            create_tpu >> install_tpu >> convert >> train >> judge >> export
-            export >> delete_tpu.as_teardown(setups=[create_tpu, install_tpu], **teardown)
-            delete_tpu.trigger_rule = TriggerRule.NONE_SKIPPED
-            [convert, train, judge, export] >> watcher
-            return dag
+def _deleting_vm(cfg: PipelineConfig, kind: str) -> dict[str, Any]:
+    """The teardown of ``create_<kind>_vm``; it retries at least 3 times and never waits for a pool slot."""
+    return {
+        "create_task_id": f"create_{kind}_vm",
+        "name_prefix": kind,
+        "firewall": bool(cfg.ssh_source_ranges),
+        "prices": cfg.prices,
+        "execution_timeout": cfg.timeouts.delete,
+        "retries": max(cfg.retries, 3),
+        **_on_compute(cfg),
+    }
 
-        install_cpu = MaxTextInstallOperator(
-            task_id="install_maxtext_cpu",
-            maxtext_version="{{ params.maxtext_version }}",
-            save_environment=True,  # the TPU VM only restores: its time is the expensive one
-            execution_timeout=t.install,
-            poll_interval=poll(15),
-            **on_cpu,
-        )
-        delete_cpu = delete_vm("cpu")
-        check >> create_cpu >> install_cpu >> convert >> train
-        create_tpu >> install_tpu >> train
-        train >> delete_tpu.as_teardown(setups=[create_tpu, install_tpu], **teardown)
-        train >> judge >> export >> delete_cpu.as_teardown(setups=[create_cpu, install_cpu], **teardown)
-        delete_tpu.trigger_rule = delete_cpu.trigger_rule = TriggerRule.NONE_SKIPPED
-        [convert, train, judge, export] >> watcher
-    return dag
+
+def _on_vm(cfg: PipelineConfig, vm: str) -> dict[str, Any]:
+    """A step on a VM: the VM (its create's result), the connections, the model and the checkpoint storage."""
+    split = cfg.layout == "split"
+    vm = vm if split else "tpu"
+    arguments = {
+        "ssh_conn_id": cfg.ssh_conn_id,
+        "hf_conn_id": cfg.hf_conn_id,
+        "model": "{{ params.model }}",
+        "checkpoint_storage": cfg.checkpoint_storage if split else None,
+        **(cfg.local or {}),
+        "vm": Output(f"create_{vm}_vm"),
+    }
+    if vm == "tpu":
+        arguments["pool"] = POOL
+    return arguments

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 # Characters that let a value escape a shell word or start a second command.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
-# Pattern bodies shared with the trigger form's Params (pipelines/posttrain.py anchors them for JSON schema).
+# Pattern bodies shared with the trigger form's Params (pipelines/params.py anchors them for JSON schema).
 SAFE_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 GCE_NAME_RE = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"
 ZONE_RE = r"[a-z]+-[a-z]+[0-9]+-[a-z]"
