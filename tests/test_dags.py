@@ -840,3 +840,19 @@ def test_on_change_schedules_a_pipeline_on_its_inputs_on_the_hub(tmp_path):
     # Any of them starts a run; the DAG has a start date to be scheduled from.
     assert type(dags[SFT_GEMMA].timetable.asset_condition).__name__ == "AssetAny"
     assert dags[SFT_GEMMA].start_date is not None
+
+
+def test_the_registry_reference_is_rendered_from_the_code_that_reads_the_registry():
+    """docs/registry.md is what registry_reference renders: every key of an entry, with a description, once."""
+    from dataclasses import fields
+
+    from airflow_tpu_posttrain.pipelines import registry, registry_reference
+
+    page = registry_reference.render()
+    assert (REPO / "docs" / "registry.md").read_text() == page, (
+        "docs/registry.md is stale: run python -m airflow_tpu_posttrain.pipelines.registry_reference"
+    )
+    keys = [f.name for f in fields(registry.PipelineConfig) if f.name not in registry._LOADER_KEYS] + ["local"]
+    entry_section = page.split("## Keys of `defaults`")[1].split("\n## ")[0]
+    rows = [line.split("|")[1].strip().strip("`") for line in entry_section.splitlines() if line.startswith("| `")]
+    assert rows == keys

@@ -64,6 +64,11 @@ LAYOUTS = ("split", "seeds")
 RECIPES = ("sft", "rl")
 
 
+def _doc(text: str, choices: Iterable[str] = ()) -> dict[str, Any]:
+    """A registry key's description (and allowed values) for its reference, docs/registry.md."""
+    return {"doc": text, "choices": tuple(choices)}
+
+
 class ConfigProblems(ValueError):
     """Every problem of one registry entry, each a :class:`SpecError` naming its field and the fix."""
 
@@ -76,37 +81,84 @@ class ConfigProblems(ValueError):
 class PipelineConfig:
     """One registry entry: which model, which recipe, where it runs, and the trigger form's defaults.
 
-    ``layout``: ``split`` converts and exports on a CPU VM (``cpu_accelerator_type``) while the TPU VM is
-    created and installed, passes checkpoints through ``checkpoint_storage`` and deletes the TPU VM as soon as
-    the final checkpoint is there; ``seeds`` runs every step on the TPU VM, as the tutorials do (DAG id suffix
-    ``__seeds``).
+    Each key's description is its field's ``metadata`` (``_doc``), or, for a key that is the default of a
+    trigger form's Param, that Param's description; ``registry_reference`` renders them into docs/registry.md.
     """
 
-    model: str
-    recipe: str
-    layout: str = "split"
-    checkpoint_storage: str | None = None
-    cpu_accelerator_type: str = "cpu-highmem-16"
-    # A cron expression or preset, None (manual runs only), or "on_change": a run when the Hub shows a new revision
-    # of the base model or the dataset (pipelines/inputs.py), looked at every watch_interval_s seconds.
-    schedule: str | None = None
-    watch_interval_s: int = 600
-    project_id: str | None = None
+    model: str = field(metadata=_doc("The model's key: a built-in one (`recipes/models.py`) or one defined under `models:`."))
+    recipe: str = field(metadata=_doc("`sft` (the SFT tutorial) or `rl` (GRPO, the RL tutorial).", RECIPES))
+    layout: str = field(
+        default="split",
+        metadata=_doc(
+            "`split` converts and exports on a CPU VM (`cpu_accelerator_type`) while the TPU VM is created and "
+            "installed, passes checkpoints through `checkpoint_storage` and deletes the TPU VM as soon as the final "
+            "checkpoint is there; `seeds` runs every step on the TPU VM, as the tutorials do (DAG id suffix `__seeds`).",
+            LAYOUTS,
+        ),
+    )
+    checkpoint_storage: str | None = field(
+        default=None,
+        metadata=_doc(
+            "`gs://bucket/prefix` the VMs may write: conversions (cached per model revision and MaxText release), "
+            "checkpoints, kept exports. Required by the split layout."
+        ),
+    )
+    cpu_accelerator_type: str = field(
+        default="cpu-highmem-16", metadata=_doc("The split layout's CPU VM (`recipes/accelerators.py`: `cpu-highmem-16` is n2-highmem-16).")
+    )
+    schedule: str | None = field(
+        default=None,
+        metadata=_doc(
+            "A cron expression or preset, null (manual runs only), or `on_change`: a run when the Hub shows a new "
+            "revision of the base model or the dataset (`pipelines/inputs.py`), looked at every `watch_interval_s`."
+        ),
+    )
+    watch_interval_s: int = field(default=600, metadata=_doc("Seconds between the Hub checks of `schedule: on_change`."))
+    project_id: str | None = field(default=None, metadata=_doc("The Google Cloud project; null: the Google connection's."))
     zones: tuple[str, ...] = ("us-east5-b",)
     accelerator_type: str = DEFAULT_ACCELERATOR
     provisioning_model: str = "RESERVATION_BOUND"
     reservation: str | None = None
-    network: str = "default"
-    subnetwork: str | None = None
-    network_path: str = "external"
-    ssh_source_ranges: tuple[str, ...] = ()
-    ssh_key_mode: str = "metadata"
-    oslogin_user: str | None = None
-    service_account: str = "default"
-    # How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the zones),
-    # counted from Compute across DAGs; None: no cap. The wait for a place: the trigger form's default.
-    max_tpu_vms: int | None = 1
-    max_wait_for_capacity_minutes: int = 60
+    network: str = field(default="default", metadata=_doc("The VPC network of the VMs."))
+    subnetwork: str | None = field(
+        default=None, metadata=_doc("Required on a custom-mode VPC: the subnetwork of the zones' region.")
+    )
+    network_path: str = field(
+        default="external",
+        metadata=_doc(
+            "How Airflow reaches the VMs: `external` (an external IP, a firewall rule per VM for "
+            "`ssh_source_ranges`), `internal` (from inside the VPC; no external IP: the subnetwork needs Cloud NAT "
+            "and Private Google Access, checked before any VM), `iap` (through an IAP TCP tunnel; no external IP).",
+            access.NETWORK_PATHS,
+        ),
+    )
+    ssh_source_ranges: tuple[str, ...] = field(
+        default=(), metadata=_doc("`external`: the CIDR ranges Airflow's workers and triggerer connect from.")
+    )
+    ssh_key_mode: str = field(
+        default="metadata",
+        metadata=_doc(
+            "How Airflow's key reaches the VMs: the instance's `ssh-keys` metadata, or OS Login (`oslogin`).",
+            access.KEY_MODES,
+        ),
+    )
+    oslogin_user: str | None = field(
+        default=None, metadata=_doc("`oslogin`: the account (e.g. a service account's email) whose OS Login holds the key.")
+    )
+    service_account: str = field(
+        default="default",
+        metadata=_doc("The VMs' service account (scope cloud-platform); grant it `checkpoint_storage` in IAM."),
+    )
+    max_tpu_vms: int | None = field(
+        default=1,
+        metadata=_doc(
+            "How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the "
+            "zones), counted from Compute across DAGs; null: no cap."
+        ),
+    )
+    max_wait_for_capacity_minutes: int = field(
+        default=60, metadata=_doc("The trigger form's default wait for a place under the cap or for capacity.")
+    )
     maxtext_version: str | None = None
     dataset: str | None = None
     train_split: str | None = None
@@ -118,24 +170,33 @@ class PipelineConfig:
     hub_repo_id: str | None = None
     storage_uri: str | None = None
     overrides: tuple[str, ...] = ()
-    gcp_conn_id: str = "google_cloud_default"
-    ssh_conn_id: str = "tpu_vm_ssh"
-    hf_conn_id: str = "hf_default"
-    retries: int = 2
-    retry_delay_s: int = 60  # the first retry's delay (then exponential backoff, at most 20 minutes)
-    poll_interval_s: int | None = None  # between the triggers' polls; None: each step's own (10 to 30 s)
-    checkpoint_period: int = 200  # SFT steps between checkpoints: what a retry or a recovery may repeat
-    # A training silent this long is taken for hung and stopped, failing the try (a retry resumes): longer than
-    # its quietest healthy stretch (compiling, a checkpoint save), far shorter than the step's timeout. Training
-    # only: the install's environment upload and a large conversion are legitimately silent for long, and a
-    # hang there costs the step's timeout on a CPU VM, not a TPU VM's.
-    stall_timeout_s: int = 1800
-    # Whether a trained model is published (recipes/quality_gate.py): the trigger form's defaults.
+    gcp_conn_id: str = field(default="google_cloud_default", metadata=_doc("The Airflow connection Compute is called with."))
+    ssh_conn_id: str = field(default="tpu_vm_ssh", metadata=_doc("The Airflow SSH connection: the login and its private key."))
+    hf_conn_id: str = field(default="hf_default", metadata=_doc("The Airflow connection holding the Hugging Face token."))
+    retries: int = field(default=2, metadata=_doc("Each step's retries."))
+    retry_delay_s: int = field(
+        default=60, metadata=_doc("The first retry's delay in seconds (then exponential backoff, at most 20 minutes).")
+    )
+    poll_interval_s: int | None = field(
+        default=None, metadata=_doc("Seconds between the triggers' polls; null: each step's own (10 to 30 s).")
+    )
+    checkpoint_period: int = field(
+        default=200, metadata=_doc("SFT steps between checkpoints: at most what a retry or a VM recovery repeats.")
+    )
+    stall_timeout_s: int = field(
+        default=1800,
+        metadata=_doc(
+            "A training silent this long (seconds) is taken for hung and stopped, failing the try (a retry "
+            "resumes): longer than its quietest healthy stretch (compiling, a checkpoint save), far shorter than the "
+            "step's timeout. Training only: an install's upload or a large conversion is legitimately silent for long."
+        ),
+    )
     quality_gate: str = gate.DEFAULT_RULE
     min_improvement_pct: float = gate.DEFAULT_MIN_IMPROVEMENT_PCT
+    # Set by the loader, never by models.yaml (_LOADER_KEYS).
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
-    tags: tuple[str, ...] = ()
+    tags: tuple[str, ...] = field(default=(), metadata=_doc("Extra DAG tags."))
     # USD per hour by machine type and provisioning model: recipes/cost.py's defaults with the registry's
     # top-level ``prices:`` laid over them (what the teardown and the reaper say each VM cost).
     prices: Mapping[str, Mapping[str, float]] = field(default_factory=cost.price_table)

@@ -58,17 +58,24 @@ GSM8K_REPO = "openai/gsm8k"  # what MaxText's GRPO recipe reads when no files ar
 
 @dataclass(frozen=True)
 class ModelProfile:
+    # The fields a registry's ``models:`` entry may set (MODEL_FIELDS) carry their description for docs/registry.md.
     key: str
-    maxtext_model_name: str
-    hf_source: str  # the Hub id the conversion, the trainers' tokenizer and the export read
-    maxtext_version: str  # the MaxText release the recipe was written for
-    sft_dataset: SftDataset = ULTRACHAT_200K
+    maxtext_model_name: str = field(metadata={"doc": "MaxText's name of the model (to_maxtext, the trainers, to_huggingface), e.g. `qwen3-8b`."})
+    hf_source: str = field(metadata={"doc": "The Hub id the conversion, the trainers' tokenizer and the export read, e.g. `Qwen/Qwen3-8B`."})
+    maxtext_version: str = field(metadata={"doc": "The MaxText release its recipes run on, e.g. `0.2.3`."})
+    sft_dataset: SftDataset = field(
+        default=ULTRACHAT_200K, metadata={"doc": "SFT's dataset (MaxText's `hf_*` keys); default: UltraChat 200k, as the SFT tutorial."}
+    )
     rl_dataset: RlDataset = GSM8K
-    sft_steps: int = 1000
-    rl_num_batches: int = 50
-    rl_num_test_batches: int = 10
-    # MaxText keys that reshape `maxtext_model_name`, for models MaxText has no config of its own for.
-    maxtext_overrides: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    sft_steps: int = field(default=1000, metadata={"doc": "SFT's training steps (the tutorial's 1000)."})
+    rl_num_batches: int = field(default=50, metadata={"doc": "GRPO's training batches (the tutorial's 50)."})
+    rl_num_test_batches: int = field(
+        default=10, metadata={"doc": "GRPO's evaluation batches, before and after training (the tutorial's 10)."}
+    )
+    maxtext_overrides: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType({}),
+        metadata={"doc": "MaxText keys that reshape `maxtext_model_name`, for a model MaxText has no config of its own for."},
+    )
     # The local CPU model: served by the local Hub, its datasets local files (``model_source_dir``).
     is_local: bool = False
     # MaxText's own table of Hub ids (its converters' ``HF_IDS``) names ``hf_source`` for ``maxtext_model_name``:
