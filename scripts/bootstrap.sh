@@ -10,6 +10,7 @@ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-s
 command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)  # the VMs' TLS client (tests/test_local_vm.py)
 command -v setfacl >/dev/null 2>&1 || need_apt+=(acl)  # the local checkpoint storage: writable by every login
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # the local VPC's masquerade: a VM with an external IP or NAT reaches PyPI (local/vpc.py)
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)  # driven by Playwright in tests/test_trigger_form.py
 # docker-compose.yaml's metadata DB and Celery broker, run as processes by tests/test_deployment.py
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need_apt+=(postgresql)

@@ -588,3 +588,53 @@ def test_a_queued_flex_start_request_deleted_ends_its_insert_with_an_error(gce, 
     assert inserted.error.errors
     assert wait(gce, deleting.name).status == DONE and not wait(gce, deleting.name).error.errors
     assert emulator.instances() == []
+
+
+class _RecordingFleet:
+    """Records what the emulator tells the machines behind its instances (no machine is started)."""
+
+    def __init__(self) -> None:
+        self.booted: dict[str, object] = {}
+
+    def allocate(self, key) -> str:
+        return "10.77.0.9"
+
+    def boot(self, key, instance, oslogin_url, oslogin_logins, egress) -> None:
+        self.booted[key[2]] = egress
+
+    def end(self, key) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def guest_attributes(self, key) -> list:
+        return []
+
+
+@pytest.mark.parametrize(
+    ("external_ip", "private_google_access", "nat_subnetworks", "egress"),
+    [
+        (True, False, "none", "internet"),
+        (False, False, "none", "none"),
+        (False, True, "none", "google-apis"),
+        (False, False, None, "internet"),  # a NAT for all subnetworks of the region
+        (False, True, ["other"], "google-apis"),  # a NAT for another subnetwork only
+        (False, False, ["default"], "internet"),
+    ],
+)
+def test_a_vm_boots_with_the_egress_its_interface_subnetwork_and_nat_give_it(
+    gce, emulator, external_ip, private_google_access, nat_subnetworks, egress
+):
+    """What the local VM may reach (local/vpc.py) is what Google's network would let it reach."""
+    emulator.fleet = _RecordingFleet()
+    emulator.add_subnetwork("default", "us-east5", private_google_access=private_google_access)
+    if nat_subnetworks != "none":
+        emulator.add_router("nat", "us-east5", nat_subnetworks=nat_subnetworks)
+    instance = tpu_instance("vm-egress")
+    if not external_ip:
+        instance.network_interfaces[0].access_configs = []
+    insert(gce, instance)
+    deadline = time.monotonic() + 30
+    while "vm-egress" not in emulator.fleet.booted and time.monotonic() < deadline:
+        gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-egress")
+        time.sleep(0.05)
+    assert emulator.fleet.booted["vm-egress"].value == egress

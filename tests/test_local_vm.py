@@ -18,7 +18,8 @@ import paramiko
 import pytest
 from conftest import PROJECT, emulator_credentials
 
-from airflow_tpu_posttrain.local.vm import LocalVm, allocate_address, authorized_keys
+from airflow_tpu_posttrain.local import vpc
+from airflow_tpu_posttrain.local.vm import LocalVm, authorized_keys
 
 LOGIN = "posttrain"
 # The image's Python 3.12 (pyenv's, under /root), as the venv's interpreter resolves to it.
@@ -80,10 +81,11 @@ def _wait_for(condition: Callable[[], object], timeout: float = 10.0) -> bool:
     return True
 
 
-def _refused(address: str, port: int = 22) -> bool:
+def _unanswered(address: str, port: int = 22) -> bool:
+    """Nothing answers: refused, or (before its interface is up, as on Google Cloud) no route or a timeout."""
     try:
-        socket.create_connection((address, port), timeout=2).close()
-    except ConnectionRefusedError:
+        socket.create_connection((address, port), timeout=0.5).close()
+    except OSError:
         return True
     return False
 
@@ -114,7 +116,7 @@ def make_vm(tmp_path, keys):
     def make(name: str, ssh_keys: str | None = None, boot: bool = True, **kwargs) -> LocalVm:
         kwargs.setdefault("boot_delay", 0)
         ssh_keys = f"{LOGIN}:{keys['user'][1]}\n" if ssh_keys is None else ssh_keys
-        address = allocate_address(taken={vm.address for vm in vms})
+        address = vpc.allocate_vm_address()
         vm = LocalVm(name, tmp_path / "disks" / name, address, ssh_keys, **kwargs)
         vms.append(vm)
         if boot:
@@ -147,7 +149,7 @@ def test_metadata_key_logs_in_to_the_image(make_vm, keys, tmp_path):
     (tmp_path / "uv-cache" / package).parent.mkdir(parents=True)
     (tmp_path / "uv-cache" / package).write_text("a package from the mirror")
     vm = make_vm("vm-login", metadata, package_cache=tmp_path / "uv-cache")
-    assert vm.address.startswith("127.") and vm.address != "127.0.0.1"
+    assert vm.address.startswith("10.77.") and vm.address != vpc.GATEWAY
     assert set(vm.host_keys) == {"ssh-ed25519", "ecdsa-sha2-nistp256"}
     assert vm.guest_attributes == [
         {"namespace": "hostkeys", "key": key_type, "value": value} for key_type, value in vm.host_keys.items()
@@ -306,9 +308,9 @@ def test_sshd_answers_only_after_boot_delay(make_vm, keys):
     vm = make_vm("vm-slow", boot=False, boot_delay=boot_delay, guest_attributes=False)
     started = time.monotonic()
     vm.boot()
-    assert _refused(vm.address)
     assert not vm.is_running
-    assert _wait_for(lambda: not _refused(vm.address), timeout=30)
+    assert _unanswered(vm.address)
+    assert _wait_for(lambda: not _unanswered(vm.address), timeout=30)
     assert time.monotonic() - started >= boot_delay
     vm.wait_until_booted(timeout=30)
     _connect(vm, keys["user"][0]).close()
@@ -319,7 +321,10 @@ def test_sshd_answers_only_after_boot_delay(make_vm, keys):
 def test_destroy_kills_detached_jobs_and_leaves_nothing(make_vm, keys):
     host_mounts = Path("/proc/self/mountinfo").read_text()
     vm = make_vm("vm-jobs")
-    assert Path("/proc/self/mountinfo").read_text() == host_mounts
+    # The one mount the VM adds on this machine: its network namespace's name (local/vpc.py), gone with it.
+    namespace_mount = f" /run/netns/{vpc.namespace_of(vm.address)} "
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines(keepends=True)
+    assert "".join(line for line in mounts if namespace_mount not in line) == host_mounts
     job = ["sleep", f"1000.{uuid.uuid4().int % 10**6}"]
     client = _connect(vm, keys["user"][0])
     try:
@@ -338,7 +343,7 @@ def test_destroy_kills_detached_jobs_and_leaves_nothing(make_vm, keys):
     vm.destroy()
     print(f"destroy() took {time.monotonic() - started:.3f} s")
     assert _processes_in(mount_ns) == {}  # the detached job included
-    assert _refused(vm.address)
+    assert _unanswered(vm.address)
     assert not vm.disk_dir.exists()
     assert not vm.is_running
     assert Path("/proc/self/mountinfo").read_text() == host_mounts
@@ -349,7 +354,7 @@ def test_first_command_after_boot(make_vm, keys):
     vm = make_vm("vm-timed", boot=False)
     started = time.monotonic()
     vm.boot()
-    assert _wait_for(lambda: not _refused(vm.address), timeout=30)
+    assert _wait_for(lambda: not _unanswered(vm.address), timeout=30)
     with _connect(vm, keys["user"][0]) as client:
         assert _run(client, "true") == ""
     print(f"boot() to first SSH command: {time.monotonic() - started:.3f} s")
@@ -378,11 +383,47 @@ def test_authorized_keys_follows_the_guest_agent():
     assert authorized_keys(lines, "bob", now) == ["ssh-ed25519 BBBB1"]
 
 
-def test_allocate_address_skips_taken_addresses():
-    first = allocate_address()
-    others = {allocate_address(taken={first}) for _ in range(20)}
-    assert first not in others
-    assert all(address.startswith("127.77.") for address in others | {first})
+def test_a_vm_address_is_held_until_released():
+    addresses = [vpc.allocate_vm_address() for _ in range(20)]
+    try:
+        assert len(set(addresses)) == 20 and all(address.startswith("10.77.") for address in addresses)
+        assert all(Path(f"/run/netns/{vpc.namespace_of(address)}").exists() for address in addresses)
+    finally:
+        for address in addresses:
+            vpc.release_vm_address(address)
+    assert not any(Path(f"/run/netns/{vpc.namespace_of(address)}").exists() for address in addresses)
+
+
+@pytest.mark.parametrize(
+    ("egress", "reaches_google", "reaches_internet"),
+    [(vpc.Egress.NONE, False, False), (vpc.Egress.GOOGLE_APIS, True, False), (vpc.Egress.INTERNET, True, True)],
+)
+def test_a_vm_reaches_what_its_network_interface_allows(make_vm, keys, egress, reaches_google, reaches_internet):
+    """Google's APIs with Private Google Access; the internet (and Google's APIs) with an external IP or NAT.
+
+    The metadata server (the VPC's gateway) always."""
+    servers = {
+        "metadata": socket.create_server((vpc.GATEWAY, 0)),
+        "google": socket.create_server((vpc.service_address(vpc.GOOGLE_APIS_RANGE, 443), 0)),
+        "internet": socket.create_server((vpc.INTERNET_ADDRESS, 0)),
+    }
+    try:
+        vm = make_vm(f"vm-{egress.value}", egress=egress)
+        probe = "; ".join(
+            f"timeout 5 bash -c '</dev/tcp/{host}/{port}' 2>/dev/null && echo {name}=yes || echo {name}=no"
+            for name, server in servers.items()
+            for host, port in [server.getsockname()[:2]]
+        )
+        with _connect(vm, keys["user"][0]) as client:
+            reached = dict(line.split("=") for line in _run(client, probe).split())
+    finally:
+        for server in servers.values():
+            server.close()
+    assert reached == {
+        "metadata": "yes",
+        "google": "yes" if reaches_google else "no",
+        "internet": "yes" if reaches_internet else "no",
+    }
 
 
 def test_googles_storage_host_reaches_the_local_gcs_server_over_https(make_vm, keys, tmp_path):

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Self
 from urllib.parse import parse_qsl, unquote, urlsplit
 from zoneinfo import ZoneInfo
 
-from airflow_tpu_posttrain.local import compute_schema
+from airflow_tpu_posttrain.local import compute_schema, vpc
 from airflow_tpu_posttrain.local.iam import TOKEN_PATH, GrantRefused, LocalIam, Unauthenticated
 from airflow_tpu_posttrain.local.oslogin import OsLoginDirectory, OsLoginError
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS
@@ -407,7 +407,8 @@ class ComputeEmulator:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> Self:
-        server = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        # Every address of this machine: the VMs ask their metadata server on the local VPC's gateway.
+        server = ThreadingHTTPServer(("0.0.0.0", self._port), _Handler)
         server.daemon_threads = True
         server.emulator = self
         self._server = server
@@ -437,8 +438,7 @@ class ComputeEmulator:
     def url(self) -> str:
         if self._server is None:
             raise RuntimeError("the emulator is not started")
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     # ---------------------------------------------------------------- test API
 
@@ -449,7 +449,7 @@ class ComputeEmulator:
 
     def guest_oslogin_url(self, project: str) -> str:
         """Where the sshd of a VM of ``project`` asks for OS Login keys (its metadata server's OS Login)."""
-        return f"{self.url}/_vm/{project}{GUEST_OSLOGIN_PATH}"
+        return f"http://{vpc.GATEWAY}:{self._server.server_address[1]}/_vm/{project}{GUEST_OSLOGIN_PATH}"
 
     @property
     def requests(self) -> list[dict[str, Any]]:
@@ -865,7 +865,11 @@ class ComputeEmulator:
                     self._schedule_max_run_duration(key, instance)
                     if self.fleet is not None:
                         self.fleet.boot(
-                            key, instance, self.guest_oslogin_url(project), self.oslogin.usernames()
+                            key,
+                            instance,
+                            self.guest_oslogin_url(project),
+                            self.oslogin.usernames(),
+                            self._egress(project, zone, instance),
                         )
 
             failure = self._insert_failure(project, zone, body)
@@ -1179,6 +1183,27 @@ class ComputeEmulator:
         if network is not None and network["autoCreateSubnetworks"]:
             return {"network": name, "privateIpGoogleAccess": False}
         return None
+
+    def _egress(self, project: str, zone: str, instance: dict[str, Any]) -> vpc.Egress:
+        """What the instance's network interface reaches: its access config, its subnetwork's NAT and PGA.
+
+        Called with the lock held."""
+        interface = instance["networkInterfaces"][0]
+        network = (interface.get("network") or "global/networks/default").rsplit("/", 1)[-1]
+        subnetwork_name = (interface.get("subnetwork") or network).rsplit("/", 1)[-1]
+        region = zone.rsplit("-", 1)[0]
+        subnetwork = self._subnetwork(project, region, subnetwork_name) or {}
+        cloud_nat = any(
+            router["network"] == network
+            and (router["natSubnetworks"] is None or subnetwork_name in router["natSubnetworks"])
+            for (router_project, router_region, _), router in self._routers.items()
+            if router_region == region and router_project in (None, project)
+        )
+        return vpc.egress_of(
+            external_ip=bool(interface.get("accessConfigs")),
+            cloud_nat=cloud_nat,
+            private_google_access=bool(subnetwork.get("privateIpGoogleAccess")),
+        )
 
     def _get_subnetwork(self, query: dict, body: dict, project: str, region: str, name: str):
         """``subnetworks.get``; an auto-mode network's subnetwork of each region exists, Private Google Access off."""

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from airflow_tpu_posttrain.local.vm import LocalVm, allocate_address
+from airflow_tpu_posttrain.local import vpc
+from airflow_tpu_posttrain.local.vm import LocalVm
 
 InstanceKey = tuple[str, str, str]  # (project, zone, name)
 
@@ -66,11 +67,11 @@ class LocalFleet:
         """Tests: called with each machine just before it ends (its files still readable, e.g. ``guest_path``)."""
 
     def allocate(self, key: InstanceKey) -> str:
-        """The instance's address, fixed at insert (as its IP is on Google Cloud)."""
+        """The instance's address in the local VPC, fixed at insert (as its IP is on Google Cloud)."""
+        address = vpc.allocate_vm_address()
         with self._lock:
-            taken = set(self._addresses.values())
-            self._addresses[key] = allocate_address(self.port, taken)
-            return self._addresses[key]
+            self._addresses[key] = address
+        return address
 
     def boot(
         self,
@@ -78,11 +79,13 @@ class LocalFleet:
         instance: dict,
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
+        egress: vpc.Egress = vpc.Egress.INTERNET,
     ) -> None:
         """Start the instance's machine (its sshd answers ``boot_delay`` seconds later).
 
         With ``enable-oslogin: TRUE`` its sshd takes keys from ``oslogin_url`` only (metadata keys are
-        ignored, as on Google Cloud), and the OS Login accounts known at boot exist on it."""
+        ignored, as on Google Cloud), and the OS Login accounts known at boot exist on it. ``egress``: what its
+        network interface lets it reach (``local/vpc.py``)."""
         metadata = _metadata(instance)
         oslogin = metadata.get("enable-oslogin", "").upper() == "TRUE"
         with self._lock:
@@ -103,6 +106,7 @@ class LocalFleet:
                 environment=self.vm_environment,
                 hosts=self.vm_hosts,
                 ca_bundle=self.vm_ca_bundle,
+                egress=egress,
             )
             self._vms[key] = vm
         vm.boot()
@@ -110,9 +114,11 @@ class LocalFleet:
     def end(self, key: InstanceKey) -> None:
         """The instance is deleted (or stopped): its processes die and its disk is deleted, in the background."""
         with self._lock:
-            self._addresses.pop(key, None)
+            address = self._addresses.pop(key, None)
             vm = self._vms.pop(key, None)
             if vm is None:
+                if address is not None:  # never booted: its address is free again
+                    vpc.release_vm_address(address)
                 return
             ending = threading.Thread(target=self._end, args=(vm, self.before_end), name=f"end-{key[2]}")
             self._endings.append((vm.name, ending))

@@ -1,4 +1,4 @@
-"""The local stand-in for Cloud Storage: fake-gcs-server speaking GCS's JSON API on a loopback port.
+"""The local stand-in for Cloud Storage: fake-gcs-server speaking GCS's JSON API in the local VPC (``local/vpc.py``).
 
 The server is github.com/fsouza/fake-gcs-server; its objects are on this machine's disk (its filesystem
 backend).
@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from airflow_tpu_posttrain.local import vpc
 from airflow_tpu_posttrain.local.google_front import TlsFront
 from airflow_tpu_posttrain.local.processes import free_port
 
@@ -135,7 +136,7 @@ def client_environment(url: str) -> dict[str, str]:
 class GcsServer:
     """fake-gcs-server with its objects under ``root``; ``buckets`` are created at start.
 
-    It serves HTTP on 127.0.0.1, or with ``tls_dir`` on a loopback address of its own, where it also serves
+    It serves HTTP on an address of its own among the local VPC's Google APIs; with ``tls_dir`` it also serves
     HTTPS on port 443 as :data:`GOOGLE_STORAGE_HOSTS` with a certificate of :func:`google_storage_tls` (made in
     ``tls_dir``): a process that resolves those hosts to it (``google_hosts``) and trusts ``ca_bundle`` reaches
     it as it would reach Cloud Storage."""
@@ -151,7 +152,7 @@ class GcsServer:
         self.buckets = buckets
         self.project = project
         self.tls_dir = tls_dir
-        self.address = "127.0.0.1"
+        self.address = ""
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
         self._front: TlsFront | None = None
@@ -176,10 +177,8 @@ class GcsServer:
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.port:  # a restart (fault tests) keeps the URL the clients were given
-            if self.tls_dir:
-                from airflow_tpu_posttrain.local.vm import allocate_address
-
-                self.address = allocate_address(port=443)
+            # Among Google's APIs in the local VPC (local/vpc.py): a VM reaches it as its network allows.
+            self.address = vpc.service_address(vpc.GOOGLE_APIS_RANGE, port=443)
             self.port = free_port()
         argv = [
             str(server_binary()),

@@ -41,6 +41,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from airflow_tpu_posttrain.local import vpc
+
 log = logging.getLogger(__name__)
 
 # Files matching these patterns (or larger than LFS_MIN_SIZE) are stored as LFS objects, as with the
@@ -801,7 +803,7 @@ class _HubHTTPServer(ThreadingHTTPServer):
 
 
 class HubServer:
-    """A local Hub on 127.0.0.1, serving repos stored under ``root_dir``.
+    """A local Hub on the local VPC's internet address, serving repos stored under ``root_dir``.
 
     ``tokens``: if given, only these Bearer tokens are accepted; otherwise any non-empty one is.
     ``read_only_tokens``: also accepted, for reading only (a write answers 403, as the real Hub does).
@@ -831,7 +833,9 @@ class HubServer:
         self._grants: dict[str, set[str]] = {}  # token -> the gated repos it was granted
         self._namespaces = {token: tuple(names) for token, names in (namespaces or {}).items()}
         self._signing_key = secrets.token_bytes(32)
-        self._httpd = _HubHTTPServer(("127.0.0.1", port), _Handler)
+        # On the local VPC's internet (local/vpc.py): a VM reaches it only through an external IP or a Cloud NAT.
+        vpc.ensure_network()
+        self._httpd = _HubHTTPServer((vpc.INTERNET_ADDRESS, port), _Handler)
         self._httpd.hub = self
         self._thread: threading.Thread | None = None
 
@@ -841,7 +845,7 @@ class HubServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{vpc.INTERNET_ADDRESS}:{self.port}"
 
     def accepts(self, token: str) -> bool:
         return self._tokens is None or token in self._tokens or token in self._read_only_tokens
@@ -898,7 +902,7 @@ class HubServer:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free port)")
+    parser.add_argument("--port", type=int, default=0, help="port on 10.203.0.1 (0: any free port)")
     parser.add_argument("--root", required=True, help="directory holding the repos")
     parser.add_argument("--token-file", help="accept only the token in this file (default: any token)")
     args = parser.parse_args(argv)

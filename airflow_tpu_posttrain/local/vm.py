@@ -1,7 +1,7 @@
 """One local stand-in for a fresh Compute Engine VM: its own sshd, host keys, accounts, disk and processes.
 
-``LocalVm`` runs ``/usr/sbin/sshd`` on a loopback address of its own inside a private mount and pid
-namespace. Its disk ``disk_dir`` holds ``etc/`` (its /etc/ssh: fresh host keys, sshd_config, the ssh-keys
+``LocalVm`` runs ``/usr/sbin/sshd`` on its VPC address inside a network, mount and pid namespace of its own
+(its network: ``local/vpc.py``). Its disk ``disk_dir`` holds ``etc/`` (its /etc/ssh: fresh host keys, sshd_config, the ssh-keys
 metadata, and a copy of this file as ``vm_agent.py``, its init and keys command, run by the image's
 /usr/bin/python3 with the stdlib only), ``home/``, ``tmp/``, ``var-tmp/``, ``root/`` (its /home, /tmp,
 /var/tmp, /root) and ``console.log``. The rest of this machine (OS, /usr, the repository) is the shared
@@ -15,7 +15,6 @@ import fcntl
 import json
 import os
 import pwd
-import random
 import re
 import shutil
 import signal
@@ -25,9 +24,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this file runs on the VMs too, as their agent (stdlib only): local/vpc.py is imported lazily
+    from airflow_tpu_posttrain.local.vpc import Egress
 
 SSHD = "/usr/sbin/sshd"
 PRIVSEP_DIR = Path("/run/sshd")
@@ -70,24 +72,6 @@ _ACCOUNTS_LOCK = threading.Lock()
 def _same_filesystem(a: Path, b: Path) -> bool:
     b.mkdir(parents=True, exist_ok=True)
     return a.stat().st_dev == b.stat().st_dev
-
-
-def allocate_address(port: int = 22, taken: AbstractSet[str] = frozenset()) -> str:
-    """A loopback address 127.77.M.K on which nothing listens on ``port`` (probed by binding)."""
-    count = 256 * 254
-    start = random.randrange(count)
-    for offset in range(count):
-        index = (start + offset) % count
-        address = f"127.77.{index // 254}.{index % 254 + 1}"
-        if address in taken:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind((address, port))
-            except OSError:
-                continue
-        return address
-    raise RuntimeError(f"no free loopback address for port {port}")
 
 
 def _key_fields(line: str) -> tuple[str, list[str]] | None:
@@ -268,7 +252,10 @@ def _chown(path: Path, account: pwd.struct_passwd) -> None:
 
 
 class LocalVm:
-    """One VM on ``address:port``; ``boot()`` starts it ``boot_delay`` s later, ``destroy()`` ends it."""
+    """One VM on ``address:port``; ``boot()`` starts it ``boot_delay`` s later, ``destroy()`` ends it.
+
+    ``address`` is one :func:`~airflow_tpu_posttrain.local.vpc.allocate_vm_address` claimed; ``destroy()``
+    releases it."""
 
     def __init__(
         self,
@@ -287,8 +274,13 @@ class LocalVm:
         environment: dict[str, str] | None = None,
         hosts: dict[str, str] | None = None,
         ca_bundle: Path | None = None,
+        egress: Egress | None = None,
     ) -> None:
+        from airflow_tpu_posttrain.local import vpc
+
         self.name = name
+        # What its network interface lets it reach (local/vpc.py), as Google's network would; None: the internet.
+        self.egress = egress or vpc.Egress.INTERNET
         # Set in every session (sshd's SetEnv), as an image's /etc/environment would: the storage clients'
         # endpoint settings of the local GCS server. No credentials: the local server takes anonymous requests,
         # as Cloud Storage takes the VM's service account's, fetched from its metadata server.
@@ -425,6 +417,9 @@ class LocalVm:
             if self._thread.is_alive():
                 raise TimeoutError(f"VM {self.name}: the boot thread outlived destroy()")
         self._booted = False
+        from airflow_tpu_posttrain.local import vpc
+
+        vpc.release_vm_address(self.address)
         if self.disk_dir.exists():
             shutil.rmtree(self.disk_dir)
 
@@ -531,7 +526,11 @@ class LocalVm:
         """Start ``unshare`` and learn its mount namespace; False if destroy() came first."""
         PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
         (self._etc / "mounts.json").write_text(json.dumps(self._mounts()))
+        from airflow_tpu_posttrain.local import vpc
+
+        vpc.connect_vm(self.address, self.egress)
         argv = [
+            "nsenter", f"--net=/run/netns/{vpc.namespace_of(self.address)}",
             "unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--mount-proc",
             IMAGE_PYTHON, "-I", str(self._etc / "vm_agent.py"), "init", str(self._etc / "mounts.json"),
             SSHD, "-D", "-e", "-f", f"{VM_SSH_DIR}/sshd_config",
