@@ -75,6 +75,7 @@ def get_provider_info() -> dict:
                 "python-modules": [
                     "airflow_tpu_posttrain.triggers.capacity",
                     "airflow_tpu_posttrain.triggers.compute",
+                    "airflow_tpu_posttrain.triggers.conversion",
                     "airflow_tpu_posttrain.triggers.hub_revision",
                     "airflow_tpu_posttrain.triggers.remote_job",
                 ],

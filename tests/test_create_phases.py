@@ -15,6 +15,10 @@ KINDS = (ErrorKind.CAPACITY, ErrorKind.QUOTA, ErrorKind.RESERVATION, ErrorKind.R
 @pytest.mark.parametrize(
     ("phase", "status", "kind", "lost_race", "action"),
     [
+        # Waiting for the conversion: due or ended, the VM is requested; failed, nothing is created.
+        (Phase.CONVERSION, "due", None, False, Action.START),
+        (Phase.CONVERSION, "converted", None, False, Action.START),
+        (Phase.CONVERSION, "failed", None, False, Action.SKIP),
         # Waiting for a place: granted, or the wait is over with nothing created.
         (Phase.CAPACITY, "available", None, False, Action.INSERT),
         (Phase.CAPACITY, "timeout", None, False, Action.FAIL_NO_CAPACITY),

@@ -214,6 +214,17 @@ def test_tiny_sft_end_to_end(stack, capfd):
     assert any(o.startswith(profile) and o.endswith(".xplane.pb") for o in objects), objects
     assert f"exports/{run}.complete" in objects and f"exports/{run}/model.safetensors" in objects
     assert xcom(dr, "delete_cpu_vm")["deleted"] is True
+    # What a later run's TPU VM request is timed by: this conversion (cached now) and the TPU VM's ready time.
+    from airflow.models import Variable
+
+    from airflow_tpu_posttrain.operators.just_in_time import TIMINGS_VARIABLE
+    from airflow_tpu_posttrain.recipes import timings
+
+    kept = Variable.get(TIMINGS_VARIABLE, deserialize_json=True)
+    assert timings.is_converted(kept, SFT_TWIN, converted["source_revision"], "0.2.2")
+    assert kept["ready"][xcom(dr, "create_tpu_vm")["machine_type"]]
+    if not converted["reused"]:
+        assert timings.expected_conversion_end(kept, SFT_TWIN, "e2-standard-2") > 0
     assert trained["metrics"]["steps_completed"] == 5 and trained["metrics"]["last_loss"] > 0
     assert "SFT: 5 steps" in logs
     # The quality gate (no_regression, the default): MaxText evaluated the held-out chats before step 1 and after

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
 from airflow_tpu_posttrain.links import CheckpointLink
+from airflow_tpu_posttrain.operators import just_in_time
 from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
@@ -34,7 +35,9 @@ class MaxTextInstallOperator(MaxTextJobOperator):
 
     Cached: a marker in the venv keyed by version and extras makes a re-run a no-op in seconds; with
     ``checkpoint_storage`` a new VM restores the environment from an archive in
-    ``<checkpoint_storage>/environments`` (see recipes/install.py).
+    ``<checkpoint_storage>/environments`` (see recipes/install.py). On a fresh VM, the seconds from its request
+    (``vm``'s ``requested_at``) to the install's end are measured: how early a later run requests its TPU VM
+    (``operators/just_in_time.py``).
 
     :param maxtext_version: default: the model profile's (the tutorials: 0.2.2 for SFT, 0.2.3 for RL).
     :param save_environment: after a fresh install, save the archive for later VMs (one VM of a run does).
@@ -78,6 +81,12 @@ class MaxTextInstallOperator(MaxTextJobOperator):
         for launcher in sorted(Path(self.launcher_source_dir).glob("*.py")):
             vm.put_bytes(f"{spec.runtime.launcher_dir}/{launcher.name}", launcher.read_bytes(), 0o644)
 
+    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
+        result = super().finish(context, vm, job, paths, reused)
+        if not reused and isinstance(self.vm, dict):
+            just_in_time.record_ready(self.vm)
+        return result
+
 
 class MaxTextConvertOperator(MaxTextJobOperator):
     """Convert the Hugging Face checkpoint to MaxText format (``to_maxtext``).
@@ -88,7 +97,8 @@ class MaxTextConvertOperator(MaxTextJobOperator):
     With ``checkpoint_storage`` the conversion is cached there under a key of (MaxText version, source revision,
     conversion arguments): the source revision is the Hub's current commit of the model (asked with the
     ``hf_conn_id`` token). Scheduled retraining and
-    backfills then convert once per new revision or MaxText release.
+    backfills then convert once per new revision or MaxText release. What it converted, and how long the run took
+    to a conversion it ran, are kept for the TPU VM's create (``operators/just_in_time.py``).
 
     :param maxtext_version: the MaxText release installed on the VM (default: the model profile's).
     :param use_pathways: the tutorials' USE_PATHWAYS (zarr3/ocdbt storage off when true).
@@ -161,6 +171,21 @@ class MaxTextConvertOperator(MaxTextJobOperator):
             reads_hub=True,
             claim=self._claim(spec, context) if spec.layout.conversion_key else None,
         )
+
+    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
+        result = super().finish(context, vm, job, paths, reused)
+        if job.outputs.get("conversion_key"):
+            record = self.vm if isinstance(self.vm, dict) else {}
+            spec = self.run_spec(context)
+            just_in_time.record_conversion(
+                context,
+                model=spec.model.key,
+                revision=job.outputs.get("source_revision"),
+                maxtext_version=validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version,
+                machine_type=record.get("machine_type"),
+                ran=not reused,
+            )
+        return result
 
     def _claim(self, spec: maxtext.RunSpec, context: Context) -> tuple[str, str]:
         """One conversion per key at a time.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from airflow_tpu_posttrain.operators.compute_base import (
     seconds,
     vm_expires_at,
 )
+from airflow_tpu_posttrain.operators.just_in_time import JustInTimeMixin
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
 from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 BACKSTOP_MARGIN = timedelta(minutes=30)
 
 
-class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
+class TpuVmCreateOperator(JustInTimeMixin, CapacityCapMixin, VmLoginMixin, ComputeOperator):
     """Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
 
     The instance name is deterministic per (dag_id, run_id), so a retry or a re-run finds the instance of an
@@ -52,8 +54,13 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
     sshd answers (in the triggerer). Every SSH step then pins those host keys.
 
     Returns (XCom) ``name, project, zone, status, internal_ip, external_ip, ssh_address, ssh_port, ssh_login,
-    ssh_proxy_command, host_keys, machine_type, accelerator_type, firewall``; a partial record with the name is pushed before the first API
-    call so a teardown can find the VM even if this task dies half-way.
+    ssh_proxy_command, host_keys, machine_type, accelerator_type, firewall, requested_at``; a partial record with the
+    name is pushed before the first API call so a teardown can find the VM even if this task dies half-way.
+
+    With ``conversion_task_id`` (the split layout) the VM is requested just in time: when the run's conversion is
+    cached (as far as earlier runs know), at once; else, deferred, once the conversion is expected to end within the
+    VM's ready time, both as measured by earlier runs (``operators/just_in_time.py``), or once the conversion task
+    has ended. Never measured: at once. A conversion that fails before then skips this task: no VM is created.
 
     :param zones: zones to try, in order (a list, or a comma-separated string).
     :param accelerator_type: ``v6e-1``, ``v6e-4`` or ``v6e-8`` (the machine type is derived from it), or
@@ -96,6 +103,10 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
     :param labels: extra labels; the ownership labels (managed-by, dag, run, task, expires-at) are always set.
     :param metadata: extra instance metadata items (e.g. ``enable-oslogin: "TRUE"``).
     :param api_endpoint: Compute API endpoint override (a local emulator); default from the connection.
+    :param conversion_task_id: the run's conversion task, which the VM's training waits for; None: request at once.
+    :param conversion_accelerator_type: the accelerator type of the VM that converts (its measurements' key).
+    :param inputs: the inputs check's record (its XComArg): the model, its Hub revision and the MaxText version,
+        which say whether the conversion is cached.
     """
 
     template_fields: Sequence[str] = (
@@ -117,6 +128,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         "labels",
         "metadata",
         "api_endpoint",
+        "inputs",
         *ComputeOperator.connection_template_fields,
     )
     ui_color = "#d5e8f7"
@@ -151,6 +163,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         instance_name: str | None = None,
         labels: dict[str, str] | None = None,
         metadata: dict[str, str] | None = None,
+        conversion_task_id: str | None = None,
+        conversion_accelerator_type: str = "cpu-highmem-16",
+        inputs: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -179,6 +194,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         self.instance_name = instance_name
         self.labels = labels
         self.metadata = metadata
+        self.conversion_task_id = conversion_task_id
+        self.conversion_accelerator_type = conversion_accelerator_type
+        self.inputs = inputs
 
     def _max_run_duration_s(self, context: Context) -> int:
         explicit = seconds(self.max_run_duration)
@@ -317,6 +335,13 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         spec = self._spec(context)
         name = self._name(context)
         self._check_network(spec)
+        if self.conversion_task_id:
+            self._wait_for_conversion(context, spec)
+        return self._start(context, spec, name)
+
+    def _start(self, context: Context, spec: compute.TpuVmSpec, name: str) -> Any:
+        """Request the VM: reuse an earlier try's live instance, replace a dead one, else insert."""
+        start = Progress(requested_at=time.time())
         self._record(context, spec, name, None, status="CREATING")
         for zone in spec.zones:
             existing = self.hook.get_instance(spec.project_id, zone, name)
@@ -330,7 +355,7 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
                     f"{spec.project_id} its own [tpu_posttrain] deployment_id."
                 )
             status = existing.get("status")
-            progress = Progress(zone_index=spec.zones.index(zone))
+            progress = start._replace(zone_index=spec.zones.index(zone))
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
                 self._record(context, spec, name, zone, status=status)
@@ -345,9 +370,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             )
             if operation:
                 return self._complete_or_defer(
-                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, Progress(attempt=1)
+                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, start._replace(attempt=1)
                 )
-        return self._insert_when_capacity(context, spec, name, Progress())
+        return self._insert_when_capacity(context, spec, name, start)
 
     def _insert(self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress) -> Any:
         """Insert in ``zones[zone_index]`` and defer.
@@ -471,6 +496,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
         action = create_phases.next_action(
             phase, event["status"], compute.classify_errors(errors) if errors else None, lost_race
         )
+        if action is Action.SKIP or action is Action.START:
+            self._conversion_waited(context, event)
+            return self._start(context, spec, name)
         if action is Action.FAIL_NO_CAPACITY:
             raise self._no_capacity(spec, name, event.get("in_use", ""))
         if action is Action.INSERT:
@@ -482,7 +510,9 @@ class TpuVmCreateOperator(CapacityCapMixin, VmLoginMixin, ComputeOperator):
             return self._ready_or_defer(context, spec, name, progress, event["instance"])
         if action is Action.DONE:
             self._check_login(context, spec, name, zone, vm, event["host_keys"])
-            record = self._record(context, spec, name, zone, **vm, host_keys=event["host_keys"])
+            record = self._record(
+                context, spec, name, zone, **vm, host_keys=event["host_keys"], requested_at=progress.requested_at
+            )
             self.log.info(
                 "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",
                 name,

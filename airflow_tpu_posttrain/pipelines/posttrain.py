@@ -1,7 +1,7 @@
 """The DAG factory: one post-training DAG per (recipe, model) entry of the model registry.
 
-Shape (split layout, the default): a CPU VM converts (cached) and later exports while the TPU VM is created,
-installed and trains; the TPU VM's teardown follows the training directly. Seeds' layout: create VM (setup) →
+Shape (split layout, the default): a CPU VM converts (cached) and later exports while the TPU VM is created
+(just in time for the conversion's end), installed and trains; the TPU VM's teardown follows the training directly. Seeds' layout: create VM (setup) →
 install → convert → train → export + publish → delete VM (teardown). Teardowns run whatever happened; a
 watcher fails the run when a body step failed (teardowns do not count toward the run's state). Every value a
 user can change per run is a Param, validated by the trigger form and the REST API, and again by the operators
@@ -67,7 +67,8 @@ DOC = """
 SHAPES = {
     "split": (
         "CPU VM: create → install MaxText → convert HF → MaxText (cached in checkpoint storage) ... export to HF + "
-        "publish → delete.  \nTPU VM, meanwhile: create → install MaxText → {train} (checkpoints to storage) → "
+        "publish → delete.  \nTPU VM, meanwhile (requested as the conversion nears its end, at once when it is cached): "
+        "create → install MaxText → {train} (checkpoints to storage) → "
         "delete as soon as the final checkpoint is in storage."
     ),
     "seeds": "create VM → install MaxText → convert HF → MaxText → {train} → export to HF + publish → delete VM",
@@ -140,7 +141,8 @@ STEPS = (
             "prices": cfg.prices,
             "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
             **_creating_vm(cfg),
-            "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg),
+            **_just_in_time(cfg),
+            "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg) + _conversion_wait(cfg),
         },
     ),
     # The split layout's CPU VM: the conversion and the export run there, outside the TPU pool.
@@ -396,6 +398,24 @@ def _creating_vm(cfg: PipelineConfig) -> dict[str, Any]:
         + _capacity_wait(cfg)
         + timedelta(minutes=30),
         "execution_timeout": cfg.timeouts.create,
+    }
+
+
+def _conversion_wait(cfg: PipelineConfig) -> timedelta:
+    """The longest the TPU VM's create waits for the conversion: the CPU VM's create, install and conversion."""
+    if cfg.layout != "split":
+        return timedelta(0)
+    return cfg.timeouts.create + cfg.timeouts.install + cfg.timeouts.convert
+
+
+def _just_in_time(cfg: PipelineConfig) -> dict[str, Any]:
+    """The split layout's TPU VM is requested when the CPU VM's conversion is about to end (or is cached)."""
+    if cfg.layout != "split":
+        return {}
+    return {
+        "conversion_task_id": "convert_to_maxtext",
+        "conversion_accelerator_type": cfg.cpu_accelerator_type,
+        "inputs": Output("check_inputs"),
     }
 
 

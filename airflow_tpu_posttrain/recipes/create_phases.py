@@ -3,7 +3,8 @@
 The phase it waits in across deferrals, and what it does next when that wait ends. Pure: the create operator
 does the API calls; the tests walk every transition.
 
-A create starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
+A create of a run that converts may first wait in ``CONVERSION`` for the moment its VM is to be requested
+(``operators/just_in_time.py``). It then starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
 or by inserting (``CREATE``), possibly after ``CAPACITY`` (no place under ``max_tpu_vms`` or in a fully used
 reservation). Once RUNNING it waits in ``READY`` for the VM's host keys and sshd. Losing the race for a capacity
 group's last place deletes ours (``YIELD``) and waits for room again.
@@ -18,6 +19,7 @@ from airflow_tpu_posttrain.recipes.compute import ErrorKind
 
 
 class Phase(StrEnum):
+    CONVERSION = "conversion"  # nothing requested yet: waiting until the conversion is expected to end soon
     WAIT = "wait"  # an earlier try's live instance: waiting for it to be RUNNING
     REPLACE = "replace"  # deleting an instance that cannot be used (TERMINATED, or left by a stock-out)
     CAPACITY = "capacity"  # waiting for a place under max_tpu_vms, or in a fully used reservation
@@ -27,6 +29,8 @@ class Phase(StrEnum):
 
 
 class Action(StrEnum):
+    START = "start"  # request the VM now: find an earlier try's instance, else insert
+    SKIP = "skip"  # the conversion failed before the VM was requested: create nothing
     INSERT = "insert"  # insert in the current zone when the group has room, else wait for a place
     YIELD_PLACE = "yield place"  # delete ours and wait for room
     AWAIT_LOGIN = "await login"  # RUNNING: wait until its host keys are published and its sshd answers
@@ -59,9 +63,12 @@ not run when its setup failed, so the create cleans up after itself."""
 def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_race: bool = False) -> Action:
     """What follows when the wait in ``phase`` ended with ``status``.
 
-    ``status`` is a trigger's (``success``, ``ready``, ``available``, ``timeout`` or ``error``);
+    ``status`` is a trigger's (``success``, ``ready``, ``available``, ``timeout``, ``error``, or the conversion
+    wait's ``due``, ``converted`` and ``failed``);
     ``error_kind`` is the kind of its errors (``compute.ErrorKind``); ``lost_race``: whether a RUNNING
     instance turned out to be over its group's cap."""
+    if phase is Phase.CONVERSION:
+        return Action.SKIP if status == "failed" else Action.START
     if phase is Phase.CAPACITY:
         return Action.INSERT if status == "available" else Action.FAIL_NO_CAPACITY
     if status == "ready" and phase is Phase.READY:
@@ -91,3 +98,4 @@ class Progress(NamedTuple):
     attempt: int = 0  # a new insert requestId after each replacement or yielded place
     deadline: float | None = None  # Unix time the wait for capacity ends
     without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model
+    requested_at: float | None = None  # Unix time the VM was requested (after any wait for the conversion)
