@@ -227,7 +227,7 @@ def test_a_job_silent_past_its_stall_timeout_is_stopped_and_a_chatty_one_is_not(
             job = paths["silent"]
             state = vm.run(remote_job.state_command(job.job_dir, job.pid_file, job.exit_code_file, job.log_file))
             assert remote_job.parse_state(state)[0] == "died", state  # none of its processes is left
-            assert vm.run("pgrep -c -x sleep || true").strip() == "0"
+            assert vm.run("pgrep -c -x sleep || true").strip() == "0"  # the stop returned once they were gone
         chatty = watch("chatty")
         assert chatty["done"] and chatty["exit_code"] == 0, chatty
 

@@ -68,14 +68,16 @@ def stop_command(pid_file: str, grace_s: int = STOP_GRACE_S) -> str:
     """Ends the job's process group: SIGTERM, then SIGKILL to whatever is left after ``grace_s``.
 
     The job runs under ``setsid``; its pid is the group's. The SIGKILL is for a process blocked in a system
-    call, or whose SIGTERM handler hangs too. A pid of 0 or 1 is never signalled."""
+    call, or whose SIGTERM handler hangs too. It returns once the group is gone (or ``grace_s`` after the
+    SIGKILL): a retry's trainer must not start beside one still holding the TPU. A pid of 0 or 1 is never
+    signalled."""
     pid = shlex.quote(pid_file)
     group_alive = 'kill -0 -"$p" 2>/dev/null'
+    wait_while_alive = f"for _ in $(seq {2 * grace_s}); do {group_alive} || break; sleep 0.5; done"
     return (
         f'p="$(cat {pid} 2>/dev/null)"; if [ "$p" -gt 1 ] 2>/dev/null; then '
-        f'kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; '
-        f"for _ in $(seq {2 * grace_s}); do {group_alive} || break; sleep 0.5; done; "
-        f'if {group_alive}; then kill -KILL -"$p" 2>/dev/null; fi; fi; true'
+        f'kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; {wait_while_alive}; '
+        f'if {group_alive}; then kill -KILL -"$p" 2>/dev/null; {wait_while_alive}; fi; fi; true'
     )
 
 
