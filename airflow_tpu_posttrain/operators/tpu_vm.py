@@ -373,7 +373,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
             return InvalidInputError(f"{self.task_id}: invalid input: {detail}")
         if action is Action.FAIL_FOREIGN:
             return VmCreateError(
-                f"Instance {name} in {zone} exists but was made by Airflow deployment {detail!r}, not this one "
+                f"Instance {name} in {zone} exists but was made by Airflow deployment {(detail or None)!r}, not this one "
                 f"({deployment_id()!r}): refusing to use or delete it. Give each deployment sharing project "
                 f"{spec.project_id} its own [tpu_posttrain] deployment_id."
             )

@@ -184,7 +184,10 @@ class _CreateRun:
         try:
             await self._check_network()
             ended = await self._start()
-            action = Action.INSERT if ended is None else self._next(ended)
+            if ended is None:
+                action = Action.INSERT
+            else:
+                phase, action = ended.phase, self._next(ended)
             while action is not Action.DONE:
                 if action in DELETES_FIRST:
                     await self._delete_leftover()
@@ -265,7 +268,7 @@ class _CreateRun:
                 continue
             owner = (existing.get("labels") or {}).get(compute.DEPLOYMENT_LABEL)
             if owner != self.trigger.deployment:
-                raise _Failed(Action.FAIL_FOREIGN, str(owner))
+                raise _Failed(Action.FAIL_FOREIGN, owner or "")
             self.progress = self.progress._replace(zone_index=index)
             self.in_play = True
             status = existing.get("status")
