@@ -13,6 +13,7 @@ from airflow_tpu_posttrain.exceptions import (
     InvalidInputError,
     QuotaExceededError,
     ReservationError,
+    VmAccessError,
     VmCreateError,
     VmNotReadyError,
 )
@@ -296,7 +297,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         )
         labels[capacity.GROUP_LABEL] = self._group(spec)
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
-        ssh_keys, login = self._authorize_key(spec, expires_at)
+        ssh_keys, oslogin, login = self._authorize_key(spec, expires_at)
         VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, spec.zones[0], name))
         self.log.info("Requesting %s (%s, %s) in %s, from the triggerer", name, spec.machine_type,
                       spec.provisioning_model, ", ".join(spec.zones))
@@ -318,6 +319,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 group=self._group(spec),
                 cap=self.max_tpu_vms,
                 capacity_wait=float(seconds(self.max_wait_for_capacity)),
+                oslogin=oslogin,
                 ssh_port=client_identity(self.ssh_conn_id).port,
                 ready_timeout=self.ready_timeout.total_seconds(),
                 request_id_base=self._request_id(context, name),
@@ -348,9 +350,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         zone = event["zone"]
         if event["status"] != "ready":
             raise self._failure(spec, name, event)
-        vm = self._vm(
-            spec, name, zone, event["instance"], state["ssh_login"], event["without_max_run_duration"]
-        )
+        login = event["ssh_login"] or state["ssh_login"]  # OS Login's answer, else the connection's login
+        vm = self._vm(spec, name, zone, event["instance"], login, event["without_max_run_duration"])
         VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, zone, name))
         self._check_login(context, spec, name, zone, vm, event["host_keys"])
         record = self._record(
@@ -371,6 +372,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         action, zone, detail = Action(event["action"]), event["zone"], event["detail"]
         if action is Action.FAIL_INVALID_INPUT:
             return InvalidInputError(f"{self.task_id}: invalid input: {detail}")
+        if action is Action.FAIL_ACCESS:
+            return VmAccessError(detail)
         if action is Action.FAIL_FOREIGN:
             return VmCreateError(
                 f"Instance {name} in {zone} exists but was made by Airflow deployment {(detail or None)!r}, not this one "

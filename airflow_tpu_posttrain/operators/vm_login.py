@@ -23,43 +23,22 @@ LOGIN_GRACE = timedelta(seconds=30)
 class VmLoginMixin:
     """The create operator's key authorization, its record of the VM, and its first login."""
 
-    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, str]:
-        """Let the SSH connection's key in until the VM expires.
+    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, dict | None, str]:
+        """How the SSH connection's key is let in until the VM expires.
 
-        Returns the ``ssh-keys`` line to put in the metadata (None in ``oslogin`` mode, where the key goes
-        into the OS Login profile now), and the login to use."""
+        Returns the ``ssh-keys`` line for the instance metadata (``metadata`` mode), or what the create's trigger
+        is to import into the OS Login profile (``oslogin`` mode: ``{"user", "public_key", "expires_at"}``, the
+        user None for the Google connection's account); and the login (``oslogin``: the trigger answers it)."""
         from airflow_tpu_posttrain.hooks.vm import client_identity
 
         try:
             client = client_identity(self.ssh_conn_id)
             if spec.ssh_key_mode == "metadata":
-                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), client.login
+                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), None, client.login
             public_key = access.public_key("ssh public key", client.public_key)
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
-        return None, self._import_oslogin_key(spec, public_key, expires_at)
-
-    def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
-        # The REST transport raises by HTTP status (Forbidden, Unauthorized), gRPC by canonical code.
-        from google.api_core.exceptions import Forbidden, PermissionDenied, Unauthenticated, Unauthorized
-
-        from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyHook
-
-        hook = OsLoginKeyHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
-        user = self.oslogin_user or hook.account_email()
-        try:
-            login = hook.import_key(
-                access.oslogin_user("oslogin_user", user), public_key, expires_at, spec.project_id
-            )
-        except SpecError as err:
-            raise InvalidInputError.of(self.task_id, err) from err
-        except (Forbidden, PermissionDenied, Unauthorized, Unauthenticated) as err:
-            raise VmAccessError(
-                f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
-                "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
-            ) from err
-        self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
-        return login
+        return None, {"user": self.oslogin_user, "public_key": public_key, "expires_at": expires_at}, ""
 
     def _check_login(
         self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, vm: dict, host_keys: dict

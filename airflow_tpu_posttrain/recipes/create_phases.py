@@ -41,6 +41,7 @@ class Action(StrEnum):
     FAIL_NO_ZONE_LEFT = "fail: every zone out of capacity"
     FAIL_INVALID_INPUT = "fail: invalid input"  # the network cannot serve the VM: refused before any create
     FAIL_FOREIGN = "fail: another deployment's instance"  # of this run's name: neither used nor deleted
+    FAIL_ACCESS = "fail: OS Login refused the key"  # before anything is created
     FAIL_ZONE_UNSOLD = "fail: zone does not sell the machine type"
     FAIL_NO_IMAGE = "fail: no such image"
     FAIL_NOT_READY = "fail: not ready"

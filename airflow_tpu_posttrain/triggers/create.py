@@ -19,6 +19,7 @@ from airflow.triggers.base import TriggerEvent
 
 from airflow_tpu_posttrain.recipes import access, capacity, compute, cost
 from airflow_tpu_posttrain.recipes.create_phases import DELETES_FIRST, Action, Phase, Progress, next_action
+from airflow_tpu_posttrain.recipes.validation import SpecError
 from airflow_tpu_posttrain.triggers.compute import (
     _LASTING_TUNNEL_ERRORS,
     _OperationsTrigger,
@@ -57,15 +58,15 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     """Create a run's VM: find an earlier try's, else insert (zone by zone), then wait until it can be logged into.
 
     What it does, in order: refuse a network the VM cannot use (missing, custom-mode without ``subnetwork``, no
-    NAT or Private Google Access for a VM without an external IP); look for the instance of an earlier try in
+    NAT or Private Google Access for a VM without an external IP); import the key into OS Login (``oslogin``); look for the instance of an earlier try in
     each zone (reuse a live one, replace a dead one, never touch another deployment's); wait for a place under
     ``cap`` among the capacity group's VMs; insert the SSH firewall rule and the instance, moving to the next zone
     on a stock-out and waiting on a fully used reservation; yield its place when another run's VM took the group's
     last one first; then wait for the VM's host keys and sshd. A failure deletes what the attempt left (the
     instance, if this deployment's, and the firewall rule) before the event.
 
-    Fires once with fixed keys: ``{"status": "ready", "zone", "instance", "host_keys", "without_max_run_duration",
-    "state"}`` or ``{"status": "failed", "action": a create_phases.Action failure, "phase", "zone", "detail",
+    Fires once with fixed keys: ``{"status": "ready", "zone", "instance", "host_keys", "ssh_login" (OS Login's, or
+    None), "without_max_run_duration", "state"}`` or ``{"status": "failed", "action": a create_phases.Action failure, "phase", "zone", "detail",
     "state"}``. A trigger run again after a triggerer restart starts over from the lookup, which finds the
     instance the earlier run inserted; its requestIds are new, so Compute never answers with an earlier run's
     finished insert.
@@ -80,6 +81,9 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     :param group: the capacity group's label value.
     :param cap: ``max_tpu_vms`` of the group; None: no cap.
     :param capacity_wait: seconds to wait for a place under ``cap`` or in a fully used reservation.
+    :param oslogin: ``ssh_key_mode="oslogin"``: ``{"user", "public_key", "expires_at"}``, the key to import into
+        the OS Login profile of ``user`` (None: the Google connection's account) before anything is created; the
+        event's ``ssh_login`` is then the POSIX login OS Login answers. None: the key is in the instance metadata.
     :param ssh_port: the port the VM's sshd must answer on.
     :param ready_timeout: seconds a RUNNING VM has to publish its host keys and answer on ``ssh_port``.
     :param request_id_base: what the requestIds derive from (stable within one try of one task instance).
@@ -100,6 +104,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         group: str,
         cap: int | None,
         capacity_wait: float,
+        oslogin: dict[str, Any] | None,
         ssh_port: int,
         ready_timeout: float,
         request_id_base: str,
@@ -118,6 +123,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         self.group = group
         self.cap = cap
         self.capacity_wait = capacity_wait
+        self.oslogin = oslogin
         self.ssh_port = ssh_port
         self.ready_timeout = ready_timeout
         self.request_id_base = request_id_base
@@ -137,6 +143,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
             "group": self.group,
             "cap": self.cap,
             "capacity_wait": self.capacity_wait,
+            "oslogin": self.oslogin,
             "ssh_port": self.ssh_port,
             "ready_timeout": self.ready_timeout,
             "request_id_base": self.request_id_base,
@@ -183,6 +190,7 @@ class _CreateRun:
         phase = Phase.CREATE
         try:
             await self._check_network()
+            login = await self._import_oslogin_key()
             ended = await self._start()
             if ended is None:
                 action = Action.INSERT
@@ -226,6 +234,7 @@ class _CreateRun:
             "zone": self.zone,
             "instance": ended.instance,
             "host_keys": ended.host_keys,
+            "ssh_login": login,
             "without_max_run_duration": self.progress.without_max_run_duration,
         }
 
@@ -259,6 +268,34 @@ class _CreateRun:
         )
         if problem is not None:
             raise _Failed(Action.FAIL_INVALID_INPUT, str(problem))
+
+    async def _import_oslogin_key(self) -> str | None:
+        """``oslogin``: the key into the OS Login profile until the VM expires; the POSIX login it answers."""
+        # The REST transport raises by HTTP status (Forbidden, Unauthorized), gRPC by canonical code.
+        from google.api_core.exceptions import Forbidden, PermissionDenied, Unauthenticated, Unauthorized
+
+        from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyAsyncHook
+
+        request, trigger = self.trigger.oslogin, self.trigger
+        if not request:
+            return None
+        hook = OsLoginKeyAsyncHook(gcp_conn_id=trigger.gcp_conn_id, impersonation_chain=trigger.impersonation_chain)
+        user = request["user"] or await hook.account_email()
+        try:
+            login = await hook.import_key(
+                access.oslogin_user("oslogin_user", user), request["public_key"], request["expires_at"], self.project
+            )
+        except SpecError as err:
+            raise _Failed(Action.FAIL_INVALID_INPUT, str(err)) from None
+        except (Forbidden, PermissionDenied, Unauthorized, Unauthenticated) as err:
+            raise _Failed(
+                Action.FAIL_ACCESS,
+                f"OS Login refused to add the SSH key to {user}'s profile: "
+                f"{err.message}. Use the account's own credentials (or set oslogin_user to it) and grant it "
+                "roles/compute.osAdminLogin on the project.",
+            ) from None
+        self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
+        return login
 
     async def _start(self) -> _Ended | None:
         """An earlier try's instance: wait for a live one, replace a dead one; None: there is none, insert."""
