@@ -283,9 +283,9 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     def _request(self, context: Context, spec: compute.TpuVmSpec, name: str) -> None:
         """Request the VM: build what Compute is to be sent, and defer the create to the triggerer.
 
-        Every Compute call of the create (the lookup of an earlier try's instance, the capacity count, the
-        insert, the zone fallback, the network checks) runs there (``triggers/create.py``): the worker pays
-        neither the Compute client's import nor any API round trip."""
+        Every Google API call of the create (the network checks, the OS Login key import, the lookup of an
+        earlier try's instance, the capacity count, the insert, the zone fallback) runs there
+        (``triggers/create.py``): the worker pays neither the Google clients' import nor any API round trip."""
         from airflow_tpu_posttrain.hooks.vm import client_identity
         from airflow_tpu_posttrain.triggers.create import TpuVmCreateTrigger
 

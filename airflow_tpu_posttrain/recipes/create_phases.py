@@ -100,11 +100,10 @@ def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_r
 
 
 class Progress(NamedTuple):
-    """Where a create stands across deferrals (the triggers echo it back as their event's ``state``)."""
+    """Where a create stands in its trigger (``triggers/create.py``), from one phase to the next."""
 
     zone_index: int = 0
     stockouts: tuple[str, ...] = ()
     attempt: int = 0  # a new insert requestId after each replacement or yielded place
     deadline: float | None = None  # Unix time the wait for capacity ends
     without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model
-    requested_at: float | None = None  # Unix time the VM was requested (after any wait for the conversion)
