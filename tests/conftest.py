@@ -141,9 +141,11 @@ def stack(airflow_db, tmp_path_factory):
     published copies are in a fresh temp dir, its connections in the environment, the repository's DAGs in the
     dags folder and the TPU pool. Tests that set ``stack.fleet.before_end`` reset it; it is reset here too
     before the stack stops, so that no test's hook runs on the VMs ended at shutdown."""
+    from airflow.models import Variable
     from airflow.models.pool import Pool
 
     from airflow_tpu_posttrain.local.stack import LocalStack
+    from airflow_tpu_posttrain.operators.just_in_time import TIMINGS_VARIABLE
 
     local = LocalStack(REPO / ".local", tmp_path_factory.mktemp("vm"), hf_token=HF_TOKEN)
     with local as env, pytest.MonkeyPatch.context() as mp:
@@ -152,6 +154,10 @@ def stack(airflow_db, tmp_path_factory):
         for name in ("posttrain_dags.py", "local_dags.py", "models.yaml"):
             shutil.copy(REPO / "dags" / name, airflow_db / "dags" / name)
         Pool.create_or_update_pool("tpu_vms", slots=2, description="TPU VMs", include_deferred=True)
+        # A stack is a fresh deployment (its storage holds no conversion): no timings measured by another one's
+        # runs. Else a module's first run would wait for a conversion measured in another module's world, and in
+        # dag.test, which runs one task at a time, that wait holds up the whole run.
+        Variable.delete(TIMINGS_VARIABLE)
         try:
             yield local
         finally:

@@ -638,3 +638,17 @@ def test_a_vm_boots_with_the_egress_its_interface_subnetwork_and_nat_give_it(
         gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-egress")
         time.sleep(0.05)
     assert emulator.fleet.booted["vm-egress"].value == egress
+
+
+def test_an_instance_stopped_with_the_emulator_before_it_boots_frees_its_address(gce, emulator, tmp_path):
+    """The local VPC's address of an instance still PENDING when the emulator stops is released (no namespace left)."""
+    from airflow_tpu_posttrain.local import vpc
+    from airflow_tpu_posttrain.local.fleet import LocalFleet
+
+    emulator.fleet = LocalFleet(tmp_path / "disks")
+    emulator.set_faults(operation_seconds=600)  # the insert never finishes: the VM never boots
+    insert(gce, tpu_instance("vm-never-booted"))
+    address = gce.instances.get(project=PROJECT, zone=ZONE, instance="vm-never-booted").network_interfaces[0].network_i_p
+    assert Path(f"/run/netns/{vpc.namespace_of(address)}").exists()
+    emulator.stop()
+    assert not Path(f"/run/netns/{vpc.namespace_of(address)}").exists()

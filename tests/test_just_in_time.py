@@ -125,3 +125,10 @@ def test_the_request_goes_out_the_ready_time_before_the_conversion_ends():
     for seconds in range(10):
         record = timings.with_conversion(record, "m", "n2-highmem-16", 1000.0 + seconds)
     assert len(record["conversions"]["m/n2-highmem-16"]) == timings.KEEP
+
+
+def test_a_conversion_time_from_a_run_whose_start_is_not_its_start_is_not_kept():
+    """A run dated months ago (dag.test with an old logical date, a cleared run) would hold back every later request."""
+    record = timings.with_conversion({}, "m", "n2-highmem-16", 600.0)
+    assert timings.with_conversion(record, "m", "n2-highmem-16", 242 * 86400.0) == record
+    assert timings.expected_conversion_end(record, "m", "n2-highmem-16") == 600.0

@@ -269,6 +269,30 @@ def test_seed_scripts_activate_the_venv_and_exec():
 # --- the cpu runtime ----------------------------------------------------------------------------------------
 
 
+def test_the_twins_convert_on_one_simulated_cpu_device_where_their_release_saves_with_it():
+    """MaxText 0.2.2 and 0.2.3 (the twins' releases): one device. 0.2.5 fails to save then: its default of 16."""
+    from airflow_tpu_posttrain.operators.maxtext import MaxTextConvertOperator
+
+    def flags(key: str, version: str | None = None, runtime=None) -> list[str]:
+        model = model_profile(key)
+        model = dataclasses.replace(model, maxtext_version=version) if version else model
+        spec = maxtext.RunSpec(
+            model=model,
+            accelerator=accelerator("cpu"),
+            runtime=runtime or cpu_runtime("/opt/launchers", "/work/main/.local/maxtext-venv"),
+            layout=RunLayout(key, "tiny-run"),
+        )
+        return [arg for arg in maxtext.to_maxtext(spec).argv if arg.startswith("--simulated_cpu_devices_count")]
+
+    assert flags("tiny-gemma3-4b") == flags("tiny-llama3.1-8b-Instruct") == ["--simulated_cpu_devices_count=1"]
+    assert flags("tiny-llama") == flags("tiny-gemma3-4b", "0.2.5") == []  # 0.2.5
+    assert flags("gemma3-4b", runtime=tpu_runtime()) == []  # the cloud conversion: MaxText's default
+    # A run's maxtext_version is the release the conversion's arguments are for.
+    convert = MaxTextConvertOperator(task_id="convert_to_maxtext", model="tiny-gemma3-4b", maxtext_version="0.2.5")
+    assert convert._profile().maxtext_version == "0.2.5"
+    assert MaxTextConvertOperator(task_id="c", model="tiny-gemma3-4b")._profile().maxtext_version == "0.2.2"
+
+
 def test_cpu_runtime_commands():
     spec = _cpu_spec()
     model_dir = "local/tiny-llama"  # the tiny model's gated repo on the local Hub, read with the token

@@ -2,9 +2,9 @@
 
 MaxText's trainer does not fail soon when its checkpoint storage goes away: the training loop waits for a save
 whose writes retry for minutes (measured with the tiny model: silent for 15 minutes, exit code 1 after 18;
-docs/storage.md). The job watch stops a job whose log has not grown for ``stall_timeout_s`` (180 s locally), the
-try fails, and the retry, with storage back, resumes from the newest checkpoint that was committed (orbax's
-``commit_success.txt``) before the outage.
+docs/storage.md). The job watch stops a job whose log has not grown for ``stall_timeout_s`` (180 s locally; this
+test's run STALL_TIMEOUT_S), the try fails, and the retry, with storage back, resumes from the newest checkpoint
+that was committed (orbax's ``commit_success.txt``) before the outage.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ RUN_ID = "manual__storage-outage"
 LOGICAL_DATE = datetime(2026, 4, 5, 6, 7, 8, tzinfo=UTC)
 STEPS = 20  # room for the outage to land while training still runs
 OUTAGE_AFTER_STEP = 3
-STALL_TIMEOUT_S = 180  # the local entries' stall_timeout_s (pipelines/registry.py)
+# The run's train task is stopped after STALL_TIMEOUT_S of silence, not the local entries' 180 s
+# (pipelines/registry.py): the silence after the outage was most of this test's time. The trainer's longest healthy
+# silence here (MaxText's start before its config dump, quality gate off) measured 24 s, and a resumed try's 9 s:
+# 90 s leaves over 3x that. This run's steps outside the outage took as long in a full run (-n 2) as alone.
+STALL_TIMEOUT_S = 90
 
 pytestmark = pytest.mark.maxtext
 
@@ -102,9 +106,11 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
     outage = _Outage(stack, f"train-{run_hash(DAG_ID, RUN_ID)}")
     capfd.readouterr()
     outage.start()
+    dag = _dag()
+    dag.get_task("train").stall_timeout_s = STALL_TIMEOUT_S  # dag.test() runs the tasks of this DAG object
     try:
         with _fixed_run_id(RUN_ID):
-            dag_run = _dag().test(run_conf={"steps": STEPS, **FOCUSED_RUN}, logical_date=LOGICAL_DATE)
+            dag_run = dag.test(run_conf={"steps": STEPS, **FOCUSED_RUN}, logical_date=LOGICAL_DATE)
     finally:
         outage.stop.set()
         outage.join(30)
@@ -119,7 +125,7 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
 
     # Try 1 ended while storage was down: mostly the trainer goes silent and the watch stops it; when the outage
     # catches a checkpoint save at another moment, its log keeps growing and it fails on its own (exit code 1) before
-    # 180 s of silence (runs of 2026-12-01: 2 of 4 each way). The watch's stop itself is tested in test_reattach.py.
+    # a stall's silence (runs of 2026-12-01: 2 of 4 each way). The watch's stop itself is tested in test_reattach.py.
     stalled = f"no output from the job on the VM for {STALL_TIMEOUT_S} s"
     failed = re.search(r"SFT failed on the VM with exit code \d+", logs)
     assert stalled in logs or failed, logs[-3000:]

@@ -158,8 +158,10 @@ class LocalFleet:
             return self._vms.get(key)
 
     def stop(self) -> None:
-        """End every machine and wait until all are gone."""
-        for key in list(self._vms):
+        """End every machine (and free the addresses of instances not booted yet); wait until all are gone."""
+        with self._lock:
+            keys = {*self._addresses, *self._vms}
+        for key in keys:
             self.end(key)
         for _, ending in list(self._endings):
             ending.join()

@@ -114,6 +114,12 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         self.maxtext_version = maxtext_version
         self.use_pathways = use_pathways
 
+    def _profile(self) -> ModelProfile:
+        """The model's profile at the run's MaxText release (the conversion's arguments may depend on it)."""
+        profile = super()._profile()
+        version = validation.blank_to_none(self.maxtext_version)
+        return dataclasses.replace(profile, maxtext_version=version) if version else profile
+
     @staticmethod
     def _unkeyed(spec: maxtext.RunSpec) -> maxtext.RunSpec:
         """``spec`` with a placeholder conversion key, to render the conversion before its key is known."""

@@ -18,6 +18,9 @@ from typing import Any
 
 KEEP = 5  # measurements kept per key; the decision reads all of them
 KEEP_CONVERTED = 50  # converted (model, revision, version) remembered, the newest last
+# A run-start-to-conversion-end time beyond this is not a conversion's: the run's start_date is not when it started
+# (a run given an old date by `dag.test`, a run cleared and run again days later). Such a measurement is dropped.
+MAX_CONVERSION_S = 24 * 3600.0
 DEFAULT_READY_S = 180.0  # until a TPU VM's ready time is measured: create 2 min + restore 1 min (docs/performance.md)
 
 
@@ -34,7 +37,9 @@ def _kept(values: list[float], value: float, keep: int = KEEP) -> list[float]:
 
 
 def with_conversion(record: dict[str, Any], model: str, machine_type: str, seconds: float) -> dict[str, Any]:
-    """``record`` with a conversion measured: ``seconds`` from its run's start to its end."""
+    """``record`` with a conversion measured: ``seconds`` from its run's start to its end (unless implausible)."""
+    if not 0 < seconds <= MAX_CONVERSION_S:
+        return record
     conversions = dict(record.get("conversions") or {})
     key = conversion_key(model, machine_type)
     conversions[key] = _kept(list(conversions.get(key) or []), seconds)
