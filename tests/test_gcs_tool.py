@@ -209,3 +209,29 @@ def test_two_jobs_writing_one_output_run_the_step_once(env, tmp_path, where):
     [waited] = [out for out in outputs if remote_job.CLAIM_WAIT_LINE in out]
     assert remote_job.CLAIM_DONE_LINE in waited
     assert _bash(storage.exists_command(f"{output}/.complete", tool), env).returncode == 0
+
+
+def test_stacks_started_at_once_share_one_matching_certificate_and_key(tmp_path):
+    """Test processes start their stacks together: each must find a certificate and the key it was made for.
+
+    Two writers at once once left one's key beside the other's certificate, and every later stack failed to
+    serve HTTPS (``KEY_VALUES_MISMATCH``)."""
+    import ssl
+
+    program = (
+        "import sys, time; from pathlib import Path; import cryptography.x509;"
+        "from airflow_tpu_posttrain.local.gcs_server import google_storage_tls;"
+        "go = Path(sys.argv[2]); [time.sleep(0.001) for _ in iter(lambda: go.exists(), True)];"
+        "import ssl; cert, key, _ = google_storage_tls(Path(sys.argv[1]));"
+        "ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)"  # as the front loads them
+    )
+    tls_dir, go = tmp_path / "tls", tmp_path / "go"
+    makers = [subprocess.Popen([sys.executable, "-c", program, str(tls_dir), str(go)]) for _ in range(8)]
+    time.sleep(3)  # every maker imported and waiting: they start together
+    go.touch()
+    assert [maker.wait(timeout=120) for maker in makers] == [0] * 8
+    from airflow_tpu_posttrain.local.gcs_server import google_storage_tls
+
+    cert, key, bundle = google_storage_tls(tls_dir)
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)  # raises on a mismatch
+    ssl.create_default_context(cafile=str(bundle))

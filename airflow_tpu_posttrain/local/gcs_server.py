@@ -24,6 +24,7 @@ through the Storage Control gRPC API, which the server lacks (gcsfs falls back w
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import platform
@@ -78,6 +79,20 @@ def google_storage_tls(directory: Path) -> tuple[Path, Path, Path]:
 
     Returns (certificate, private key, CA bundle): the bundle is the system's CAs plus this CA, so a process
     given it (``CURL_CA_BUNDLE``) still trusts every real server."""
+    cert_path, key_path, bundle_path = (directory / n for n in ("storage.crt", "storage.key", "ca-bundle.crt"))
+    if bundle_path.is_file():
+        return cert_path, key_path, bundle_path
+    directory.mkdir(parents=True, exist_ok=True)
+    # Test processes start their stacks at once: one of them makes the files, the others wait for them (two
+    # writers would leave one's key beside the other's certificate).
+    with (directory / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not bundle_path.is_file():
+            _make_google_storage_tls(cert_path, key_path, bundle_path)
+    return cert_path, key_path, bundle_path
+
+
+def _make_google_storage_tls(cert_path: Path, key_path: Path, bundle_path: Path) -> None:
     from datetime import UTC, datetime, timedelta
 
     from cryptography import x509
@@ -85,10 +100,6 @@ def google_storage_tls(directory: Path) -> tuple[Path, Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    cert_path, key_path, bundle_path = (directory / n for n in ("storage.crt", "storage.key", "ca-bundle.crt"))
-    if bundle_path.is_file():
-        return cert_path, key_path, bundle_path
-    directory.mkdir(parents=True, exist_ok=True)
     now = datetime.now(UTC) - timedelta(days=1)
 
     def certificate(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.Certificate:
@@ -117,8 +128,9 @@ def google_storage_tls(directory: Path) -> tuple[Path, Path, Path]:
     )
     cert_path.write_bytes(server_cert.public_bytes(pem))
     system = SYSTEM_CA_BUNDLE.read_bytes() if SYSTEM_CA_BUNDLE.is_file() else b""
-    bundle_path.write_bytes(system + ca_cert.public_bytes(pem))
-    return cert_path, key_path, bundle_path
+    unfinished = bundle_path.with_suffix(".partial")
+    unfinished.write_bytes(system + ca_cert.public_bytes(pem))
+    unfinished.rename(bundle_path)  # last and whole: the bundle's presence says the three files are made
 
 
 def client_environment(url: str) -> dict[str, str]:

@@ -29,6 +29,7 @@ import fcntl
 import random
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 BRIDGE = "tpuvpc0"
@@ -101,6 +102,15 @@ def _nft_table_exists() -> bool:
     return result.returncode == 0
 
 
+def _addresses(prefix: str) -> Iterator[str]:
+    """Every host address ``prefix.M.K`` (M 1-255, K 1-254) once, from a random one on: processes rarely collide."""
+    count = 255 * 254
+    start = random.randrange(count)
+    for offset in range(count):
+        index = (start + offset) % count
+        yield f"{prefix}.{index // 254 + 1}.{index % 254 + 1}"
+
+
 def namespace_of(address: str) -> str:
     return _NAMESPACE_PREFIX + address.replace(".", "-")
 
@@ -110,11 +120,7 @@ def allocate_vm_address() -> str:
 
     Creating a named namespace fails when it exists, so processes allocating at once never get the same one."""
     ensure_network()
-    count = 255 * 254
-    start = random.randrange(count)
-    for offset in range(count):
-        index = (start + offset) % count
-        address = f"{VPC_PREFIX}.{index // 254 + 1}.{index % 254 + 1}"
+    for address in _addresses(VPC_PREFIX):
         if _ip("netns", "add", namespace_of(address)).returncode == 0:
             return address
     raise RuntimeError("local VPC: no free address")
@@ -150,12 +156,7 @@ def connect_vm(address: str, egress: Egress) -> None:
 def service_address(service_range: str, port: int) -> str:
     """An address of ``service_range`` on which nothing listens on ``port`` (probed by binding)."""
     ensure_network()
-    prefix = ".".join(service_range.split(".")[:2])
-    count = 255 * 254
-    start = random.randrange(count)
-    for offset in range(count):
-        index = (start + offset) % count
-        address = f"{prefix}.{index // 254 + 1}.{index % 254 + 1}"
+    for address in _addresses(".".join(service_range.split(".")[:2])):
         with socket.socket() as probe, contextlib.suppress(OSError):
             probe.bind((address, port))
             return address
