@@ -73,9 +73,9 @@ def get_provider_info() -> dict:
             {
                 "integration-name": _INTEGRATION,
                 "python-modules": [
-                    "airflow_tpu_posttrain.triggers.capacity",
                     "airflow_tpu_posttrain.triggers.compute",
                     "airflow_tpu_posttrain.triggers.conversion",
+                    "airflow_tpu_posttrain.triggers.create",
                     "airflow_tpu_posttrain.triggers.hub_revision",
                     "airflow_tpu_posttrain.triggers.remote_job",
                 ],

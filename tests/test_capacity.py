@@ -158,15 +158,15 @@ def test_the_later_of_two_racing_creates_yields_once_its_insert_has_ended(
 
     Ours is deleted once its insert has ended (Compute answers a delete sooner with 400 resourceNotReady), then
     the create waits for room and creates again when the other run's VM is gone."""
-    from airflow_tpu_posttrain.operators.capacity_cap import CapacityCapMixin
+    from airflow_tpu_posttrain.triggers.create import _CreateRun
 
-    count_group, counts_made = CapacityCapMixin._capacity_group, []
+    count_group, counts_made = _CreateRun._group, []
 
-    def first_count_sees_room(self, spec):  # as if Compute had listed the group before the other insert
-        counts_made.append(spec)
-        return [] if len(counts_made) == 1 else count_group(self, spec)
+    async def first_count_sees_room(self):  # as if Compute had listed the group before the other insert
+        counts_made.append(self)
+        return [] if len(counts_made) == 1 else await count_group(self)
 
-    monkeypatch.setattr(CapacityCapMixin, "_capacity_group", first_count_sees_room)
+    monkeypatch.setattr(_CreateRun, "_group", first_count_sees_room)
     hold_place(emulator, "tpu-other-run")
     emulator.set_faults(operation_seconds=2.0)  # an insert takes a while, as a TPU VM's does
 

@@ -61,3 +61,11 @@ def test_only_failures_after_an_insert_clean_up_first():
     for phase, kind in itertools.product((Phase.CREATE, Phase.WAIT, Phase.READY), KINDS):
         action = next_action(phase, "error", kind)
         assert action in DELETES_FIRST or action is Action.NEXT_ZONE, (phase, kind, action)
+
+
+def test_failures_before_anything_is_made_delete_nothing():
+    """A network refused, or an instance of another deployment under this run's name: nothing of ours to delete."""
+    assert {Action.FAIL_INVALID_INPUT, Action.FAIL_FOREIGN} & DELETES_FIRST == set()
+    # The insert refused at once (no such machine type in the zone, no such image) or every zone stocked out:
+    # the SSH firewall rule made just before is deleted.
+    assert {Action.FAIL_ZONE_UNSOLD, Action.FAIL_NO_IMAGE, Action.FAIL_NO_ZONE_LEFT} <= DELETES_FIRST

@@ -394,44 +394,100 @@ def test_a_vm_of_the_same_name_from_another_deployment_is_neither_used_nor_delet
     assert not [r for r in emulator.requests if r["method"] == "DELETE"]
 
 
-def test_trigger_survives_a_triggerer_restart(emulator):
-    """A trigger is rebuilt from its serialized form on another triggerer and finishes the same wait."""
-    import asyncio
+_CREATE_PROBE = """
+import json, sys
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from airflow.sdk.exceptions import TaskDeferred
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
+
+op = TpuVmCreateOperator(
+    task_id="create_tpu_vm", zones=["us-east5-a", "us-east5-b"], reservation="us-east5-a=r,us-east5-b=r",
+    ssh_source_ranges=["203.0.113.0/24"], poll_interval=0.1,
+)
+pushed = {}
+ti = SimpleNamespace(id="0190-ti", xcom_push=lambda key, value: pushed.__setitem__(key, value))
+dag_run = SimpleNamespace(dag_id="probe_dag", run_id="manual__probe", start_date=datetime.now(UTC))
+context = {"ti": ti, "dag": SimpleNamespace(dag_id="probe_dag", dagrun_timeout=None), "run_id": "manual__probe",
+           "dag_run": dag_run}
+try:
+    op.execute(context)
+except TaskDeferred as deferred:
+    print(json.dumps({
+        "trigger": deferred.trigger.serialize(),
+        "record": pushed["return_value"],
+        "compute_client_loaded": "google.cloud.compute_v1" in sys.modules,
+        "google_hook_loaded": "airflow.providers.google.common.hooks.base_google" in sys.modules,
+    }))
+"""
+
+
+def _revive(trigger):
+    """The trigger as another triggerer rebuilds it from its serialized form."""
     import importlib
 
+    classpath, kwargs = trigger if isinstance(trigger, list | tuple) else trigger.serialize()
+    module, cls = classpath.rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def _first_event(trigger):
+    import asyncio
+
+    async def first():
+        return await anext(trigger.run())
+
+    return asyncio.run(first()).payload
+
+
+def test_create_defers_at_once_and_creates_from_the_triggerer(emulator):
+    """The create's worker part calls no Compute API and loads no Google client: the triggerer creates the VM.
+
+    Every call (the network check, the lookup of an earlier try's instance, the insert, the wait to RUNNING and to
+    SSH) is the trigger's; it is rebuilt from its serialized form, and run again (as after a triggerer restart)
+    it finds the VM it made instead of making a second."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID": "airflow-probe"}  # no task runner to ask
+    proc = subprocess.run(
+        [sys.executable, "-c", _CREATE_PROBE], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert probe["compute_client_loaded"] is False and probe["google_hook_loaded"] is False
+    assert emulator.requests == []  # not one API call from the worker
+    # The record a teardown finds the VM by, pushed before anything is created.
+    assert probe["record"]["status"] == "CREATING" and probe["record"]["zones"] == ["us-east5-a", "us-east5-b"]
+    name = probe["record"]["name"]
+
+    event = _first_event(_revive(probe["trigger"]))
+    assert event["status"] == "ready", event
+    assert event["zone"] == "us-east5-a" and event["instance"]["name"] == name
+    assert event["instance"]["status"] == "RUNNING" and "ssh-ed25519" in event["host_keys"]
+    assert event["state"]["phase"] == "create"  # the operator's state, returned unchanged
+    again = _first_event(_revive(probe["trigger"]))
+    assert again["status"] == "ready" and again["instance"]["id"] == event["instance"]["id"]
+    assert len(inserts(emulator)) == 1 and [i["name"] for i in emulator.instances()] == [name]
+    assert [f["name"] for f in emulator.firewalls()] == [probe["record"]["firewall"]]
+
+
+def test_the_teardown_trigger_survives_a_triggerer_restart(emulator):
+    """The teardown's trigger: the delete starts in the triggerer; a second one finds nothing to delete."""
     from google.cloud import compute_v1
 
-    from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger, ComputeOperationsTrigger
+    from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger
 
     client = compute_v1.InstancesClient(
         transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
     )
-    operation = client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(
+    client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance(
         name="tpu-r", machine_type="zones/us-east5-b/machineTypes/ct6e-standard-8t"))
-    trigger = ComputeOperationsTrigger(
-        project_id=PROJECT, operations=[{"name": operation.name, "zone": "us-east5-b"}],
-        instance={"name": "tpu-r", "zone": "us-east5-b"}, poll_interval=0.1, state={"phase": "create"},
-    )
-    def revive(trigger):
-        classpath, kwargs = trigger.serialize()
-        module, cls = classpath.rsplit(".", 1)
-        return getattr(importlib.import_module(module), cls)(**kwargs)
-
-    async def first_event(trigger):
-        return await anext(trigger.run())
-
-    event = asyncio.run(first_event(revive(trigger)))
-    assert event.payload == {"status": "success", "instance": event.payload["instance"], "errors": [],
-                             "state": {"phase": "create"}}
-    assert event.payload["instance"]["status"] == "RUNNING"
-    assert len(inserts(emulator)) == 1
-
-    # The teardown's trigger: the delete starts in the triggerer; a second one finds nothing to delete.
     deletes = [{"name": "tpu-r", "zone": "us-east5-b", "request_id": "9b0c6f7e-2f1d-4a57-9c3e-0d1f2a3b4c5d"}]
     deleting = ComputeDeleteTrigger(project_id=PROJECT, deletes=deletes, poll_interval=0.1, state={"name": "tpu-r"})
-    event = asyncio.run(first_event(revive(deleting)))
-    [deleted] = event.payload.pop("deleted")
-    assert event.payload == {"status": "success", "errors": [], "state": {"name": "tpu-r"}}
+    event = _first_event(_revive(deleting))
+    [deleted] = event.pop("deleted")
+    assert event == {"status": "success", "errors": [], "state": {"name": "tpu-r"}}
     # What its cost needs: the instance as read before the delete (nothing else of it), the delete's end.
     assert (deleted["name"], deleted["zone"], set(deleted["instance"])) == (
         "tpu-r", "us-east5-b", {"creationTimestamp", "lastStartTimestamp", "machineType", "scheduling"}
@@ -441,7 +497,7 @@ def test_trigger_survives_a_triggerer_restart(emulator):
     assert emulator.instances() == []
     again = ComputeDeleteTrigger(project_id=PROJECT, deletes=[{**deletes[0], "request_id": str(uuid.uuid4())}],
                                  poll_interval=0.1)
-    assert asyncio.run(first_event(revive(again))).payload["deleted"] == []
+    assert _first_event(_revive(again))["deleted"] == []
 
 
 _TEARDOWN_PROBE = """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from functools import cached_property
 from typing import Any
 
@@ -239,35 +238,6 @@ class TpuVmHook(GoogleBaseHook):
             message = self.global_operations.get(project=project, operation=operation, retry=self.retry)
         return _message_to_dict(message)
 
-    def settle_within(
-        self, project: str, operations: list[dict], instance: dict | None, seconds: float
-    ) -> dict | None:
-        """What ``ComputeOperationsTrigger`` would report if the wait ends within ``seconds``.
-
-        That is ``status``, ``instance`` and ``errors``, when the ``operations`` (``{"name", "zone"}``) end
-        and ``instance`` (``{"name", "zone"}``) is RUNNING within ``seconds``; None when they do not (then the
-        wait is deferred to the triggerer)."""
-        deadline = time.monotonic() + seconds
-        pending = list(operations)
-        while True:
-            while pending:
-                operation = self.get_operation(project, pending[0]["name"], pending[0].get("zone"))
-                if operation.get("status") != "DONE":
-                    break
-                errors = operation.get("error", {}).get("errors", [])
-                if errors:
-                    return {"status": "error", "instance": None, "errors": errors}
-                pending.pop(0)
-            if not pending:
-                if not instance:
-                    return {"status": "success", "instance": None, "errors": []}
-                found = self.get_instance(project, instance["zone"], instance["name"])
-                if found and found.get("status") == "RUNNING":
-                    return {"status": "success", "instance": found, "errors": []}
-            if time.monotonic() + 0.5 > deadline:
-                return None
-            time.sleep(0.5)
-
     def insert_firewall(self, project: str, body: dict, request_id: str) -> str | None:
         from google.api_core.exceptions import Conflict
         from google.cloud import compute_v1
@@ -322,3 +292,23 @@ class TpuVmAsyncHook(GoogleBaseAsyncHook):
     async def delete_firewall(self, project: str, name: str, request_id: str) -> str | None:
         hook = await self.get_sync_hook()
         return await asyncio.to_thread(hook.delete_firewall, project, name, request_id)
+
+    async def insert_instance(self, project: str, zone: str, body: dict, request_id: str) -> str | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.insert_instance, project, zone, body, request_id)
+
+    async def insert_firewall(self, project: str, body: dict, request_id: str) -> str | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.insert_firewall, project, body, request_id)
+
+    async def get_network(self, project: str, name: str) -> dict | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_network, project, name)
+
+    async def get_subnetwork(self, project: str, region: str, name: str) -> dict | None:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.get_subnetwork, project, region, name)
+
+    async def list_routers(self, project: str, region: str) -> list[dict]:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.list_routers, project, region)

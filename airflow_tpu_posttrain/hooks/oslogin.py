@@ -7,10 +7,12 @@ the local emulator.
 
 from __future__ import annotations
 
+import asyncio
 from functools import cached_property
 from typing import Any
 
 from airflow.providers.google.cloud.hooks.os_login import OSLoginHook
+from airflow.providers.google.common.hooks.base_google import GoogleBaseAsyncHook
 
 
 class OsLoginKeyHook(OSLoginHook):
@@ -56,3 +58,17 @@ class OsLoginKeyHook(OSLoginHook):
         if primary is None or not primary.username:
             raise ValueError(f"OS Login answered no POSIX account for {user}")
         return primary.username
+
+
+class OsLoginKeyAsyncHook(GoogleBaseAsyncHook):
+    """The triggerer's view: the sync client's calls run in a thread so the event loop never blocks."""
+
+    sync_hook_class = OsLoginKeyHook
+
+    async def account_email(self) -> str:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.account_email)
+
+    async def import_key(self, user: str, public_key: str, expire_at: int, project_id: str) -> str:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.import_key, user, public_key, expire_at, project_id)

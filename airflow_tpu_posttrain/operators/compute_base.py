@@ -125,7 +125,6 @@ class ComputeOperator(BaseOperator):
         api_endpoint: str | None = None,
         impersonation_chain: str | list[str] | None = None,
         poll_interval: float = 10.0,
-        inline_wait: float = 5.0,
         name_prefix: str = "tpu",
         wait_timeout: timedelta = timedelta(hours=3),
         **kwargs: Any,
@@ -137,7 +136,6 @@ class ComputeOperator(BaseOperator):
         self.api_endpoint = api_endpoint
         self.impersonation_chain = impersonation_chain
         self.poll_interval = poll_interval
-        self.inline_wait = inline_wait
         self.name_prefix = name_prefix
 
     def _request_id(self, context: Context, *parts: object) -> str:
@@ -155,7 +153,11 @@ class ComputeOperator(BaseOperator):
 
     @property
     def project(self) -> str:
-        project = self.project_id or self.hook.project_id
+        """``project_id``, else the Google connection's: its ``project`` extra, else its credentials' project.
+
+        The extra is read from the connection alone, as the hook would let it override the credentials' project:
+        a worker that only defers never imports the Google client libraries for it."""
+        project = self.project_id or self._connection_project() or self.hook.project_id
         if not project:
             raise InvalidInputError.of(
                 self.task_id,
@@ -167,6 +169,12 @@ class ComputeOperator(BaseOperator):
                 ),
             )
         return project
+
+    def _connection_project(self) -> str | None:
+        from airflow.sdk import BaseHook
+
+        extras = BaseHook.get_connection(self.gcp_conn_id).extra_dejson
+        return extras.get("project") or extras.get("extra__google_cloud_platform__project") or None
 
     def _trigger_arguments(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import InvalidInputError
 from airflow_tpu_posttrain.recipes import timings
-from airflow_tpu_posttrain.recipes.create_phases import Phase, Progress
+from airflow_tpu_posttrain.recipes.create_phases import Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class JustInTimeMixin:
                 request_at=time.time() + delay,
                 conversion_ends_at=ends_at,
                 poll_interval=self.poll_interval,
-                state={"phase": Phase.CONVERSION.value, **Progress()._asdict()},
+                state={"phase": Phase.CONVERSION.value},
             ),
             method_name="execute_complete",
         )

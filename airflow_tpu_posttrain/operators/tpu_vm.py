@@ -8,15 +8,16 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import (
+    CapacityTimeoutError,
     CapacityUnavailableError,
     InvalidInputError,
     QuotaExceededError,
     ReservationError,
+    VmAccessError,
     VmCreateError,
     VmNotReadyError,
 )
 from airflow_tpu_posttrain.links import VmConsoleLink
-from airflow_tpu_posttrain.operators.capacity_cap import CapacityCapMixin
 from airflow_tpu_posttrain.operators.compute_base import (
     DEFAULT_MAX_RUN_DURATION,
     ComputeOperator,
@@ -29,7 +30,7 @@ from airflow_tpu_posttrain.operators.just_in_time import JustInTimeMixin
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
 from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
-from airflow_tpu_posttrain.recipes.create_phases import Action, Phase, Progress
+from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -40,12 +41,14 @@ if TYPE_CHECKING:
 BACKSTOP_MARGIN = timedelta(minutes=30)
 
 
-class TpuVmCreateOperator(JustInTimeMixin, CapacityCapMixin, VmLoginMixin, ComputeOperator):
+class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     """Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
 
     The instance name is deterministic per (dag_id, run_id), so a retry or a re-run finds the instance of an
     earlier try: a live one is reused, a TERMINATED/STOPPED one is replaced, and no second one is created.
     Zones are tried in order; a stock-out moves on to the next zone, quota and reservation errors fail at once.
+    Every Compute call is made from the triggerer (``triggers/create.py``): the worker validates, pushes the XCom
+    and defers, then resumes once to log in to the ready VM and record it.
 
     The VM is made reachable the way ``gcloud compute ssh`` reaches one: the public half of the SSH connection's
     key goes into the instance's ``ssh-keys`` metadata, or with ``ssh_key_mode="oslogin"`` into the OS Login
@@ -264,323 +267,152 @@ class TpuVmCreateOperator(JustInTimeMixin, CapacityCapMixin, VmLoginMixin, Compu
         context["ti"].xcom_push(key=self.record_xcom_key, value=record)
         return record
 
-    def _check_network(self, spec: compute.TpuVmSpec) -> None:
-        """What the insert would refuse after minutes of waiting, refused now.
-
-        A missing network, or a custom-mode one (its subnets are not made for you) without ``subnetwork``."""
-        network = self.hook.get_network(spec.project_id, spec.network)
-        if network is None:
-            raise InvalidInputError.of(
-                self.task_id,
-                SpecError(
-                    "network", spec.network, f"does not exist in {spec.project_id}", "name a VPC network"
-                ),
-            )
-        custom_mode = network.get("autoCreateSubnetworks") is False and not network.get("IPv4Range")
-        if custom_mode and not spec.subnetwork:
-            raise InvalidInputError.of(
-                self.task_id,
-                SpecError(
-                    "subnetwork",
-                    None,
-                    f"is required: network {spec.network!r} is a custom-mode VPC",
-                    "name the subnetwork of the zones' region the VMs go in",
-                ),
-            )
-        if spec.network_path != "external":
-            self._check_egress(spec)
-
-    def _check_egress(self, spec: compute.TpuVmSpec) -> None:
-        """Refuses VMs without an external IP where their network gives them no way out.
-
-        Such a VM reaches the internet only through Cloud NAT and Google's APIs only with Private Google Access
-        (cloud.google.com/nat/docs/overview, cloud.google.com/vpc/docs/private-google-access).
-
-        Without NAT the install (apt, PyPI, uv) and the Hub download fail on the VM, without Private Google Access
-        every ``gs://`` read and write: refused here, for each zone's region, before anything is created."""
-        problems = []
-        for region, subnetwork in sorted({compute.subnetwork_of(spec, zone) for zone in spec.zones}):
-            found = self.hook.get_subnetwork(spec.project_id, region, subnetwork)
-            if found is None:
-                problems.append(f"subnetwork {subnetwork!r} does not exist in region {region}")
-                continue
-            if not found.get("privateIpGoogleAccess"):
-                problems.append(
-                    f"subnetwork {subnetwork!r} in {region} has no Private Google Access, so the VMs reach no "
-                    f"Cloud Storage: gcloud compute networks subnets update {subnetwork} --region={region} "
-                    "--enable-private-ip-google-access"
-                )
-            routers = self.hook.list_routers(spec.project_id, region)
-            if not compute.nat_covers(routers, spec.network, region, subnetwork):
-                problems.append(
-                    f"no Cloud NAT covers subnetwork {subnetwork!r} in {region}, so the VMs reach no package index "
-                    f"and no Hugging Face Hub: gcloud compute routers create posttrain-nat --network={spec.network} "
-                    f"--region={region} && gcloud compute routers nats create posttrain-nat --router=posttrain-nat "
-                    f"--region={region} --auto-allocate-nat-external-ips --nat-all-subnet-ip-ranges"
-                )
-        if problems:
-            raise InvalidInputError.of(
-                self.task_id,
-                SpecError(
-                    "network_path",
-                    spec.network_path,
-                    "gives the VMs no external IP, and their network lacks what they need instead: "
-                    + "; ".join(problems),
-                    "run the gcloud commands above (README: Google Cloud, the VMs' network), or use "
-                    "network_path external",
-                ),
-            )
+    def _group(self, spec: compute.TpuVmSpec) -> str:
+        """The capacity group's label value: the VMs ``max_tpu_vms`` counts."""
+        return capacity.group_label(
+            spec.project_id, spec.reservation, spec.zones, spec.machine_type, self.name_prefix
+        )
 
     def execute(self, context: Context) -> Any:
         spec = self._spec(context)
         name = self._name(context)
-        self._check_network(spec)
         if self.conversion_task_id:
             self._wait_for_conversion(context, spec)
-        return self._start(context, spec, name)
+        return self._request(context, spec, name)
 
-    def _start(self, context: Context, spec: compute.TpuVmSpec, name: str) -> Any:
-        """Request the VM: reuse an earlier try's live instance, replace a dead one, else insert."""
-        start = Progress(requested_at=time.time())
+    def _request(self, context: Context, spec: compute.TpuVmSpec, name: str) -> None:
+        """Request the VM: build what Compute is to be sent, and defer the create to the triggerer.
+
+        Every Google API call of the create (the network checks, the OS Login key import, the lookup of an
+        earlier try's instance, the capacity count, the insert, the zone fallback) runs there
+        (``triggers/create.py``): the worker pays neither the Google clients' import nor any API round trip."""
+        from airflow_tpu_posttrain.hooks.vm import client_identity
+        from airflow_tpu_posttrain.triggers.create import TpuVmCreateTrigger
+
+        requested_at = time.time()
         self._record(context, spec, name, None, status="CREATING")
-        for zone in spec.zones:
-            existing = self.hook.get_instance(spec.project_id, zone, name)
-            if existing is None:
-                continue
-            owner, ours = (existing.get("labels") or {}).get(compute.DEPLOYMENT_LABEL), deployment_id()
-            if owner != ours:
-                raise VmCreateError(
-                    f"Instance {name} in {zone} exists but was made by Airflow deployment {owner!r}, not this one "
-                    f"({ours!r}): refusing to use or delete it. Give each deployment sharing project "
-                    f"{spec.project_id} its own [tpu_posttrain] deployment_id."
-                )
-            status = existing.get("status")
-            progress = start._replace(zone_index=spec.zones.index(zone))
-            if status in compute.LIVE_STATES:
-                self.log.info("Reusing instance %s in %s (status %s) from an earlier try", name, zone, status)
-                self._record(context, spec, name, zone, status=status)
-                return self._complete_or_defer(
-                    context, [], {"name": name, "zone": zone}, Phase.WAIT, progress
-                )
-            self.log.info(
-                "Instance %s in %s is %s: deleting it before creating a fresh one", name, zone, status
-            )
-            operation = self.hook.delete_instance(
-                spec.project_id, zone, name, self._request_id(context, name, zone, "replace")
-            )
-            if operation:
-                return self._complete_or_defer(
-                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, start._replace(attempt=1)
-                )
-        return self._insert_when_capacity(context, spec, name, start)
-
-    def _insert(self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress) -> Any:
-        """Insert in ``zones[zone_index]`` and defer.
-
-        The requestId is stable for this try and this attempt, so the client's own retries never create twice;
-        a later attempt (after a replacement, or after yielding capacity) gets a new one, or Compute would
-        answer with the old, finished insert."""
-        if progress.zone_index >= len(spec.zones):
-            raise CapacityUnavailableError(
-                f"No {spec.accelerator_type} capacity in any zone ({'; '.join(progress.stockouts)}). No "
-                "instance was left behind. Add zones, use a reservation or FLEX_START, or let the task retry later."
-            )
-        zone = spec.zones[progress.zone_index]
-        operations = []
-        if spec.opens_firewall:
-            firewall_op = self.hook.insert_firewall(
-                spec.project_id,
-                compute.ssh_firewall_body(spec, name),
-                self._request_id(context, name, "firewall"),
-            )
-            if firewall_op:
-                operations.append({"name": firewall_op, "zone": None})
         expires_at = vm_expires_at(spec)
         labels = compute.ownership_labels(
             context["dag"].dag_id, context["run_id"], self.task_id, expires_at, deployment_id()
         )
         labels[capacity.GROUP_LABEL] = self._group(spec)
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
-        ssh_keys, _ = self._authorize_key(spec, expires_at)
-        body = compute.instance_body(spec, name, zone, labels, metadata, ssh_keys)
-        if progress.without_max_run_duration:
-            body["scheduling"].pop("maxRunDuration", None)
-        self.log.info("Creating %s (%s, %s) in %s", name, spec.machine_type, spec.provisioning_model, zone)
-        self._record(context, spec, name, zone, status="CREATING")
-        VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, zone, name))
-        request_id = self._request_id(context, name, zone, "insert", progress.attempt)
-        from google.api_core.exceptions import BadRequest, Forbidden
-
-        try:
-            operation = self.hook.insert_instance(spec.project_id, zone, body, request_id)
-        except Forbidden as err:
-            if "quotaExceeded" not in str(err) and "Quota" not in err.message:
-                raise
-            self._delete_leftover(context, spec, name, zone)  # the firewall rule made just before
-            raise QuotaExceededError(  # refused at once: Compute checks some quotas before it accepts an insert
-                f"Quota exceeded creating {name} in {zone}: {err.message}. Request a quota increase for "
-                f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
-            ) from None
-        except BadRequest as err:
-            if "does not exist in zone" in err.message:
-                self._delete_leftover(context, spec, name, zone)  # the firewall rule made just before
-                raise InvalidInputError(  # a retry would be refused the same way
-                    f"zones: {zone} does not sell {spec.machine_type} ({spec.accelerator_type}): {err.message} "
-                    "Nothing was created. Give zones that offer it (for TPU v6e: "
-                    "cloud.google.com/tpu/docs/regions-zones)."
-                ) from None
-            if "The referenced image resource cannot be found" in err.message:
-                self._delete_leftover(context, spec, name, zone)
-                raise InvalidInputError(
-                    f"image_family: projects/{spec.image_project}/global/images/family/{spec.image_family} does "
-                    f"not exist: {err.message} Nothing was created. Give an image family that exists (gcloud "
-                    "compute images describe-from-family)."
-                ) from None
-            if "maxRunDuration" not in str(err) or progress.without_max_run_duration:
-                raise
-            self.log.warning(
-                "Compute refused scheduling.maxRunDuration for a %s VM: creating %s once more without it; its "
-                "backstop is then the reaper, which deletes it after its expires-at label. (%s)",
-                spec.provisioning_model,
-                name,
-                err.message,
-            )
-            progress = progress._replace(attempt=progress.attempt + 1, without_max_run_duration=True)
-            return self._insert(context, spec, name, progress)
-        if operation:
-            operations.append({"name": operation, "zone": zone})
-        else:
-            self.log.info("Instance %s already exists in %s: waiting for it instead", name, zone)
-        # A race for the group's last place is decided once the insert has finished (``execute_complete``):
-        # Compute refuses to delete an instance whose insert is unfinished (400 resourceNotReady).
-        return self._complete_or_defer(
-            context, operations, {"name": name, "zone": zone}, Phase.CREATE, progress
+        ssh_keys, oslogin, login = self._authorize_key(spec, expires_at)
+        VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, spec.zones[0], name))
+        self.log.info("Requesting %s (%s, %s) in %s, from the triggerer", name, spec.machine_type,
+                      spec.provisioning_model, ", ".join(spec.zones))
+        self.defer(
+            trigger=TpuVmCreateTrigger(
+                name=name,
+                zones=list(spec.zones),
+                bodies={
+                    zone: compute.instance_body(spec, name, zone, labels, metadata, ssh_keys) for zone in spec.zones
+                },
+                firewall=compute.ssh_firewall_body(spec, name) if spec.opens_firewall else None,
+                deployment=deployment_id(),
+                network_check={
+                    "network": spec.network,
+                    "subnetwork_given": bool(spec.subnetwork),
+                    "network_path": spec.network_path,
+                    "egress": [list(pair) for pair in compute.egress_subnetworks(spec)],
+                },
+                group=self._group(spec),
+                cap=self.max_tpu_vms,
+                capacity_wait=float(seconds(self.max_wait_for_capacity)),
+                oslogin=oslogin,
+                ssh_port=client_identity(self.ssh_conn_id).port,
+                ready_timeout=self.ready_timeout.total_seconds(),
+                request_id_base=self._request_id(context, name),
+                accelerator_type=spec.accelerator_type,
+                reservation=spec.reservation,
+                prices={machine: dict(by_model) for machine, by_model in self.prices.items()} if self.prices else None,
+                state={"phase": Phase.CREATE.value, "requested_at": requested_at, "ssh_login": login},
+                **self._trigger_arguments(),
+            ),
+            method_name="execute_complete",
+            # The trigger ends its own waits; this only backs them up.
+            timeout=self.wait_timeout
+            + timedelta(seconds=seconds(self.max_wait_for_capacity))
+            + self.ready_timeout
+            + timedelta(minutes=5),
         )
-
-    def _complete_or_defer(
-        self,
-        context: Context,
-        operations: list[dict],
-        instance: dict | None,
-        phase: Phase,
-        progress: Progress,
-    ) -> Any:
-        """Wait up to ``inline_wait`` seconds here (a reused VM, a quick operation), else in the triggerer."""
-        from airflow_tpu_posttrain.triggers.compute import ComputeOperationsTrigger
-
-        state = {"phase": phase.value, **progress._asdict()}
-        event = self.hook.settle_within(self.project, operations, instance, self.inline_wait)
-        if event is None:
-            self.defer(
-                trigger=ComputeOperationsTrigger(
-                    operations=operations, instance=instance, state=state, **self._trigger_arguments()
-                ),
-                method_name="execute_complete",
-                timeout=self.wait_timeout,
-            )
-        return self.execute_complete(context, {**event, "state": state})
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
-        """Where the wait of one phase (``create_phases``) ended: take the next action."""
-        state = dict(event["state"])
-        phase, vm = Phase(state.pop("phase")), state.pop("vm", None)
-        progress = Progress(**{**state, "stockouts": tuple(state.get("stockouts") or ())})
+        """The conversion wait ended (request the VM now), or the create's trigger did (record the VM)."""
+        state = event["state"]
         spec = self._spec(context)
         name = self._name(context)
-        errors = event.get("errors") or []
-        lost_race = (
-            event["status"] == "success"
-            and phase in create_phases.RUNNING_PHASES
-            and self._lost_the_race(spec, name)
+        if state["phase"] == Phase.CONVERSION.value:
+            action = create_phases.next_action(Phase.CONVERSION, event["status"])
+            if action is Action.SKIP or action is Action.START:
+                self._conversion_waited(context, event)  # SKIP raises: the conversion failed, nothing is created
+                return self._request(context, spec, name)
+        zone = event["zone"]
+        if event["status"] != "ready":
+            raise self._failure(spec, name, event)
+        login = event["ssh_login"] or state["ssh_login"]  # OS Login's answer, else the connection's login
+        vm = self._vm(spec, name, zone, event["instance"], login, event["without_max_run_duration"])
+        VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, zone, name))
+        self._check_login(context, spec, name, zone, vm, event["host_keys"])
+        record = self._record(
+            context, spec, name, zone, **vm, host_keys=event["host_keys"], requested_at=state["requested_at"]
         )
-        action = create_phases.next_action(
-            phase, event["status"], compute.classify_errors(errors) if errors else None, lost_race
+        self.log.info(
+            "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",
+            name,
+            zone,
+            record["ssh_address"],
+            record["ssh_port"],
+            ", ".join(sorted(record["host_keys"])),
         )
-        if action is Action.SKIP or action is Action.START:
-            self._conversion_waited(context, event)
-            return self._start(context, spec, name)
+        return record
+
+    def _failure(self, spec: compute.TpuVmSpec, name: str, event: dict[str, Any]) -> Exception:
+        """The error a failed create raises; the trigger deleted what the attempt left before it fired."""
+        action, zone, detail = Action(event["action"]), event["zone"], event["detail"]
+        if action is Action.FAIL_INVALID_INPUT:
+            return InvalidInputError(f"{self.task_id}: invalid input: {detail}")
+        if action is Action.FAIL_ACCESS:
+            return VmAccessError(detail)
+        if action is Action.FAIL_FOREIGN:
+            return VmCreateError(
+                f"Instance {name} in {zone} exists but was made by Airflow deployment {(detail or None)!r}, not this one "
+                f"({deployment_id()!r}): refusing to use or delete it. Give each deployment sharing project "
+                f"{spec.project_id} its own [tpu_posttrain] deployment_id."
+            )
         if action is Action.FAIL_NO_CAPACITY:
-            raise self._no_capacity(spec, name, event.get("in_use", ""))
-        if action is Action.INSERT:
-            return self._insert_when_capacity(context, spec, name, progress)
-        if action is Action.YIELD_PLACE:
-            return self._yield_capacity(context, spec, name, progress)
-        zone = spec.zones[progress.zone_index]
-        if action is Action.AWAIT_LOGIN:
-            return self._ready_or_defer(context, spec, name, progress, event["instance"])
-        if action is Action.DONE:
-            self._check_login(context, spec, name, zone, vm, event["host_keys"])
-            record = self._record(
-                context, spec, name, zone, **vm, host_keys=event["host_keys"], requested_at=progress.requested_at
+            return CapacityTimeoutError(
+                f"No TPU capacity for {name} within {seconds(self.max_wait_for_capacity)} s "
+                f"({detail or f'reservation {spec.reservation} fully used'}). Nothing was created. Raise "
+                "max_wait_for_capacity or max_tpu_vms, or trigger the run later."
             )
-            self.log.info(
-                "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",
-                name,
-                zone,
-                record["ssh_address"],
-                record["ssh_port"],
-                ", ".join(sorted(record["host_keys"])),
+        if action is Action.FAIL_NO_ZONE_LEFT:
+            return CapacityUnavailableError(
+                f"No {spec.accelerator_type} capacity in any zone ({detail}). No instance was left behind. Add "
+                "zones, use a reservation or FLEX_START, or let the task retry later."
             )
-            return record
-        detail = compute.describe_errors(errors)
-        if action is Action.NEXT_ZONE:
-            return self._next_zone(context, spec, name, progress, detail)
-        if action in create_phases.DELETES_FIRST:
-            self._delete_leftover(context, spec, name, zone)
-        if action is Action.WAIT_FOR_RESERVATION:
-            self.log.warning("Reservation %s is fully used: %s", spec.reservation, detail)
-            return self._wait_for_capacity(
-                context, spec, name, progress._replace(attempt=progress.attempt + 1), ""
+        if action is Action.FAIL_ZONE_UNSOLD:
+            return InvalidInputError(  # a retry would be refused the same way
+                f"zones: {zone} does not sell {spec.machine_type} ({spec.accelerator_type}): {detail} Nothing was "
+                "created. Give zones that offer it (for TPU v6e: cloud.google.com/tpu/docs/regions-zones)."
+            )
+        if action is Action.FAIL_NO_IMAGE:
+            return InvalidInputError(
+                f"image_family: projects/{spec.image_project}/global/images/family/{spec.image_family} does not "
+                f"exist: {detail} Nothing was created. Give an image family that exists (gcloud compute images "
+                "describe-from-family)."
             )
         if action is Action.FAIL_NOT_READY:
-            raise VmNotReadyError(f"{detail}. The VM was deleted; a retry creates a new one.")
+            return VmNotReadyError(f"{detail}. The VM was deleted; a retry creates a new one.")
         if action is Action.FAIL_QUOTA:
-            raise QuotaExceededError(
+            return QuotaExceededError(
                 f"Quota exceeded creating {name} in {zone}: {detail}. Request a quota increase for "
                 f"{spec.accelerator_type} in that region (IAM & Admin > Quotas) or choose another region."
             )
         if action is Action.FAIL_RESERVATION:
-            raise ReservationError(
+            return ReservationError(
                 f"Reservation problem creating {name} in {zone}: {detail}. Check that reservation "
                 f"'{spec.reservation}' exists in {zone}, is of {spec.machine_type} and is shared with this "
                 "project, or choose another provisioning_model."
             )
-        raise VmCreateError(f"{phase} of {name} in {zone} failed: {detail}")
-
-    def _next_zone(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress, detail: str
-    ) -> Any:
-        """A stock-out: delete what the zone left behind (if anything), then insert in the next zone."""
-        zone = spec.zones[progress.zone_index]
-        self.log.warning("Zone %s is out of %s capacity: %s", zone, spec.accelerator_type, detail)
-        progress = progress._replace(
-            zone_index=progress.zone_index + 1, stockouts=(*progress.stockouts, f"{zone}: {detail}")
-        )
-        if self.hook.get_instance(spec.project_id, zone, name):
-            operation = self.hook.delete_instance(
-                spec.project_id, zone, name, self._request_id(context, name, zone, "stockout")
-            )
-            if operation:
-                return self._complete_or_defer(
-                    context, [{"name": operation, "zone": zone}], None, Phase.REPLACE, progress
-                )
-        return self._insert(context, spec, name, progress)
-
-    def _delete_leftover(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str) -> None:
-        """Delete-on-error: a failing create cleans up (its firewall rule too).
-
-        A teardown does not run when its setup failed."""
-        if spec.opens_firewall:
-            self.hook.delete_firewall(
-                spec.project_id,
-                compute.firewall_name(name),
-                self._request_id(context, name, "firewall-on-error"),
-            )
-        if self.hook.get_instance(spec.project_id, zone, name) is None:
-            return
-        self.log.warning(
-            "Deleting %s in %s: the create failed and the instance must not outlive it", name, zone
-        )
-        self.hook.delete_instance(
-            spec.project_id, zone, name, self._request_id(context, name, zone, "on-error")
-        )
+        return VmCreateError(f"{event['phase']} of {name} in {zone} failed: {detail}")

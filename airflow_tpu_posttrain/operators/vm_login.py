@@ -1,22 +1,16 @@
 """Letting Airflow into a new VM: its SSH key authorized, and the wait until it can be logged into.
 
-The key goes into the instance metadata or OS Login; the wait lasts until the RUNNING VM has published its
-host keys and its sshd answers."""
+The key goes into the instance metadata or OS Login; the create's trigger waits until the RUNNING VM has
+published its host keys and its sshd answers, and the worker then logs in once, as every step will."""
 
 from __future__ import annotations
 
-import os
-import select
-import socket
-import subprocess
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.exceptions import InvalidInputError, VmAccessError, VmHostKeyMismatchError
-from airflow_tpu_posttrain.operators.compute_base import vm_expires_at
 from airflow_tpu_posttrain.recipes import access, compute
-from airflow_tpu_posttrain.recipes.create_phases import Phase, Progress
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -26,73 +20,25 @@ if TYPE_CHECKING:
 LOGIN_GRACE = timedelta(seconds=30)
 
 
-def _ssh_answers(address: str | None, port: int, proxy_command: str | None = None) -> bool:
-    """Whether an SSH server answers on ``address:port``, or at the other end of ``proxy_command``.
-
-    ``proxy_command`` is an IAP tunnel. The server's banner is read, not only the TCP handshake."""
-    if proxy_command:
-        with subprocess.Popen(
-            proxy_command,
-            shell=True,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        ) as tunnel:
-            try:
-                readable, _, _ = select.select([tunnel.stdout], [], [], 5)
-                return bool(readable) and os.read(tunnel.stdout.fileno(), 4).startswith(b"SSH-")
-            finally:
-                tunnel.kill()
-    if not address:
-        return False
-    try:
-        with socket.create_connection((address, port), timeout=2) as conn:
-            conn.settimeout(2)
-            return conn.recv(4).startswith(b"SSH-")
-    except OSError:
-        return False
-
-
 class VmLoginMixin:
-    """The create operator's key authorization and readiness wait."""
+    """The create operator's key authorization, its record of the VM, and its first login."""
 
-    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, str]:
-        """Let the SSH connection's key in until the VM expires.
+    def _authorize_key(self, spec: compute.TpuVmSpec, expires_at: int) -> tuple[str | None, dict | None, str]:
+        """How the SSH connection's key is let in until the VM expires.
 
-        Returns the ``ssh-keys`` line to put in the metadata (None in ``oslogin`` mode, where the key goes
-        into the OS Login profile now), and the login to use."""
+        Returns the ``ssh-keys`` line for the instance metadata (``metadata`` mode), or what the create's trigger
+        is to import into the OS Login profile (``oslogin`` mode: ``{"user", "public_key", "expires_at"}``, the
+        user None for the Google connection's account); and the login (``oslogin``: the trigger answers it)."""
         from airflow_tpu_posttrain.hooks.vm import client_identity
 
         try:
             client = client_identity(self.ssh_conn_id)
             if spec.ssh_key_mode == "metadata":
-                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), client.login
+                return access.ssh_keys_metadata(client.login, client.public_key, expires_at), None, client.login
             public_key = access.public_key("ssh public key", client.public_key)
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
-        return None, self._import_oslogin_key(spec, public_key, expires_at)
-
-    def _import_oslogin_key(self, spec: compute.TpuVmSpec, public_key: str, expires_at: int) -> str:
-        # The REST transport raises by HTTP status (Forbidden, Unauthorized), gRPC by canonical code.
-        from google.api_core.exceptions import Forbidden, PermissionDenied, Unauthenticated, Unauthorized
-
-        from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyHook
-
-        hook = OsLoginKeyHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
-        user = self.oslogin_user or hook.account_email()
-        try:
-            login = hook.import_key(
-                access.oslogin_user("oslogin_user", user), public_key, expires_at, spec.project_id
-            )
-        except SpecError as err:
-            raise InvalidInputError.of(self.task_id, err) from err
-        except (Forbidden, PermissionDenied, Unauthorized, Unauthenticated) as err:
-            raise VmAccessError(
-                f"OS Login refused to add the SSH key to {user}'s profile: {err.message}. Use the account's own "
-                "credentials (or set oslogin_user to it) and grant it roles/compute.osAdminLogin on the project."
-            ) from err
-        self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
-        return login
+        return None, {"user": self.oslogin_user, "public_key": public_key, "expires_at": expires_at}, ""
 
     def _check_login(
         self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, vm: dict, host_keys: dict
@@ -119,15 +65,13 @@ class VmLoginMixin:
                 ) as session:
                     session.run("true")
                 return
-            except VmHostKeyMismatchError:
-                self._delete_leftover(context, spec, name, zone)  # never used: not the VM it published
-                raise
+            except VmHostKeyMismatchError as err:
+                self._refused(context, spec, name, zone, err)  # never used: not the VM it published
             except paramiko.AuthenticationException as err:
                 if time.monotonic() > deadline:
                     refused = err
                     break
                 time.sleep(2)
-        self._delete_leftover(context, spec, name, zone)
         if spec.ssh_key_mode == "oslogin":
             why = (
                 f"OS Login let the key in but not the login {vm['ssh_login']}: the account whose profile holds the "
@@ -141,23 +85,34 @@ class VmLoginMixin:
                 f"login {vm['ssh_login']}: where the project or organization enforces OS Login (constraints/"
                 "compute.requireOsLogin, or enable-oslogin in the project metadata) use ssh_key_mode: oslogin"
             )
-        raise VmAccessError(f"VM {name} refused Airflow's SSH login ({refused}): {why}. The VM was deleted.")
+        self._refused(
+            context,
+            spec,
+            name,
+            zone,
+            VmAccessError(f"VM {name} refused Airflow's SSH login ({refused}): {why}. The VM was deleted."),
+        )
 
-    def _ready_or_defer(
-        self, context: Context, spec: compute.TpuVmSpec, name: str, progress: Progress, instance: dict
-    ) -> Any:
-        """Wait until the RUNNING VM can be logged into: briefly here, else in the triggerer."""
-        from airflow_tpu_posttrain.hooks.vm import client_identity, proxy_command_as
+    def _vm(
+        self,
+        spec: compute.TpuVmSpec,
+        name: str,
+        zone: str,
+        instance: dict,
+        login: str,
+        without_max_run_duration: bool,
+    ) -> dict[str, Any]:
+        """What the steps need of the RUNNING VM to log into it, and what its cost is counted from."""
+        from airflow_tpu_posttrain.hooks.vm import client_identity
 
-        zone = spec.zones[progress.zone_index]
         interface = (instance.get("networkInterfaces") or [{}])[0]
-        vm = {
+        return {
             "status": instance.get("status"),
             "internal_ip": interface.get("networkIP"),
             "external_ip": ((interface.get("accessConfigs") or [{}])[0]).get("natIP"),
             "ssh_address": access.ssh_address(instance, spec.network_path),
             "ssh_port": client_identity(self.ssh_conn_id).port,
-            "ssh_login": self._authorize_key(spec, vm_expires_at(spec))[1],
+            "ssh_login": login,
             "ssh_proxy_command": (
                 access.iap_proxy_command(spec.project_id, zone, name) if spec.network_path == "iap" else None
             ),
@@ -174,33 +129,36 @@ class VmLoginMixin:
             "started_at": instance.get("lastStartTimestamp") or instance.get("creationTimestamp"),
             "provisioning_model": spec.provisioning_model,
             # The cloud-side backstop the VM has (None: Compute refused it; the reaper is the backstop).
-            "max_run_duration_s": None if progress.without_max_run_duration else spec.max_run_duration_s,
+            "max_run_duration_s": None if without_max_run_duration else spec.max_run_duration_s,
         }
-        self.log.info("VM %s is RUNNING in %s; waiting for its host keys and its SSH port", name, zone)
-        self._record(context, spec, name, zone, **vm)
-        proxy_command = proxy_command_as(vm["ssh_proxy_command"], vm["ssh_proxy_account"])
-        deadline = time.monotonic() + self.inline_wait
-        while time.monotonic() < deadline:
-            host_keys = self.hook.get_host_keys(spec.project_id, zone, name)
-            if host_keys and _ssh_answers(vm["ssh_address"], vm["ssh_port"], proxy_command):
-                event = {"status": "ready", "host_keys": host_keys}
-                return self.execute_complete(
-                    context, {**event, "state": {"phase": Phase.READY.value, **progress._asdict(), "vm": vm}}
-                )
-            time.sleep(0.5)
-        from airflow_tpu_posttrain.triggers.compute import VmReadyTrigger
 
+    def _refused(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, error: Exception) -> None:
+        """A VM Airflow cannot use is deleted (with its firewall rule) from the triggerer; then ``error`` is raised.
+
+        A teardown does not run when its setup failed, so the create cleans up after itself."""
+        from airflow_tpu_posttrain.triggers.compute import ComputeDeleteTrigger
+
+        deletes = [{"name": name, "zone": zone, "request_id": self._request_id(context, name, zone, "on-error")}]
+        if spec.opens_firewall:
+            firewall = compute.firewall_name(name)
+            deletes.append(
+                {"name": firewall, "zone": None, "request_id": self._request_id(context, name, "firewall-on-error")}
+            )
+        self.log.warning("Deleting %s in %s: the create failed and the instance must not outlive it", name, zone)
         self.defer(
-            trigger=VmReadyTrigger(
-                zone=zone,
-                name=name,
-                address=vm["ssh_address"],
-                port=vm["ssh_port"],
-                proxy_command=vm["ssh_proxy_command"],
-                timeout=self.ready_timeout.total_seconds(),
-                state={"phase": Phase.READY.value, **progress._asdict(), "vm": vm},
-                **{**self._trigger_arguments(), "poll_interval": min(self.poll_interval, 5.0)},
+            trigger=ComputeDeleteTrigger(
+                deletes=deletes,
+                state={"error": type(error).__name__, "message": str(error)},
+                **self._trigger_arguments(),
             ),
-            method_name="execute_complete",
-            timeout=self.ready_timeout + timedelta(minutes=1),
+            method_name="refused_complete",
+            timeout=self.wait_timeout,
         )
+
+    def refused_complete(self, context: Context, event: dict[str, Any]) -> None:
+        """The refused VM's delete ended: raise why it was refused."""
+        state = event["state"]
+        error = {"VmHostKeyMismatchError": VmHostKeyMismatchError}.get(state["error"], VmAccessError)
+        if event["status"] != "success":
+            self.log.warning("Deleting the refused VM failed: %s", compute.describe_errors(event.get("errors", [])))
+        raise error(state["message"])

@@ -465,3 +465,64 @@ def nat_covers(routers: list[dict], network: str, region: str, subnetwork: str) 
             ):
                 return True
     return False
+
+
+def egress_subnetworks(spec: TpuVmSpec) -> list[tuple[str, str]]:
+    """``(region, subnetwork)`` pairs whose egress a VM without an external IP depends on; none for ``external``."""
+    if spec.network_path == "external":
+        return []
+    return sorted({subnetwork_of(spec, zone) for zone in spec.zones})
+
+
+def network_problem(
+    project: str,
+    network_name: str,
+    subnetwork_given: bool,
+    network_path: str,
+    network: dict | None,
+    egress: list[tuple[str, str, dict | None, list[dict]]],
+) -> SpecError | None:
+    """What the insert would refuse after minutes of waiting, or what leaves the VMs without a way out; None: fine.
+
+    ``network`` is the VPC network as Compute answers it (None: missing); ``egress`` holds, for each of
+    :func:`egress_subnetworks`, ``(region, subnetwork, the subnetwork or None, the region's routers)``. A VM
+    without an external IP reaches the internet only through Cloud NAT, and Google's APIs only with Private Google
+    Access (cloud.google.com/nat/docs/overview, cloud.google.com/vpc/docs/private-google-access): without NAT the
+    install (apt, PyPI, uv) and the Hub download fail on the VM, without Private Google Access every ``gs://`` read
+    and write."""
+    if network is None:
+        return SpecError("network", network_name, f"does not exist in {project}", "name a VPC network")
+    custom_mode = network.get("autoCreateSubnetworks") is False and not network.get("IPv4Range")
+    if custom_mode and not subnetwork_given:
+        return SpecError(
+            "subnetwork",
+            None,
+            f"is required: network {network_name!r} is a custom-mode VPC",
+            "name the subnetwork of the zones' region the VMs go in",
+        )
+    problems = []
+    for region, subnetwork, found, routers in egress:
+        if found is None:
+            problems.append(f"subnetwork {subnetwork!r} does not exist in region {region}")
+            continue
+        if not found.get("privateIpGoogleAccess"):
+            problems.append(
+                f"subnetwork {subnetwork!r} in {region} has no Private Google Access, so the VMs reach no "
+                f"Cloud Storage: gcloud compute networks subnets update {subnetwork} --region={region} "
+                "--enable-private-ip-google-access"
+            )
+        if not nat_covers(routers, network_name, region, subnetwork):
+            problems.append(
+                f"no Cloud NAT covers subnetwork {subnetwork!r} in {region}, so the VMs reach no package index "
+                f"and no Hugging Face Hub: gcloud compute routers create posttrain-nat --network={network_name} "
+                f"--region={region} && gcloud compute routers nats create posttrain-nat --router=posttrain-nat "
+                f"--region={region} --auto-allocate-nat-external-ips --nat-all-subnet-ip-ranges"
+            )
+    if not problems:
+        return None
+    return SpecError(
+        "network_path",
+        network_path,
+        "gives the VMs no external IP, and their network lacks what they need instead: " + "; ".join(problems),
+        "run the gcloud commands above (README: Google Cloud, the VMs' network), or use network_path external",
+    )

@@ -1,10 +1,10 @@
 """The TPU VM create as a state machine.
 
-The phase it waits in across deferrals, and what it does next when that wait ends. Pure: the create operator
-does the API calls; the tests walk every transition.
+The phase it waits in, and what it does next when that wait ends. Pure: the create's trigger
+(``triggers/create.py``) does the API calls, in the triggerer; the tests walk every transition.
 
 A create of a run that converts may first wait in ``CONVERSION`` for the moment its VM is to be requested
-(``operators/just_in_time.py``). It then starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
+(``operators/just_in_time.py``), in a trigger of its own. It then starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
 or by inserting (``CREATE``), possibly after ``CAPACITY`` (no place under ``max_tpu_vms`` or in a fully used
 reservation). Once RUNNING it waits in ``READY`` for the VM's host keys and sshd. Losing the race for a capacity
 group's last place deletes ours (``YIELD``) and waits for room again.
@@ -38,6 +38,12 @@ class Action(StrEnum):
     NEXT_ZONE = "next zone"  # a stock-out: delete what the zone left behind, insert in the next zone
     WAIT_FOR_RESERVATION = "wait for reservation"  # the reservation is fully used: wait, then insert again
     FAIL_NO_CAPACITY = "fail: no capacity in time"
+    FAIL_NO_ZONE_LEFT = "fail: every zone out of capacity"
+    FAIL_INVALID_INPUT = "fail: invalid input"  # the network cannot serve the VM: refused before any create
+    FAIL_FOREIGN = "fail: another deployment's instance"  # of this run's name: neither used nor deleted
+    FAIL_ACCESS = "fail: OS Login refused the key"  # before anything is created
+    FAIL_ZONE_UNSOLD = "fail: zone does not sell the machine type"
+    FAIL_NO_IMAGE = "fail: no such image"
     FAIL_NOT_READY = "fail: not ready"
     FAIL_QUOTA = "fail: quota"
     FAIL_RESERVATION = "fail: reservation"
@@ -54,6 +60,9 @@ DELETES_FIRST = frozenset(
         Action.FAIL_QUOTA,
         Action.FAIL_RESERVATION,
         Action.FAIL,
+        Action.FAIL_NO_ZONE_LEFT,
+        Action.FAIL_ZONE_UNSOLD,
+        Action.FAIL_NO_IMAGE,
     }
 )
 """Actions that first delete whatever the failed attempt left (the instance, its firewall rule): a teardown does
@@ -91,11 +100,10 @@ def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_r
 
 
 class Progress(NamedTuple):
-    """Where a create stands across deferrals (the triggers echo it back as their event's ``state``)."""
+    """Where a create stands in its trigger (``triggers/create.py``), from one phase to the next."""
 
     zone_index: int = 0
     stockouts: tuple[str, ...] = ()
     attempt: int = 0  # a new insert requestId after each replacement or yielded place
     deadline: float | None = None  # Unix time the wait for capacity ends
     without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model
-    requested_at: float | None = None  # Unix time the VM was requested (after any wait for the conversion)

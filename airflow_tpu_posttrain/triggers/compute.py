@@ -1,7 +1,7 @@
 """Asynchronous Compute Engine work, one trigger per kind of wait.
 
-Each fires once with fixed event keys: operations (and an instance) to RUNNING, deletes started from the
-triggerer, a RUNNING VM to be ready to log into."""
+Each fires once with fixed event keys: deletes started from the triggerer here, the create in
+``triggers/create.py``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_tpu_posttrain.hooks.compute import _TRANSIENT_NAMES, TpuVmAsyncHook, resource_not_ready
-from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
 from airflow_tpu_posttrain.triggers.settle import not_before_settled
+
+if TYPE_CHECKING:
+    # The hook (and the Google client libraries under it) is imported where a trigger runs: the operator that
+    # builds one in a worker to defer never pays for it.
+    from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
 
 
 class ComputeTrigger(BaseTrigger):
@@ -61,6 +64,8 @@ class ComputeTrigger(BaseTrigger):
         return f"{type(self).__module__}.{type(self).__qualname__}", self._kwargs()
 
     def _hook(self) -> TpuVmAsyncHook:
+        from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
+
         return TpuVmAsyncHook(
             gcp_conn_id=self.gcp_conn_id,
             api_endpoint=self.api_endpoint,
@@ -98,6 +103,8 @@ class _OperationsTrigger(ComputeTrigger):
         after a create cut short) is asked again until the trigger's timeout: the insert ends, in minutes for
         a TPU VM, longer than the hook's own retries wait."""
         from google.api_core import exceptions
+
+        from airflow_tpu_posttrain.hooks.compute import _TRANSIENT_NAMES, resource_not_ready
 
         transient = tuple(getattr(exceptions, name) for name in _TRANSIENT_NAMES)
         failures = 0
@@ -145,61 +152,6 @@ class _OperationsTrigger(ComputeTrigger):
     @staticmethod
     def _raised(err: Exception) -> list[dict[str, str]]:
         return [{"code": type(err).__name__, "message": str(err)}]
-
-
-class ComputeOperationsTrigger(_OperationsTrigger):
-    """Poll operations until DONE, reading ``operation.error``; then, if ``instance`` is given, poll it to RUNNING.
-
-    Fires once with fixed keys: ``{"status": "success" | "error", "instance": the RUNNING instance or None,
-    "errors": [{"code", "message"}], "state"}``, never sooner than ``settle.MIN_DEFERRAL_SECONDS`` after the
-    deferral.
-
-    :param project_id: the project of the operations and the instance.
-    :param operations: ``[{"name": op, "zone": zone-or-None}]``; zone None means a global operation.
-    :param instance: ``{"name", "zone"}`` of an instance that must reach RUNNING, or None.
-    """
-
-    def __init__(
-        self,
-        project_id: str,
-        operations: list[dict[str, str | None]],
-        instance: dict[str, str] | None = None,
-        **common: Any,
-    ) -> None:
-        super().__init__(project_id, **common)
-        self.operations = operations
-        self.instance = instance
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {**super()._kwargs(), "operations": self.operations, "instance": self.instance}
-
-    def _ended(self, errors: list, instance: dict | None = None) -> TriggerEvent:
-        return self._event(
-            {"status": "error" if errors else "success", "instance": instance, "errors": errors}
-        )
-
-    async def _events(self) -> AsyncIterator[TriggerEvent]:
-        hook = self._hook()
-        try:
-            errors = await self._operation_errors(hook, self.operations)
-            if errors or not self.instance:
-                yield self._ended(errors)
-                return
-            zone, name = self.instance["zone"], self.instance["name"]
-            while True:
-                found = await self._poll(lambda: hook.get_instance(self.project_id, zone, name))
-                status = found.get("status") if found else None
-                if status == "RUNNING":
-                    yield self._ended([], found)
-                    return
-                if status is None or status in DEAD_STATES:
-                    message = f"instance {name} in {zone} is {status or 'gone'} instead of RUNNING"
-                    yield self._ended([{"code": "INSTANCE_NOT_RUNNING", "message": message}])
-                    return
-                self.log.info("Instance %s is %s; waiting for RUNNING", name, status)
-                await asyncio.sleep(self.poll_interval)
-        except Exception as err:
-            yield self._ended(self._raised(err))
 
 
 def _billed(instance: dict | None) -> dict | None:
@@ -314,94 +266,6 @@ async def ssh_port_check(
     finally:
         writer.close()
     return banner.startswith(b"SSH-"), ""
-
-
-class VmReadyTrigger(ComputeTrigger):
-    """Wait until a RUNNING VM can be logged into.
-
-    Its guest environment published its host keys (``hostkeys/`` guest attributes) and its sshd answers on
-    ``address:port`` (through ``proxy_command``, for IAP).
-
-    Fires once with fixed keys: ``{"status": "ready", "host_keys": {type: base64}, "state"}`` or
-    ``{"status": "error", "errors": [{"code", "message"}], "state"}`` (timed out, or the VM is gone).
-
-    :param project_id: the VM's project.
-    :param zone: the VM's zone.
-    :param name: the VM's name.
-    :param address: where to check the sshd.
-    :param port: the sshd's port.
-    :param proxy_command: reach the sshd through this command's stdin/stdout (an IAP tunnel).
-    :param timeout: seconds to wait in all.
-    """
-
-    def __init__(
-        self,
-        project_id: str,
-        zone: str,
-        name: str,
-        address: str | None,
-        port: int = 22,
-        timeout: float = 600.0,
-        proxy_command: str | None = None,
-        **common: Any,
-    ) -> None:
-        super().__init__(project_id, **common)
-        self.zone = zone
-        self.name = name
-        self.address = address
-        self.port = port
-        self.proxy_command = proxy_command
-        self.timeout = timeout
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {
-            **super()._kwargs(),
-            "zone": self.zone,
-            "name": self.name,
-            "address": self.address,
-            "port": self.port,
-            "timeout": self.timeout,
-            "proxy_command": self.proxy_command,
-        }
-
-    async def _events(self) -> AsyncIterator[TriggerEvent]:
-        from airflow_tpu_posttrain.hooks.vm import proxy_command_as_async
-
-        hook = self._hook()
-        deadline = time.monotonic() + self.timeout
-        host_keys: dict[str, str] = {}
-        port_open, tunnel_said = False, ""
-        # The tunnel's gcloud runs as the Google connection this trigger asks Compute with, as the create's did.
-        account = {"gcp_conn_id": self.gcp_conn_id, "impersonation_chain": self.impersonation_chain}
-        try:
-            proxy_command = await proxy_command_as_async(self.proxy_command, account)
-            while True:
-                if not host_keys:
-                    host_keys = await hook.get_host_keys(self.project_id, self.zone, self.name)
-                if host_keys and not port_open:
-                    port_open, tunnel_said = await ssh_port_check(self.address, self.port, proxy_command=proxy_command)
-                if host_keys and port_open:
-                    yield self._event({"status": "ready", "host_keys": host_keys})
-                    return
-                if any(sign in tunnel_said for sign in _LASTING_TUNNEL_ERRORS):
-                    yield self._error(
-                        f"The IAP tunnel to VM {self.name} cannot connect: {tunnel_said}. The identity Airflow "
-                        "runs gcloud as (the Google connection's account, or its impersonation chain's last) needs "
-                        "roles/iap.tunnelResourceAccessor, and gcloud must be on the PATH of the triggerer and the "
-                        "workers"
-                    )
-                    return
-                instance = await hook.get_instance(self.project_id, self.zone, self.name)
-                status = instance.get("status") if instance else None
-                if status != "RUNNING" or time.monotonic() > deadline:
-                    yield self._error(not_ready_message(self.name, status, host_keys, self.timeout, tunnel_said))
-                    return
-                await asyncio.sleep(self.poll_interval)
-        except Exception as err:
-            yield self._error(f"{type(err).__name__}: {err}")
-
-    def _error(self, message: str) -> TriggerEvent:
-        return self._event({"status": "error", "errors": [{"code": "VM_NOT_READY", "message": message}]})
 
 
 def not_ready_message(
