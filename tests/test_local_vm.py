@@ -55,9 +55,11 @@ def _connect(vm: LocalVm, key: paramiko.PKey, user: str = LOGIN, host_keys: dict
             pkey=key,
             look_for_keys=False,
             allow_agent=False,
-            timeout=10,
-            banner_timeout=10,
-            auth_timeout=10,
+            # Bounds, not a pace: on a loaded machine the VM's keys command (a process asking the metadata server)
+            # has taken over 10 s to answer.
+            timeout=30,
+            banner_timeout=30,
+            auth_timeout=30,
         )
     except BaseException:
         client.close()
