@@ -274,6 +274,19 @@ def test_vms_have_own_address_host_keys_and_disk(make_vm, keys, tmp_path):
         _connect(vm_b, keys["user"][0], host_keys=vm_a.host_keys)
 
 
+def test_what_one_vm_compiled_the_next_finds_in_its_jax_cache(make_vm, keys, tmp_path):
+    """MaxText's ``~/jax_cache`` is this machine's one cache on every local VM (a declared stand-in difference)."""
+    from airflow_tpu_posttrain.local.stack import compile_cache
+
+    cache = compile_cache(tmp_path)
+    entry = f"jit_train_step-{uuid.uuid4().hex}-cache"
+    with _connect(make_vm("vm-compiles", compile_cache=cache), keys["user"][0]) as client:
+        _run(client, f"echo compiled > ~/jax_cache/{entry}")
+    with _connect(make_vm("vm-reuses", compile_cache=cache), keys["user"][0]) as client:
+        assert _run(client, f"cat ~/jax_cache/{entry}") == "compiled\n"
+    assert (cache / entry).read_text() == "compiled\n"
+
+
 def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeypatch, fault_matrix):
     """A step trusts the keys the VM it created published, and nothing else.
 

@@ -30,6 +30,8 @@ class LocalFleet:
     :param disks_root: each instance's disk is a directory below it, deleted with the instance.
     :param shared_paths: host directories every VM sees (checkpoint storage standing in for ``gs://``).
     :param package_cache: a host directory standing in for a package mirror (uv's cache on the VMs).
+    :param compile_cache: a host directory every VM's logins have as JAX's compilation cache (``~/jax_cache``):
+        the VMs are one machine's CPU, so what one compiled another need not compile again.
     :param boot_delay: seconds from RUNNING until the VM's sshd answers.
     :param vm_environment: environment of every VM's sessions (the image's settings: the local GCS server's URL
         for the storage clients); may be set after construction, before the first boot.
@@ -43,6 +45,7 @@ class LocalFleet:
         disks_root: Path,
         shared_paths: Sequence[Path] = (),
         package_cache: Path | None = None,
+        compile_cache: Path | None = None,
         boot_delay: float = 2.0,
         port: int = 22,
         vm_environment: dict[str, str] | None = None,
@@ -55,6 +58,7 @@ class LocalFleet:
         self.vm_ca_bundle = vm_ca_bundle
         self.shared_paths = tuple(shared_paths)
         self.package_cache = package_cache
+        self.compile_cache = compile_cache
         self.boot_delay = boot_delay
         self.port = port
         self._addresses: dict[InstanceKey, str] = {}
@@ -101,6 +105,7 @@ class LocalFleet:
                 boot_delay=self.boot_delay,
                 shared_paths=self.shared_paths,
                 package_cache=self.package_cache,
+                compile_cache=self.compile_cache,
                 oslogin_url=oslogin_url if oslogin else None,
                 oslogin_logins=tuple(oslogin_logins) if oslogin else (),
                 environment=self.vm_environment,

@@ -76,6 +76,17 @@ def package_cache(local_dir: Path) -> Path:
     return local_dir / "vm-packages"
 
 
+def compile_cache(local_dir: Path) -> Path:
+    """JAX's compilation cache of every local VM (each login's ``~/jax_cache``): one for this machine's CPU.
+
+    A real VM starts with an empty one and compiles its first training step; the local VMs, all this machine,
+    compile a program once. Open to every login (sticky, as /tmp is): the VMs' logins differ."""
+    cache = local_dir / "jax-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    cache.chmod(0o1777)
+    return cache
+
+
 def prepare_vm_image(local_dir: Path, python312: str) -> None:
     """A MaxText venv on this machine per release a local entry runs, and the cpu runtime's launcher scripts.
 
@@ -134,6 +145,7 @@ class LocalStack:
             self.vm_dir / "instances",
             shared_paths=(self.storage_dir, self.published_dir),
             package_cache=package_cache(self.local_dir),
+            compile_cache=compile_cache(self.local_dir),
         )
         self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
         self.gcs = GcsServer(

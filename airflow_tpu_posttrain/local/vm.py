@@ -45,6 +45,8 @@ DESTROY_TIMEOUT_S = 60.0  # SIGKILLed processes with GBs mapped take a while to 
 # A VM deleted while it boots waits for its disk to be ready first: a login's first boot copies the package mirror.
 BOOT_PREPARE_TIMEOUT_S = 300.0
 HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
+# MaxText's default jax_cache_dir ("~/jax_cache", configs/base.yml), in the login's home.
+JAX_CACHE_DIR = "jax_cache"
 # The VM's writable places, each replaced by a directory of its disk.
 PRIVATE_DIRS = {"/tmp": "tmp", "/var/tmp": "var-tmp", "/home": "home", "/root": "root"}
 # Environment the VMs' sessions share with this machine: its tools (uv, Python) and its way to PyPI.
@@ -269,6 +271,7 @@ class LocalVm:
         boot_delay: float = 2.0,
         shared_paths: Sequence[Path] = (),
         package_cache: Path | None = None,
+        compile_cache: Path | None = None,
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
         environment: dict[str, str] | None = None,
@@ -299,6 +302,7 @@ class LocalVm:
         self.boot_delay = boot_delay
         self.shared_paths = [Path(path).resolve() for path in shared_paths]
         self.package_cache = Path(package_cache).resolve() if package_cache else None
+        self.compile_cache = Path(compile_cache).resolve() if compile_cache else None
         # OS Login: sshd asks this metadata-server URL for a login's keys; these accounts exist from boot.
         self.oslogin_url = oslogin_url
         self.oslogin_logins = tuple(oslogin_logins)
@@ -448,6 +452,8 @@ class LocalVm:
         for login in logins:
             home = self.disk_dir / "home" / login
             shutil.copytree("/etc/skel", home, symlinks=True)
+            if self.compile_cache is not None:  # MaxText's jax_cache_dir, ~/jax_cache: one for this machine
+                (home / JAX_CACHE_DIR).symlink_to(self.compile_cache)
             _chown(home, _ensure_account(login))
         if self.package_cache is not None and logins:
             mirror = _login_mirror(self.package_cache, pwd.getpwnam(logins[0]))
@@ -500,14 +506,14 @@ class LocalVm:
     def _mounts(self) -> list[list[str]]:
         """The init's mount commands.
 
-        Paths to keep (shared, the package cache, pyenv) that a private dir would hide are bound into its disk
+        Paths to keep (shared, the compilation cache, pyenv) that a private dir would hide are bound into its disk
         copy at the same relative path, then carried by ``--rbind``."""
         disk = self.disk_dir.resolve()
         mounts = [
             ["mount", "--bind", str(disk / "etc"), VM_SSH_DIR],
             ["mount", "--bind", "-o", "ro", str(disk / "hosts"), "/etc/hosts"],
         ]
-        keep = [(path, "rw") for path in self.shared_paths]
+        keep = [(path, "rw") for path in (*self.shared_paths, *filter(None, [self.compile_cache]))]
         if PYENV_ROOT.is_dir():
             keep.append((PYENV_ROOT, "ro"))
         for path, mode in keep:
