@@ -239,9 +239,13 @@ def _numeric_id() -> str:
     return str(secrets.randbits(63))
 
 
-def _resource_path(project: str, zone: str | None, collection: str, name: str) -> str:
-    scope = f"zones/{zone}" if zone else "global"
-    return f"projects/{project}/{scope}/{collection}/{name}"
+def _scope(zone: str | None, region: str | None = None) -> str:
+    """Where a resource lives: ``zones/Z``, ``regions/R`` or ``global``."""
+    return f"zones/{zone}" if zone else f"regions/{region}" if region else "global"
+
+
+def _resource_path(project: str, zone: str | None, collection: str, name: str, region: str | None = None) -> str:
+    return f"projects/{project}/{_scope(zone, region)}/{collection}/{name}"
 
 
 def _impostor_key(key_type: str) -> str:
@@ -372,6 +376,8 @@ class ComputeEmulator:
             f"{zonal}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
             f"{global_}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
             f"{global_}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
+            f"{regional}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
+            f"{regional}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
             f"{global_}/firewalls": {
                 "GET": (self._list_firewalls, "list"),
                 "POST": (self._insert_firewall, None),
@@ -583,7 +589,7 @@ class ComputeEmulator:
             self._subnetworks: dict[tuple[str | None, str, str], dict[str, Any]] = {}
             # (project or None, region, name) -> {"network", "natSubnetworks"}: Cloud Routers with a NAT
             self._routers: dict[tuple[str | None, str, str], dict[str, Any]] = {}
-            self._operations: dict[tuple[str, str | None, str], _Operation] = {}
+            self._operations: dict[tuple[str, str, str], _Operation] = {}  # (project, scope, name)
             self._operations_by_request_id: dict[tuple[str, str], _Operation] = {}
             # instance key -> (when maxRunDuration expires, scheduling.instanceTerminationAction)
             self._run_deadlines: dict[tuple[str, str, str], tuple[float, str]] = {}
@@ -695,13 +701,15 @@ class ComputeEmulator:
         on_running: Callable[[], None] = lambda: None,
         on_done: Callable[[bool], None] = lambda failed: None,
         queued_s: float | None = None,
+        region: str | None = None,
     ) -> dict[str, Any]:
         """Start an operation on ``target`` (call with the lock held); ``on_*`` apply its effects.
 
-        ``queued_s``: the operation waits that long (for capacity) before it runs."""
+        ``queued_s``: the operation waits that long (for capacity) before it runs. A zonal operation names its
+        ``zone``, a regional one its ``region``, a global one neither."""
         now = time.time()
         name = f"operation-{int(now * 1000)}-{secrets.token_hex(6)}"
-        path = _resource_path(project, zone, "operations", name)
+        path = _resource_path(project, zone, "operations", name, region)
         resource = {
             "kind": "compute#operation",
             "id": _numeric_id(),
@@ -717,13 +725,15 @@ class ComputeEmulator:
         }
         if zone:
             resource["zone"] = f"{API_ROOT}/projects/{project}/zones/{zone}"
+        if region:
+            resource["region"] = f"{API_ROOT}/projects/{project}/regions/{region}"
         seconds = self._faults.operation_seconds
         start_at = now + min(seconds / 2, MAX_PENDING_SECONDS)
         done_at = now + seconds
         if queued_s is not None:
             start_at, done_at = now + queued_s, now + queued_s + seconds
         operation = _Operation(resource, start_at, done_at, failure, on_running, on_done)
-        self._operations[(project, zone, name)] = operation
+        self._operations[(project, _scope(zone, region), name)] = operation
         if "requestId" in query:
             self._operations_by_request_id[(project, query["requestId"])] = operation
         self._advance()
@@ -790,19 +800,23 @@ class ComputeEmulator:
                     operation.start_at = min(operation.start_at, now)
                     operation.done_at = now
 
-    def _get_operation(self, query: dict, body: dict, project: str, name: str, zone: str | None = None):
+    def _get_operation(
+        self, query: dict, body: dict, project: str, name: str, zone: str | None = None, region: str | None = None
+    ):
         with self._lock:
             self._advance()
-            operation = self._operations.get((project, zone, name))
+            operation = self._operations.get((project, _scope(zone, region), name))
             if operation is None:
-                raise _not_found(_resource_path(project, zone, "operations", name))
+                raise _not_found(_resource_path(project, zone, "operations", name, region))
             return 200, copy.deepcopy(operation.resource)
 
-    def _wait_operation(self, query: dict, body: dict, project: str, name: str, zone: str | None = None):
+    def _wait_operation(
+        self, query: dict, body: dict, project: str, name: str, zone: str | None = None, region: str | None = None
+    ):
         """Block until the operation is DONE or ``WAIT_TIMEOUT_SECONDS`` pass, like the real ``wait``."""
         give_up_at = time.time() + WAIT_TIMEOUT_SECONDS
         while True:
-            status, resource = self._get_operation(query, body, project, name, zone)
+            status, resource = self._get_operation(query, body, project, name, zone, region)
             remaining = give_up_at - time.time()
             if resource["status"] == "DONE" or remaining <= 0:
                 return status, resource
@@ -816,86 +830,97 @@ class ComputeEmulator:
             replayed = self._replayed_operation(project, query)
             if replayed:
                 return 200, replayed
-            _check_schema("Instance", body)
-            scheduling = body.get("scheduling") or {}
-            model = scheduling.get("provisioningModel")
-            if "maxRunDuration" in scheduling and model in self._faults.refuse_max_run_duration:
-                raise _ApiError(
-                    400,
-                    "invalid",
-                    "Invalid value for field 'resource.scheduling.maxRunDuration': "
-                    f"'{scheduling['maxRunDuration'].get('seconds')}s'. maxRunDuration is not supported for the "
-                    f"{model} provisioning model.",
-                )
-            name = body.get("name")
-            if not name:
-                raise _ApiError(400, "required", "Required field 'resource.name' not specified")
-            _check_name(name)
-            self._check_machine_type(zone, body.get("machineType"))
-            _check_boot_image(body)
-            self._check_labels(body.get("labels") or {})
-            self._check_metadata((body.get("metadata") or {}).get("items") or [])
-            if zone in self._faults.quota_refused_zones:
-                raise _ApiError(
-                    403, "quotaExceeded",
-                    f"Quota 'TPU_V6E_CHIPS' exceeded.  Limit: 0.0 in region {zone.rsplit('-', 1)[0]}.",
-                )
-            self._check_network_interface(project, body)
-            key = (project, zone, name)
-            path = _resource_path(project, zone, "instances", name)
+            self._check_instance(project, zone, body)
+            key = (project, zone, body["name"])
             if key in self._instances:
-                raise _already_exists(path)
-            instance = self._new_instance(project, zone, path, body)
-            self._instances[key] = instance
+                raise _already_exists(_resource_path(project, zone, "instances", body["name"]))
+            return 200, self._create_instance(project, zone, body, query)
 
-            def on_running() -> None:
-                if failure is None and instance["status"] in ("PENDING", "PROVISIONING"):
-                    instance["status"] = "STAGING"
-
-            def on_done(failed: bool) -> None:
-                if self._instances.get(key) is not instance:
-                    return  # deleted meanwhile
-                if failed:
-                    # A failed insert leaves no instance: after a stock-out Compute answers 404 for it
-                    # (googleapis/nodejs-compute#377) and lists none (kelseyhightower/kubernetes-the-hard-way#448).
-                    self._remove_instance(key)
-                elif instance["status"] in ("PROVISIONING", "STAGING"):
-                    instance["status"] = "RUNNING"
-                    instance["lastStartTimestamp"] = _timestamp(time.time())  # billing starts (Compute's field)
-                    self._schedule_max_run_duration(key, instance)
-                    if self.fleet is not None:
-                        self.fleet.boot(
-                            key,
-                            instance,
-                            self.guest_oslogin_url(project),
-                            self.oslogin.usernames(),
-                            self._egress(project, zone, instance),
-                        )
-
-            failure = self._insert_failure(project, zone, body)
-            queued_s = None
-            wait_s = ((body.get("params") or {}).get("requestValidForDuration") or {}).get("seconds")
-            if failure is None and wait_s and body["scheduling"].get("provisioningModel") == "FLEX_START":
-                # Queued in Dynamic Workload Scheduler: PENDING until capacity comes, or the insert fails
-                # when the wait time ends first ("If resources aren't available, then the VM creation request
-                # fails": cloud.google.com/compute/docs/instances/about-flex-start-vms). No public capture of
-                # that error's code: modelled as the zone's stock-out.
-                instance["status"] = "PENDING"
-                capacity_after = self._faults.flex_start_capacity_after or 0.0
-                queued_s = min(capacity_after, float(wait_s))
-                if capacity_after > float(wait_s):
-                    failure = _stockout(project, zone)
-            return 200, self._start_operation(
-                project,
-                zone,
-                "insert",
-                instance,
-                query,
-                failure,
-                on_running=on_running,
-                on_done=on_done,
-                queued_s=queued_s,
+    def _check_instance(self, project: str, zone: str, body: dict[str, Any]) -> None:
+        """Refuse (``_ApiError``) what Compute refuses in an instance insert's body, in its order."""
+        _check_schema("Instance", body)
+        scheduling = body.get("scheduling") or {}
+        model = scheduling.get("provisioningModel")
+        if "maxRunDuration" in scheduling and model in self._faults.refuse_max_run_duration:
+            raise _ApiError(
+                400,
+                "invalid",
+                "Invalid value for field 'resource.scheduling.maxRunDuration': "
+                f"'{scheduling['maxRunDuration'].get('seconds')}s'. maxRunDuration is not supported for the "
+                f"{model} provisioning model.",
             )
+        name = body.get("name")
+        if not name:
+            raise _ApiError(400, "required", "Required field 'resource.name' not specified")
+        _check_name(name)
+        self._check_machine_type(zone, body.get("machineType"))
+        _check_boot_image(body)
+        self._check_labels(body.get("labels") or {})
+        self._check_metadata((body.get("metadata") or {}).get("items") or [])
+        if zone in self._faults.quota_refused_zones:
+            raise _ApiError(
+                403, "quotaExceeded",
+                f"Quota 'TPU_V6E_CHIPS' exceeded.  Limit: 0.0 in region {zone.rsplit('-', 1)[0]}.",
+            )
+        self._check_network_interface(project, body)
+
+    def _create_instance(self, project: str, zone: str, body: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+        """Create the instance of a checked ``body`` and start its insert operation (call with the lock held).
+
+        The instance goes PENDING/PROVISIONING -> STAGING -> RUNNING (booted in the fleet) unless its insert
+        fails, which leaves no instance."""
+        key = (project, zone, body["name"])
+        instance = self._new_instance(project, zone, _resource_path(project, zone, "instances", key[2]), body)
+        self._instances[key] = instance
+
+        def on_running() -> None:
+            if failure is None and instance["status"] in ("PENDING", "PROVISIONING"):
+                instance["status"] = "STAGING"
+
+        def on_done(failed: bool) -> None:
+            if self._instances.get(key) is not instance:
+                return  # deleted meanwhile
+            if failed:
+                # A failed insert leaves no instance: after a stock-out Compute answers 404 for it
+                # (googleapis/nodejs-compute#377) and lists none (kelseyhightower/kubernetes-the-hard-way#448).
+                self._remove_instance(key)
+            elif instance["status"] in ("PROVISIONING", "STAGING"):
+                instance["status"] = "RUNNING"
+                instance["lastStartTimestamp"] = _timestamp(time.time())  # billing starts (Compute's field)
+                self._schedule_max_run_duration(key, instance)
+                if self.fleet is not None:
+                    self.fleet.boot(
+                        key,
+                        instance,
+                        self.guest_oslogin_url(project),
+                        self.oslogin.usernames(),
+                        self._egress(project, zone, instance),
+                    )
+
+        failure = self._insert_failure(project, zone, body)
+        queued_s = None
+        wait_s = ((body.get("params") or {}).get("requestValidForDuration") or {}).get("seconds")
+        if failure is None and wait_s and body["scheduling"].get("provisioningModel") == "FLEX_START":
+            # Queued in Dynamic Workload Scheduler: PENDING until capacity comes, or the insert fails
+            # when the wait time ends first ("If resources aren't available, then the VM creation request
+            # fails": cloud.google.com/compute/docs/instances/about-flex-start-vms). No public capture of
+            # that error's code: modelled as the zone's stock-out.
+            instance["status"] = "PENDING"
+            capacity_after = self._faults.flex_start_capacity_after or 0.0
+            queued_s = min(capacity_after, float(wait_s))
+            if capacity_after > float(wait_s):
+                failure = _stockout(project, zone)
+        return self._start_operation(
+            project,
+            zone,
+            "insert",
+            instance,
+            query,
+            failure,
+            on_running=on_running,
+            on_done=on_done,
+            queued_s=queued_s,
+        )
 
     @staticmethod
     def _check_labels(labels: dict[str, str]) -> None:
@@ -1005,7 +1030,13 @@ class ComputeEmulator:
     def _network(self, project: str, name: str) -> dict[str, Any] | None:
         return self._networks.get((project, name)) or self._networks.get((None, name))
 
-    def _insert_failure(self, project: str, zone: str, body: dict[str, Any]) -> _OperationError | None:
+    def _insert_failure(
+        self, project: str, zone: str, body: dict[str, Any], adding: int = 0
+    ) -> _OperationError | None:
+        """Why inserting ``body`` fails once accepted: quota, its specific reservation, a stock-out.
+
+        ``adding``: how many such instances are about to be created besides those already in ``_instances``
+        (a bulk MIG asks for all of its instances before it creates any)."""
         faults = self._faults
         if zone in faults.quota_exceeded_zones:
             region = zone.rsplit("-", 1)[0]
@@ -1017,7 +1048,7 @@ class ComputeEmulator:
             )
         affinity = body.get("reservationAffinity", {})
         if affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION":
-            failure = self._reservation_failure(project, zone, body, affinity.get("values", []))
+            failure = self._reservation_failure(project, zone, body, affinity.get("values", []), adding)
             if failure:
                 return failure
         if zone in faults.stockout_zones:
@@ -1025,7 +1056,7 @@ class ComputeEmulator:
         return None
 
     def _reservation_failure(
-        self, project: str, zone: str, body: dict[str, Any], values: list[str]
+        self, project: str, zone: str, body: dict[str, Any], values: list[str], adding: int = 0
     ) -> _OperationError | None:
         """Why a specific reservation cannot take the instance.
 
@@ -1070,7 +1101,7 @@ class ComputeEmulator:
                     for v in instance.get("reservationAffinity", {}).get("values", [])
                 ]
             )
-            if in_use > reservation["count"]:  # the instance being inserted is already counted
+            if in_use + adding > reservation["count"]:  # an instance already inserted is counted in in_use
                 return _OperationError(
                     "CONDITION_NOT_MET",
                     f"Specified reservation '{name}' does not have available resources for the request.",
