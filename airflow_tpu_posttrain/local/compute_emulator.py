@@ -1502,7 +1502,9 @@ class ComputeEmulator:
                 for (policy_project, policy_region, _), policy in self._resource_policies.items()
                 if (policy_project, policy_region) == (project, region) and _matches(policy, terms)
             ]
-        listing = {"kind": "compute#resourcePolicyList", "id": f"projects/{project}/regions/{region}/resourcePolicies"}
+        listing = {
+            "kind": "compute#resourcePolicyList", "id": f"projects/{project}/regions/{region}/resourcePolicies"
+        }
         return 200, {**listing, **({"items": items} if items else {})}
 
     def _delete_resource_policy(self, query: dict, body: dict, project: str, region: str, name: str):
@@ -1518,21 +1520,26 @@ class ComputeEmulator:
                 raise _not_found(path)
             for (group_project, zone, group_name), group in self._groups.items():
                 if self._group_policy_key(group_project, zone, group.resource) == key:
-                    raise _in_use("resource_policy", path, _resource_path(project, zone, "instanceGroupManagers", group_name))
+                    user = _resource_path(group_project, zone, "instanceGroupManagers", group_name)
+                    raise _in_use("resource_policy", path, user)
 
             def on_done(failed: bool) -> None:
                 if self._resource_policies.get(key) is policy:
                     del self._resource_policies[key]
 
-            return 200, self._start_operation(project, None, "delete", policy, query, on_done=on_done, region=region)
+            return 200, self._start_operation(
+                project, None, "delete", policy, query, on_done=on_done, region=region
+            )
 
     # ------------------------------------------------------ instance templates
 
     def _insert_instance_template(self, query: dict, body: dict, project: str):
         """``instanceTemplates.insert`` (global).
 
-        Its ``properties`` are checked here as far as they do not depend on a zone; the rest of an instance insert's checks (machine type in the zone, image, reservation, quota)
-        meet each instance a MIG creates from it, and fail that creation, as the MIG's status shows."""
+        Its ``properties`` are checked here as far as they do not depend on a zone. The rest of an instance
+        insert's checks (machine type in the zone, image, reservation, quota) meet each instance a MIG creates
+        from it and fail that creation, as the MIG's status shows (the brief of issue 31 asks for them there; at
+        which step Google itself checks the image is not documented)."""
         with self._lock:
             self._advance()
             replayed = self._replayed_operation(project, query)
@@ -1590,7 +1597,8 @@ class ComputeEmulator:
                 raise _not_found(path)
             for (group_project, zone, group_name), group in self._groups.items():
                 if group_project == project and group.template is template:
-                    raise _in_use("instance_template", path, _resource_path(project, zone, "instanceGroupManagers", group_name))
+                    user = _resource_path(project, zone, "instanceGroupManagers", group_name)
+                    raise _in_use("instance_template", path, user)
 
             def on_done(failed: bool) -> None:
                 if self._instance_templates.get((project, name)) is template:
@@ -1612,7 +1620,9 @@ class ComputeEmulator:
         return (parts[1] or project, parts[2] or zone.rsplit("-", 1)[0], parts[3])
 
     def _group_template(self, project: str, group: dict[str, Any]) -> dict[str, Any]:
-        """The MIG's instance template (``instanceTemplate``: a full or partial URL); 404 as for a missing network."""
+        """The MIG's instance template (``instanceTemplate``: a full or partial URL); 404 as for a missing network.
+
+        Regional instance templates are not served."""
         ref = (group.get("instanceTemplate") or "").split("/compute/v1/")[-1]
         if not ref:
             raise _ApiError(400, "required", "Required field 'resource.instanceTemplate' not specified")
@@ -1630,9 +1640,11 @@ class ComputeEmulator:
         with the reservation-bound and flex-start models, and flex-start only with
         ``defaultActionOnFailure: DO_NOTHING`` (about-bulk-mode); no placement policy in the template beside a
         workload policy (the A4X how-to's MIG limitations). Inferred, each the stricter choice: that a MIG of
-        several ct6e-standard-4t VMs without a policy naming a topology is refused (Compute cannot tell a pool of
-        single-host VMs from a slice missing its policy, so neither can this emulator), that the topology must be
-        one of v6e's slice shapes and ``targetSize`` its VM count (or 0), and the texts of these refusals."""
+        several ct6e-standard-4t VMs without a policy naming a topology is refused (this emulator cannot tell a
+        pool of independent v6e-4 VMs from a slice missing its policy, so it refuses both), that the topology must
+        be one of v6e's slice shapes (cloud.google.com/tpu/docs/v6e) with ``targetSize`` its VM count (or 0, to
+        be resized later), that the policy be HIGH_THROUGHPUT and in the MIG's region, and the texts of these
+        refusals."""
         _check_schema("InstanceGroupManager", body)
         name = body.get("name")
         if not name:
@@ -1650,7 +1662,9 @@ class ComputeEmulator:
         if size is None:
             raise _ApiError(400, "required", "Required field 'resource.targetSize' not specified")
         if int(size) < 0:
-            raise _ApiError(400, "invalid", f"Invalid value for field 'resource.targetSize': '{size}'. Must be >= 0.")
+            raise _ApiError(
+                400, "invalid", f"Invalid value for field 'resource.targetSize': '{size}'. Must be >= 0."
+            )
         size = int(size)
         template = self._group_template(project, body)
         properties = template["properties"]
@@ -1712,8 +1726,10 @@ class ComputeEmulator:
     def _insert_group(self, query: dict, body: dict, project: str, zone: str):
         """``instanceGroupManagers.insert``: its operation is DONE before any instance exists.
 
-        The MIG then creates them, all at once or none in bulk mode ("the MIG waits for the full capacity ... doesn't create
-        any instance until Compute Engine has capacity for the specified target size": about-bulk-mode)."""
+        "This operation is marked as DONE when the group is created even if the instances in the group have not
+        yet been created" (its v1 reference). The MIG then creates them, all at once or none in bulk mode ("the
+        MIG waits for the full capacity ... doesn't create any instance until Compute Engine has capacity for the
+        specified target size": cloud.google.com/compute/docs/instance-groups/about-bulk-mode)."""
         with self._lock:
             self._advance()
             replayed = self._replayed_operation(project, query)
@@ -1766,8 +1782,9 @@ class ComputeEmulator:
     def _member_body(self, project: str, zone: str, group: _ManagedGroup, name: str) -> dict[str, Any]:
         """The insert body of the MIG's instance ``name``.
 
-        Its template's properties, its name, and the metadata a MIG adds: ``created-by`` and ``instance-template`` (cloud.google.com/compute/docs/instance-groups/
-        getting-info-about-migs, "Checking if a VM is part of a MIG"), and a slice's ``worker-id``."""
+        Its template's properties, its name, and the metadata a MIG adds to its VMs: ``created-by`` (the MIG's
+        path) and ``instance-template`` (the keys seen on MIG VMs; no Google page was re-read for them here), and
+        a slice's ``worker-id``."""
         body = copy.deepcopy(group.template["properties"])
         body.pop("resourceManagerTags", None)  # an instance takes those under params, not as a field
         body["name"] = name
@@ -1790,7 +1807,9 @@ class ComputeEmulator:
         What an insert of each would refuse (its
         400/403/404, as an error code of the kind an operation reports: modelled), a name taken, or what their
         inserts would fail on (quota, reservation, stock-out) with all of them counted at once."""
-        codes = {"invalid": "INVALID_FIELD_VALUE", "notFound": "RESOURCE_NOT_FOUND", "quotaExceeded": "QUOTA_EXCEEDED"}
+        codes = {
+            "invalid": "INVALID_FIELD_VALUE", "notFound": "RESOURCE_NOT_FOUND", "quotaExceeded": "QUOTA_EXCEEDED"
+        }
         for body in bodies:
             try:
                 self._check_instance(project, zone, body)
@@ -1815,7 +1834,8 @@ class ComputeEmulator:
         self._creating_members = True
         try:
             for (project, zone, _), group in list(self._groups.items()):
-                if not group.creating or group.deleting or now < group.next_check or (group.bulk and group.created):
+                made_once = group.bulk and group.created
+                if not group.creating or group.deleting or now < group.next_check or made_once:
                     continue
                 missing = [name for name in group.members if self._member(project, zone, group, name) is None]
                 if not missing:
@@ -1922,14 +1942,17 @@ class ComputeEmulator:
                 if (group_project, group_zone) == (project, zone)
             ]
         items = [view for view in views if _matches(view, terms)]
-        listing = {"kind": "compute#instanceGroupManagerList", "id": f"projects/{project}/zones/{zone}/instanceGroupManagers"}
+        listing = {
+            "kind": "compute#instanceGroupManagerList",
+            "id": f"projects/{project}/zones/{zone}/instanceGroupManagers",
+        }
         return 200, {**listing, **({"items": items} if items else {})}
 
     def _list_managed_instances(self, query: dict, body: dict, project: str, zone: str, name: str):
         """``listManagedInstances`` (a POST with no body): every instance the MIG keeps, made or not.
 
-        With the errors of the last attempt to create it ("If a previous action failed, the list displays the errors": its
-        v1 reference). The bulk check's error is shown on each instance it kept from being created."""
+        With the errors of the last attempt to create it ("If a previous action failed, the list displays the
+        errors": its v1 reference). The bulk check's error is shown on each instance it kept from being created."""
         with self._lock:
             self._advance()
             group = self._existing_group(project, zone, name)
@@ -1995,7 +2018,9 @@ class ComputeEmulator:
                     http_status=500,
                     http_message="INTERNAL SERVER ERROR",
                 )
-            return 200, self._start_operation(project, zone, "delete", group.resource, query, failure, on_done=on_done)
+            return 200, self._start_operation(
+                project, zone, "delete", group.resource, query, failure, on_done=on_done
+            )
 
     # -------------------------------------------------------------- firewalls
 
