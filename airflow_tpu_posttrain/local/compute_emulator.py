@@ -1,7 +1,8 @@
 """A local Compute Engine v1 REST emulator for tests that cannot reach Google.
 
-It serves the subset of the API that the provider uses (zonal instances, zone and global
-operations, global firewalls) with the real JSON shapes, so that ``google-cloud-compute``
+It serves the subset of the API that the provider uses (zonal instances, zone, region and global
+operations, global firewalls; for multi-host TPU slices, regional workload policies, global instance
+templates and zonal managed instance groups) with the real JSON shapes, so that ``google-cloud-compute``
 (REST transport) and the discovery-based ``ComputeEngineHook`` can talk to it via
 ``client_options={"api_endpoint": emulator.url}``. Paths are accepted with and without the
 ``/compute/v1`` prefix. Note that ``ExtendedOperation.result()`` of google-cloud-compute polls
