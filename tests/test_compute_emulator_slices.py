@@ -7,6 +7,7 @@ Driven by the official google-cloud-compute REST clients, in the order issue 31'
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -353,6 +354,10 @@ def test_the_workload_policy_body_is_checked_as_compute_checks_it(gce, emulator)
     )
     assert (status, error["errors"][0]["reason"]) == (400, "invalid")
     assert 'Unknown name "acceleratorTopologies" at \'resource.workload_policy\': Cannot find field.' in error["message"]
+    status, error = refused_post(
+        emulator, f"regions/{REGION}/resourcePolicies", {"name": "wp", "workloadPolicy": {"acceleratorTopology": "4x4"}}
+    )
+    assert (status, error["message"]) == (400, "Required field 'resource.workloadPolicy.type' not specified")
     workload = compute_v1.ResourcePolicyWorkloadPolicy(
         type_="HIGH_THROUGHPUT", accelerator_topology="4x4", max_topology_distance="BLOCK"
     )
@@ -395,23 +400,43 @@ def test_the_template_and_policy_are_deleted_only_after_the_mig(gce, emulator):
         gce.policies.get(project=PROJECT, region=REGION, resource_policy="slice-wp")
 
 
-def test_a_vm_deleted_from_a_bulk_slice_leaves_it_short(gce, emulator):
+@pytest.mark.parametrize(
+    ("loss", "counted_as", "action"),
+    [("delete", "non_existent", "NONE"), ("preempt", "terminated", "NONE")],
+)
+def test_a_vm_lost_from_a_bulk_slice_leaves_it_short(gce, emulator, loss, counted_as, action):
     """A bulk MIG creates its VMs once: one lost (a user's delete, a preemption) is not recreated."""
     insert_mig(gce, mig_resource(make_template(gce), make_policy(gce)))
     wait_until(gce, lambda mig: mig.status.is_stable)
 
-    operation = gce.instances.delete(project=PROJECT, zone=ZONE, instance="slice-002")
-    gce.zone_operations.wait(project=PROJECT, zone=ZONE, operation=operation.name)
+    if loss == "delete":
+        operation = gce.instances.delete(project=PROJECT, zone=ZONE, instance="slice-002")
+        gce.zone_operations.wait(project=PROJECT, zone=ZONE, operation=operation.name)
+    else:  # a reservation-bound VM preempted (a host error) stops, TERMINATED
+        emulator.preempt(ZONE, "slice-002")
     time.sleep(0.3)
 
     mig = get_mig(gce)
     assert not mig.status.is_stable
     assert mig.status.current_instance_statuses.running == 3
-    assert mig.status.current_instance_statuses.non_existent == 1
+    assert getattr(mig.status.current_instance_statuses, counted_as) == 1
     assert mig.status.applied_accelerator_topologies[0].state == "INCOMPLETE"
-    assert slice_names(emulator) == ["slice-001", "slice-003", "slice-004"]
+    assert not mig.status.bulk_instance_operation.in_progress
     lost = [m for m in managed(gce) if m.name == "slice-002"][0]
-    assert (lost.instance_status, lost.current_action) == ("", "NONE")
+    assert lost.current_action == action
+    assert len(emulator.instances()) == (3 if loss == "delete" else 4)
+
+
+def test_a_base_name_without_hashes_gets_random_four_character_suffixes(gce, emulator):
+    """The reference: "the MIG appends a hyphen and a random four-character string to the base instance name"."""
+    resource = mig_resource(make_template(gce), make_policy(gce))
+    resource.base_instance_name = "worker"
+    insert_mig(gce, resource)
+
+    names = [m.name for m in managed(gce)]
+
+    assert len(set(names)) == 4
+    assert all(re.fullmatch(r"worker-[a-z0-9]{4}", name) for name in names)
 
 
 def test_deleting_the_mig_deletes_every_vm_and_frees_its_network_namespace(gce, emulator, tmp_path):
