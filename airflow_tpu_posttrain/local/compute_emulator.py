@@ -90,7 +90,7 @@ TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
 SLICE_MACHINE_TYPE = "ct6e-standard-4t"
 CHIPS_PER_SLICE_VM = 4
 V6E_SLICE_TOPOLOGIES = {"4x4": 16, "4x8": 32, "8x8": 64, "8x16": 128, "16x16": 256}
-# "Bulk mode supports only the reservation-bound and flex-start provisioning models"
+# Bulk mode supports only the reservation-bound and flex-start provisioning models
 # (cloud.google.com/compute/docs/instance-groups/about-bulk-mode, its limitations): not on-demand, not Spot.
 BULK_PROVISIONING_MODELS = ("RESERVATION_BOUND", "FLEX_START")
 # The pattern of InstanceGroupManager.baseInstanceName (the v1 reference): a prefix, or one ending in -### for
@@ -1466,7 +1466,7 @@ class ComputeEmulator:
                 # that the API refuses a policy without it is inferred, and the stricter choice.
                 if not workload.get("type"):
                     raise _ApiError(400, "required", "Required field 'resource.workloadPolicy.type' not specified")
-                # "--accelerator-topology and --max-topology-distance are mutually exclusive" (the same reference);
+                # --accelerator-topology and --max-topology-distance are mutually exclusive (the same reference);
                 # the text of the API's refusal is modelled.
                 if workload.get("acceleratorTopology") and workload.get("maxTopologyDistance"):
                     raise _ApiError(
@@ -1745,8 +1745,8 @@ class ComputeEmulator:
             # Each VM of a slice learns its worker id from its metadata. Which key Google sets on a MIG's TPU VMs is
             # not documented: JAX reads `agent-worker-number` (Cloud TPU API VMs); a public report of MIG-made TPU7x
             # VMs shows `worker-id` (issue 31's research, §1.3). This emulator sets `worker-id` only, the key seen
-            # on MIG VMs. Worker ids follow the slice's hosts, not the names ("ordering VMs by name is not a
-            # documented worker order"), so they are dealt at random here: a client must read them.
+            # on MIG VMs. Worker ids follow the slice's hosts, not the names (no Google page says name order is
+            # worker order), so they are dealt at random here: a client must read them.
             worker_ids: list[int | None] = list(range(len(names))) if topology else [None] * len(names)
             secrets.SystemRandom().shuffle(worker_ids)
             group = {
@@ -1805,9 +1805,9 @@ class ComputeEmulator:
     def _creation_failure(self, project: str, zone: str, bodies: list[dict[str, Any]]) -> _OperationError | None:
         """Why the instances of ``bodies`` cannot all be created now.
 
-        What an insert of each would refuse (its
-        400/403/404, as an error code of the kind an operation reports: modelled), a name taken, or what their
-        inserts would fail on (quota, reservation, stock-out) with all of them counted at once."""
+        What an insert of each would refuse (its 400/403/404, as an error code of the kind an operation reports:
+        modelled), a name taken, or what their inserts would fail on (quota, reservation, stock-out) with all of
+        them counted at once."""
         codes = {
             "invalid": "INVALID_FIELD_VALUE", "notFound": "RESOURCE_NOT_FOUND", "quotaExceeded": "QUOTA_EXCEEDED"
         }
@@ -1826,8 +1826,9 @@ class ComputeEmulator:
         """Let each MIG create its missing instances (call with the lock held from ``_advance``).
 
         A bulk MIG checks for all of them at once and creates all or none, and creates them once: an instance lost
-        later (deleted, or preempted with a DELETE action) is not recreated ("instances can be removed only by
-        resizing to 0": about-bulk-mode; that none is recreated is inferred), so its slice stays short. Any other
+        later (deleted, or preempted with a DELETE action) is not recreated (about-bulk-mode: a bulk MIG adds
+        instances only at target size 0 and removes them only by resizing to 0; that none is recreated is
+        inferred), so its slice stays short. Any other
         MIG creates each one that fits and retries the rest, as a MIG keeps its target size. How often Google
         retries is not documented: here every ``operation_seconds``."""
         if self._creating_members:
@@ -1846,18 +1847,16 @@ class ComputeEmulator:
                 if group.bulk:
                     group.last_check = now
                     group.bulk_error = self._creation_failure(project, zone, bodies)
-                    fitting = [] if group.bulk_error else bodies
-                else:
-                    fitting = []
-                    for body in bodies:  # each checked after those before it are created: they count
-                        error = self._creation_failure(project, zone, [body])
-                        if error is None:
-                            group.member_errors.pop(body["name"], None)
-                            self._create_member(project, zone, group, body)
-                        else:
-                            group.member_errors[body["name"]] = error
-                for body in fitting:
-                    self._create_member(project, zone, group, body)
+                    for body in [] if group.bulk_error else bodies:
+                        self._create_member(project, zone, group, body)
+                    continue
+                for body in bodies:  # each checked after those before it are created: they count
+                    error = self._creation_failure(project, zone, [body])
+                    if error is None:
+                        group.member_errors.pop(body["name"], None)
+                        self._create_member(project, zone, group, body)
+                    else:
+                        group.member_errors[body["name"]] = error
         finally:
             self._creating_members = False
 
