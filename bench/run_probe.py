@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
-from airflow_tpu_posttrain.recipes.compute import run_hash
+from airflow_tpu_posttrain.recipes.compute import DEPLOYMENT_LABEL, run_hash
 
 SAMPLE_S = 0.5
 RUN_TIMEOUT_S = 1800
@@ -107,7 +107,6 @@ class _Sampler(threading.Thread):
     def __init__(self, db, compute, record: RunRecord) -> None:
         super().__init__(daemon=True)
         self.db, self.compute, self.record = db, compute, record
-        self.hash = run_hash(record.dag_id, record.run_id)
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
@@ -142,7 +141,8 @@ class _Sampler(threading.Thread):
         live = {}
         for instance in self.compute.instances():
             labels = instance.get("labels", {})
-            if labels.get("airflow-run-hash") == self.hash:
+            # The hash keeps deployments apart too: the label's deployment is the one to hash with.
+            if labels.get("airflow-run-hash") == run_hash(self.record.dag_id, self.record.run_id, labels.get(DEPLOYMENT_LABEL, "")):
                 live[labels["airflow-task"].replace("-", "_")] = epoch(instance["creationTimestamp"])
         for task, created in live.items():
             self.record.vms.setdefault(task, Vm(created))
