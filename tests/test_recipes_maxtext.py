@@ -653,7 +653,10 @@ def test_install_reruns_are_noops(tmp_path):
     )
     fake_uv.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    script = install.install_script(cpu_runtime("/opt/launchers", str(venv), "/usr/bin/python3.12"), "0.2.5")
+    runtime = cpu_runtime("/opt/launchers", str(venv), "/usr/bin/python3.12")
+    script = install.install_script(runtime, "0.2.5")
+    check = install.installed_check(runtime, "0.2.5")  # what the install task asks before starting a job
+    assert subprocess.run(["bash", "-c", check], capture_output=True).returncode == 1
 
     first = _bash(script, env)
     assert first.returncode == 0, first.stderr
@@ -666,6 +669,9 @@ def test_install_reruns_are_noops(tmp_path):
     second = _bash(script, env)
     assert second.returncode == 0 and "Reusing the MaxText environment" in second.stdout
     assert calls.read_text().splitlines() == recorded
+    checked = subprocess.run(["bash", "-c", check], capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout == second.stdout
+    assert subprocess.run(["bash", "-c", install.installed_check(runtime, "0.2.3")]).returncode == 1
 
     other_version = _bash(install.install_script(cpu_runtime("/opt/launchers", str(venv)), "0.2.3"), env)
     assert "Installed MaxText" in other_version.stdout  # a different version is not mistaken for installed

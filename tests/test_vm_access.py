@@ -269,8 +269,9 @@ def test_iap_path_reaches_the_vm_only_through_the_tunnel_and_its_rule(
     as_connection = proxy_command_as(vm["ssh_proxy_command"], vm["ssh_proxy_account"])
     refused = subprocess.run(as_connection, shell=True, capture_output=True, text=True, input="")
     assert refused.returncode == 1 and "4003: 'failed to connect to backend'" in refused.stderr
+    # The refused tunnel ends at once; paramiko waits out its banner timeout (30 s by default) all the same.
     with pytest.raises(paramiko.SSHException), VmHook(
-        remote_host=vm["ssh_address"], proxy_account=vm["ssh_proxy_account"], **pinned
+        remote_host=vm["ssh_address"], proxy_account=vm["ssh_proxy_account"], banner_timeout=5, **pinned
     ):
         pass
     fault_matrix.record(
@@ -338,7 +339,9 @@ def test_iap_through_a_connections_impersonation_chain(emulator, run_dag, tmp_pa
     said = subprocess.run(proxy_command_as(vm["ssh_proxy_command"], no_creator), shell=True, capture_output=True,
                           text=True, input="")
     assert said.returncode == 1 and f"Failed to impersonate [{tunneller}]" in said.stderr
-    with pytest.raises(paramiko.SSHException), VmHook(remote_host=vm["ssh_address"], proxy_account=no_creator, **pinned):
+    with pytest.raises(paramiko.SSHException), VmHook(
+        remote_host=vm["ssh_address"], proxy_account=no_creator, banner_timeout=5, **pinned
+    ):
         pass
 
 
@@ -487,3 +490,21 @@ def test_the_port_check_reads_what_the_tunnel_wrote_on_stderr():
     tunnel = f"echo connecting >&2; echo \"{refusal}\" >&2; exit 1"
     assert asyncio.run(ssh_port_check("10.0.0.2", 22, timeout=5, proxy_command=tunnel)) == (False, refusal)
     assert asyncio.run(ssh_port_check("10.0.0.2", 22, proxy_command="printf SSH-2.0-x")) == (True, "")
+
+
+def test_the_port_check_ends_the_whole_tunnel_at_once(tmp_path):
+    """A tunnel whose shell forked it (gcloud's wrapper may) is ended with it: the check does not wait for it.
+
+    Before, the forked tunnel outlived the kill of its shell and held stderr open until sshd dropped the idle
+    login (two minutes): each IAP VM's readiness took that long."""
+    import psutil
+
+    from airflow_tpu_posttrain.triggers.compute import ssh_port_check
+
+    marker = tmp_path / "tunnel-alive"
+    tunnel = f"(printf SSH-2.0-x; exec -a {marker} sleep 120) ; true"
+    started = time.monotonic()
+    assert asyncio.run(ssh_port_check("10.0.0.2", 22, proxy_command=tunnel)) == (True, "")
+    assert time.monotonic() - started < 60
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(marker) in " ".join(p.info["cmdline"] or [])]
+    assert left == []

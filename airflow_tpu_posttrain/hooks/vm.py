@@ -18,7 +18,6 @@ import posixpath
 import shlex
 import shutil
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -252,18 +251,12 @@ class VmHook(SSHHook):
         command = remote_job.state_command(paths.job_dir, paths.pid_file, paths.exit_code_file, paths.log_file)
         return remote_job.parse_state(self.run(command))
 
-    def job_ended_within(self, paths: RemoteJobPaths, seconds: float) -> dict | None:
-        """The job trigger's completion event when the job ends within ``seconds``; else None."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            exit_code = remote_job.parse_completion(
-                self.run(remote_job.completion_command(paths.pid_file, paths.exit_code_file))
-            )
-            if exit_code is not None:
-                log = self.get_text(paths.log_file) or ""
-                return {"job_id": paths.job_id, "done": True, "exit_code": exit_code, "log_chunk": log}
-        return None
+    def run_status(self, command: str, timeout: int = 60) -> tuple[int, str]:
+        """Run a short command that answers with its exit status: ``(status, stdout)``."""
+        status, stdout, _ = self.exec_ssh_client_command(
+            self._client, command, get_pty=False, environment=None, timeout=timeout
+        )
+        return status, stdout.decode(errors="replace")
 
     def exists(self, uri: str, tool: GcsTool | None = None, timeout: int = 300) -> bool:
         """Whether a path on the VM, or a ``gs://`` object or prefix, exists.

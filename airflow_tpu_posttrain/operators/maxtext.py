@@ -46,7 +46,6 @@ class MaxTextInstallOperator(MaxTextJobOperator):
     template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
     step_title = "Install"
     installs_maxtext = True  # how a recovery finds its VM's install task (operators/recovery.py)
-    quick_job_wait = 5.0  # a reused or restored environment is ready in seconds
 
     def __init__(
         self, *, maxtext_version: str | None = None, save_environment: bool = False, **kwargs: Any
@@ -68,6 +67,7 @@ class MaxTextInstallOperator(MaxTextJobOperator):
             ),
             None,
             {"venv": spec.runtime.venv, "maxtext_version": version},
+            done_check=install.installed_check(spec.runtime, version),
         )
 
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:

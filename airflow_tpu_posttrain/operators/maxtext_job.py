@@ -58,9 +58,11 @@ class Job:
         token_file: bool = False,
         prefetch: str | None = None,
         claim: tuple[str, str] | None = None,
+        done_check: str | None = None,
     ):
         self.script = script
         self.done_marker = done_marker
+        self.done_check = done_check  # a command on the VM whose exit 0 says the step's result is there already
         self.outputs = outputs
         self.reads_hub = reads_hub  # MaxText / transformers download the model: HF_TOKEN and HF_ENDPOINT set
         self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
@@ -99,9 +101,6 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
         endpoint); needed to read gated models and to publish.
     :param poll_interval: seconds between the trigger's polls of the job.
-    :param inline_wait: seconds the task watches a job it started before deferring: a job that ends by then
-        finishes without a second trip through a worker. Default: the step's ``quick_job_wait`` (the install,
-        usually a reused environment: 5 s; the long steps: 0, they would only hold the worker longer).
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
     :param stall_timeout_s: seconds without output from the job after which it is taken for hung (a trainer whose
         storage is unreachable is silent for minutes before it fails): its processes are stopped and the try
@@ -123,7 +122,6 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     )
     ui_color = "#e4f0e8"
     step_title = "MaxText"
-    quick_job_wait = 0.0
 
     def __init__(
         self,
@@ -146,7 +144,6 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         workdir: str = DEFAULT_WORKDIR,
         hf_conn_id: str | None = None,
         poll_interval: int = 10,
-        inline_wait: float | None = None,
         log_chunk_size: int = 65536,
         command_timeout: float = 30.0,
         max_reconnect_attempts: int = 8,
@@ -172,7 +169,6 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         self.workdir = workdir
         self.hf_conn_id = hf_conn_id
         self.poll_interval = poll_interval
-        self.inline_wait = inline_wait
         self.log_chunk_size = log_chunk_size
         self.command_timeout = command_timeout
         self.max_reconnect_attempts = max_reconnect_attempts
@@ -296,6 +292,11 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                     "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
                 )
                 return self.finish(context, vm, job, paths, reused=True)
+            if job.done_check:
+                status, said = vm.run_status(job.done_check)
+                if status == 0:
+                    self.log.info("%s: %s", self.step_title, said.strip())
+                    return self.finish(context, vm, job, paths, reused=True)
             state, log_offset = vm.job_state(paths)
             if state == "running":
                 self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
@@ -312,10 +313,6 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                     vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
                 self._start(vm, spec, job, paths)
                 log_offset = 0
-            wait = self.quick_job_wait if self.inline_wait is None else self.inline_wait
-            ended = vm.job_ended_within(paths, wait)
-        if ended is not None:
-            return self.execute_complete(context, ended)
         return self._watch(context, paths, log_offset=log_offset, first=True)
 
     def _start(self, vm: VmHook, spec: maxtext.RunSpec, job: Job, paths: RemoteJobPaths) -> None:

@@ -416,8 +416,8 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
     ``local``: only the local (True) or only the Google Cloud (False) entries; None: all."""
     import yaml
 
-    try:
-        data = yaml.safe_load(Path(path).read_text())
+    try:  # libyaml's loader where PyYAML has it: a fifth of the pure-Python parser's time, in every parse
+        data = yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as err:
         raise RegistryError(path, [f"not YAML: {err}"]) from None
     if not isinstance(data, dict):

@@ -108,6 +108,39 @@ def _save_lines(archive: str, venv: str, tool_script: str | None) -> list[str]:
     ]
 
 
+def _wanted(runtime: Runtime, maxtext_version: str) -> tuple[str, list[str]]:
+    """The MaxText requirement, and what the venv's marker records of an install of it."""
+    version = validation.package_version("maxtext_version", maxtext_version)
+    extra = "tpu" if runtime.is_cpu else "tpu-post-train"
+    maxtext = f"maxtext[{extra}]=={version}"
+    wanted = [f"runtime={runtime.name}", maxtext]
+    if runtime.is_cpu:
+        wanted += [CPU_TUNIX, *(f"override:{o}" for o in CPU_OVERRIDES)]
+    return maxtext, wanted
+
+
+def _reuse_lines(runtime: Runtime, wanted: list[str]) -> list[str]:
+    """Exit 0, saying so, when the venv's marker records this install."""
+    return [
+        f"venv={remote_path(runtime.venv)}",
+        f'marker="$venv"/{MARKER_NAME}',
+        f"wanted={shlex.quote(chr(10).join(wanted))}",
+        'if [[ -f "$marker" && "$(<"$marker")" == "$wanted" ]]; then',
+        "  echo \"Reusing the MaxText environment in $venv (installed: ${wanted//$'\\n'/, })\"",
+        "  exit 0",
+        "fi",
+    ]
+
+
+def installed_check(runtime: Runtime, maxtext_version: str) -> str:
+    """A command that exits 0 (saying so) when ``runtime.venv`` holds this install already, 1 otherwise.
+
+    The install task asks it before starting a job: a re-run or retry on a VM that has MaxText ends without a
+    deferral, and a fresh VM's install defers at once instead of holding the worker while it waits."""
+    _, wanted = _wanted(runtime, maxtext_version)
+    return f"bash -c {shlex.quote(chr(10).join([*_reuse_lines(runtime, wanted), 'exit 1']))}"
+
+
 def install_script(
     runtime: Runtime,
     maxtext_version: str,
@@ -121,12 +154,7 @@ def install_script(
     archive after a fresh install (one VM of a run does, so two do not upload the same archive);
     ``storage_tool_script``: where ``vm_scripts/gcs_tool.py`` is on the VM (a ``gs://`` cache).
     """
-    version = validation.package_version("maxtext_version", maxtext_version)
-    extra = "tpu" if runtime.is_cpu else "tpu-post-train"
-    maxtext = f"maxtext[{extra}]=={version}"
-    wanted = [f"runtime={runtime.name}", maxtext]
-    if runtime.is_cpu:
-        wanted += [CPU_TUNIX, *(f"override:{o}" for o in CPU_OVERRIDES)]
+    maxtext, wanted = _wanted(runtime, maxtext_version)
     steps = _cpu_steps(runtime, maxtext) if runtime.is_cpu else _tpu_steps(runtime, maxtext)
     archive = None
     if cache_uri and not runtime.venv.startswith("/"):
@@ -137,13 +165,7 @@ def install_script(
             [
                 "#!/usr/bin/env bash",
                 "set -euo pipefail",
-                f"venv={remote_path(runtime.venv)}",
-                f'marker="$venv"/{MARKER_NAME}',
-                f"wanted={shlex.quote(chr(10).join(wanted))}",
-                'if [[ -f "$marker" && "$(<"$marker")" == "$wanted" ]]; then',
-                "  echo \"Reusing the MaxText environment in $venv (installed: ${wanted//$'\\n'/, })\"",
-                "  exit 0",
-                "fi",
+                *_reuse_lines(runtime, wanted),
                 *(_restore_lines(archive, storage_tool_script) if archive else []),
                 f'echo {shlex.quote("Installing " + " ".join(wanted[1:]) + " into")} "$venv"',
                 *steps,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -236,13 +238,16 @@ async def ssh_port_check(
 
     ``proxy_command`` is an IAP tunnel: the second value is the last line it wrote to stderr (gcloud's error,
     e.g. ``4003: 'failed to connect to backend'``), "" otherwise. The server's banner is read, not only the
-    TCP handshake."""
+    TCP handshake. The tunnel runs in a process group of its own, ended whole: the shell and ``gcloud``'s
+    wrapper may fork, and a tunnel left behind holds stderr open (and sshd's connection) until sshd gives up on
+    the login, two minutes on."""
     if proxy_command:
         tunnel = await asyncio.create_subprocess_shell(
             proxy_command,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
         )
         try:
             banner = await asyncio.wait_for(tunnel.stdout.read(4), timeout)
@@ -250,7 +255,7 @@ async def ssh_port_check(
             banner = b""
         finally:
             with contextlib.suppress(ProcessLookupError):
-                tunnel.kill()
+                os.killpg(tunnel.pid, signal.SIGKILL)
             said = await tunnel.stderr.read()
             await tunnel.wait()
         lines = said.decode(errors="replace").strip().splitlines()
