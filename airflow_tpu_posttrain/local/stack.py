@@ -100,8 +100,10 @@ def compile_package_bytecode(cache: Path, python312: str) -> None:
     stamp = cache / ".bytecode-compiled"
     if not archives.is_dir() or (stamp.exists() and stamp.stat().st_mtime_ns >= archives.stat().st_mtime_ns):
         return
-    # Not checked: a few packages ship files that are not Python 3 (templates, test data); they stay uncompiled.
-    subprocess.run([python312, "-m", "compileall", "-q", "-q", "-j", "0", str(archives)], check=False)
+    # Not a wheel's ``.data/`` (its scripts directory may hold no directory: uv refuses such a wheel). Not checked:
+    # a few packages ship files that are not Python 3 (templates, test data); they stay uncompiled.
+    compile_all = [python312, "-m", "compileall", "-q", "-q", "-j", "0", "-x", r"\.data/", str(archives)]
+    subprocess.run(compile_all, check=False)
     stamp.write_text(f"{python312}\n")
 
 
