@@ -492,7 +492,7 @@ def test_the_port_check_reads_what_the_tunnel_wrote_on_stderr():
     assert asyncio.run(ssh_port_check("10.0.0.2", 22, proxy_command="printf SSH-2.0-x")) == (True, "")
 
 
-def test_the_port_check_ends_the_whole_tunnel_at_once(tmp_path):
+def test_the_port_check_ends_the_whole_tunnel_at_once():
     """A tunnel whose shell forked it (gcloud's wrapper may) is ended with it: the check does not wait for it.
 
     Before, the forked tunnel outlived the kill of its shell and held stderr open until sshd dropped the idle
@@ -501,10 +501,10 @@ def test_the_port_check_ends_the_whole_tunnel_at_once(tmp_path):
 
     from airflow_tpu_posttrain.triggers.compute import ssh_port_check
 
-    marker = tmp_path / "tunnel-alive"
-    tunnel = f"(printf SSH-2.0-x; exec -a {marker} sleep 120) ; true"
+    seconds = f"119.{time.time_ns() % 10**9:09d}"  # sleep's argument: this test's process, found by it
+    tunnel = f"(printf SSH-2.0-x; exec sleep {seconds}) ; true"
     started = time.monotonic()
     assert asyncio.run(ssh_port_check("10.0.0.2", 22, proxy_command=tunnel)) == (True, "")
     assert time.monotonic() - started < 60
-    left = [p for p in psutil.process_iter(["cmdline"]) if str(marker) in " ".join(p.info["cmdline"] or [])]
+    left = [p for p in psutil.process_iter(["cmdline"]) if seconds in (p.info["cmdline"] or [])]
     assert left == []
