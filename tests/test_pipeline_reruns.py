@@ -1,9 +1,10 @@
-"""The tiny SFT DAG run again, after a refused publish and after a per-model backfill.
+"""The tiny SFT DAG run again, after a failed export and a refused publish, and after a per-model backfill.
 
-A publish the Hub refuses to a read-only token: the checked export is kept in storage, and a re-run publishes
-it without exporting again. A per-model backfill of two logical dates whose first date is then run again under
-its own run_id. End to end in real Airflow (dag.test) against the local stack, with the helpers and VM probes
-of ``test_pipeline_failures.py``. Slow (minutes).
+An export that fails keeps the trained checkpoint, and its re-run trains no more; a publish the Hub refuses to a
+read-only token keeps the checked export in storage, and a re-run publishes it without exporting again. A
+per-model backfill of two logical dates whose first date is then run again under its own run_id. End to end in
+real Airflow (dag.test) against the local stack, with the helpers and VM probes of ``test_pipeline_failures.py``.
+Slow (minutes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from test_pipeline_failures import (  # noqa: F401 - vm_ends and _each_vm_probed
     assert_failed_cleanly,
     assert_vms_gone,
     checkpoint_storage,
+    file_in_place_of_on_cpu_vm,
     instance_inserts,
+    root,
     run_pipeline,
     states,
     successful_conversions,
@@ -29,12 +32,37 @@ from test_pipeline_failures import (  # noqa: F401 - vm_ends and _each_vm_probed
 SFT_HUB_REPO = "local/tiny-llama-sft"  # dags/models.yaml
 
 
-def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkeypatch, fault_matrix):
-    """The token's write role is taken away during the run: the Hub refuses the upload (403).
+def test_export_fails_then_the_hub_refuses_then_a_rerun_publishes(stack, vm_ends, capfd, monkeypatch, fault_matrix):
+    """One DAG run, three times: each re-run goes on from what the one before kept, on new VMs.
 
-    It still reads the gated base model. (A token read-only from the start is refused by check_inputs.)"""
+    1. The export cannot write its output directory (a regular file where ``<root>/hf-trained`` goes on the CPU VM,
+       put there as soon as that VM is up): the run fails at the export; the trained checkpoint is kept.
+    2. Re-run: the training is reused, not done again; the export succeeds, and the Hub refuses the upload (the
+       token's write role is taken away as the export starts; it still reads the gated base model. A token
+       read-only from the start is refused by check_inputs). The checked export is kept in storage.
+    3. Re-run with the write role back: the kept export is published, without exporting again."""
     from airflow_tpu_posttrain.operators.export import HfExportOperator
 
+    logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__export-and-publish-fail"
+
+    # 1. The export fails.
+    with file_in_place_of_on_cpu_vm(stack, root() / "hf-trained") as placed:
+        dr = run_pipeline(logical_date=logical_date, run_id=run_id)
+    logs = "".join(capfd.readouterr())
+    assert placed == [xcom(dr, "create_cpu_vm")["name"]], placed
+    assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
+    trained = xcom(dr, "train")
+    assert trained["reused"] is False and trained["metrics"]["steps_completed"] == STEPS
+    assert storage_has(trained["checkpoint"])
+    assert "Export failed on the VM with exit code" in logs
+    assert str(root() / "hf-trained") in logs
+    fault_matrix.record(
+        "pipeline: export, output directory not writable (trained checkpoint kept)",
+        stack.compute.instances() == [], dr.state, storage_has(trained["checkpoint"]),
+        log_excerpt(logs, "Export failed on the VM with exit code"),
+    )
+
+    # 2. Re-run: the training reused, the publish refused.
     export = HfExportOperator.execute
 
     def export_after_the_write_role_went(self, context):
@@ -43,7 +71,7 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
 
     monkeypatch.setattr(HfExportOperator, "execute", export_after_the_write_role_went)
     hub_requests_before = len(stack.hub.requests)
-    logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__publish-fails"
+    vm_ends.forget()
     try:
         dr = run_pipeline(logical_date=logical_date, run_id=run_id)
     finally:
@@ -51,8 +79,10 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
         stack.hub.set_read_only(stack.hf_token, False)
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
-    trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == STEPS and storage_has(trained["checkpoint"])
+    again = xcom(dr, "train")
+    assert again["reused"] is True and (again["run_name"], again["checkpoint"]) == (
+        trained["run_name"], trained["checkpoint"]
+    )
     assert "Export failed on the VM with exit code" in logs
     assert "publish_model: error:" in logs
     writes = [r for r in stack.hub.requests[hub_requests_before:] if r.method in ("POST", "PUT")]
@@ -70,20 +100,21 @@ def test_publish_fails_when_the_token_cannot_write(stack, vm_ends, capfd, monkey
     files = storage_objects(kept)
     assert storage_has(f"{kept}.complete")
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
+    refused = dr.state
 
-    # With the write role back: a re-run of the same DAG run publishes the kept export, on new VMs, without exporting.
+    # 3. With the write role back: a re-run publishes the kept export, on new VMs, without exporting.
     vm_ends.forget()
     rerun = run_pipeline(logical_date=logical_date, run_id=run_id)
     relogs = "".join(capfd.readouterr())
     assert rerun.state == "success", states(rerun)
     assert f"Restoring the export kept at {kept}" in relogs
     published = xcom(rerun, "export_and_publish")
-    assert published["kept_uri"] == kept and published["hub"]["revision"] == f"run-{trained['run_name']}"
+    assert published["kept_uri"] == kept and published["hub"]["revision"] == revision
     assert_vms_gone(vm_ends, rerun)
     fault_matrix.record(
         "pipeline: publish refused, the token's write role gone mid-run (checked export kept in storage; a re-run "
         "publishes it, no re-export)",
-        stack.compute.instances() == [], dr.state, "config.json" in files,
+        stack.compute.instances() == [], refused, "config.json" in files,
         log_excerpt(logs, "The checked export is kept at"),
     )
 

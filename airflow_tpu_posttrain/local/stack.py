@@ -95,7 +95,7 @@ def compile_package_bytecode(cache: Path, python312: str) -> None:
     compiles what it imports (measured here: importing the SFT trainer took 54 s of CPU without bytecode, 18 s
     with), once per VM. Locally that was every run's VMs, the largest cost after training itself; it is a
     difference of speed only (docs/local-stand-ins.md). A stamp at the top of the cache records the compile, so
-    the logins' copies of the cache (``local/vm._login_mirror``) are made again with it."""
+    the VMs share the cache again with it (``local/vm._share_mirror``)."""
     archives = cache / "archive-v0"
     stamp = cache / ".bytecode-compiled"
     if not archives.is_dir() or (stamp.exists() and stamp.stat().st_mtime_ns >= archives.stat().st_mtime_ns):

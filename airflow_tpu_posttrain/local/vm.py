@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import json
 import os
 import pwd
@@ -42,7 +43,7 @@ _KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py keys {VM_SSH_DIR}/s
 _OSLOGIN_KEYS_COMMAND = f"{IMAGE_PYTHON} -I {VM_SSH_DIR}/vm_agent.py oslogin-keys {{url}} %u"
 START_TIMEOUT_S = 60.0  # a loaded 2-core machine forks slowly; a bound, not a pace
 DESTROY_TIMEOUT_S = 60.0  # SIGKILLed processes with GBs mapped take a while to go on a loaded machine
-# A VM deleted while it boots waits for its disk to be ready first: a login's first boot copies the package mirror.
+# A VM deleted while it boots waits for its disk to be ready first: the first boot after a new mirror shares it.
 BOOT_PREPARE_TIMEOUT_S = 300.0
 HOST_KEY_TYPES = {"ed25519": "ssh-ed25519", "ecdsa": "ecdsa-sha2-nistp256"}
 # MaxText's default jax_cache_dir ("~/jax_cache", configs/base.yml), in the login's home.
@@ -67,6 +68,7 @@ _VM_ENV = (
     "no_proxy",
 )
 VM_UV_CACHE = "uv-cache"  # in the VM's /var/tmp: the package cache, as warmed from a mirror
+PACKAGE_GROUP = "posttrain-packages"  # every VM login's: its members may link the package mirror's files
 _LOGIN = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 _ACCOUNTS_LOCK = threading.Lock()
 
@@ -184,53 +186,53 @@ def _kill(pids: Iterable[int]) -> None:
 
 
 def _ensure_account(login: str) -> pwd.struct_passwd:
-    """The host account of ``login``, created once (``useradd``, no home: homes are per VM).
+    """The host account of ``login``, created once (``useradd``, no home: homes are per VM), in ``PACKAGE_GROUP``.
 
     Password ``*`` as the guest agent sets it: no password login, yet not locked (``!``), sshd refuses it.
     """
     with _ACCOUNTS_LOCK:
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(login)
-        # No check: another process may have created it meanwhile, or hold /etc/passwd's lock (useradd then
-        # fails at once); getpwnam decides, a few times.
+        # No check of the tools: another process may have done it meanwhile, or hold /etc/passwd's or /etc/group's
+        # lock (the tools then fail at once); the account database decides, a few times.
         for _ in range(20):
-            subprocess.run(
-                ["useradd", "-M", "-d", f"/home/{login}", "-s", "/bin/bash", "-p", "*", login],
-                check=False,
-                capture_output=True,
-            )
             try:
-                return pwd.getpwnam(login)
+                account = pwd.getpwnam(login)
             except KeyError:
-                time.sleep(0.25)
-        return pwd.getpwnam(login)
+                _ensure_package_group()
+                useradd = ["useradd", "-M", "-d", f"/home/{login}", "-s", "/bin/bash", "-p", "*", "-G", PACKAGE_GROUP]
+                subprocess.run([*useradd, login], check=False, capture_output=True)
+                continue
+            with contextlib.suppress(KeyError):
+                if login in grp.getgrnam(PACKAGE_GROUP).gr_mem:
+                    return account
+            _ensure_package_group()  # an account made before the group was
+            subprocess.run(["usermod", "-a", "-G", PACKAGE_GROUP, login], check=False, capture_output=True)
+            time.sleep(0.25)
+        raise RuntimeError(f"could not make the account {login} in group {PACKAGE_GROUP}")
 
 
-def _login_mirror(mirror: Path, account: pwd.struct_passwd) -> Path:
-    """The package mirror as ``account``'s own files.
+def _ensure_package_group() -> None:
+    subprocess.run(["groupadd", "-f", PACKAGE_GROUP], check=False, capture_output=True)
 
-    Copied at the first boot of a VM with that login, and again once the mirror has changed. A VM's cache is
-    hard-linked from this copy, so uv, running as the login, can hard-link the packages into its venv as on a
-    real VM, whose cache is the login's own. (With ``fs.protected_hardlinks``, Debian's default, a link to
-    another user's file is refused; uv then copied all 2.7 GB at every install. Chowning the shared mirror
-    instead changed the owner of files another login's VM was reading.)"""
+
+def _share_mirror(mirror: Path) -> None:
+    """The package mirror readable and writable by ``PACKAGE_GROUP``, which every VM login is in.
+
+    A VM's cache is hard-linked from the mirror, and uv, running as the login, hard-links the packages into its
+    venv, as on a real VM, whose cache is the login's own. With ``fs.protected_hardlinks``, Debian's default, the
+    kernel refuses a link to a file its linker neither owns nor may write: uv then copied all 2.7 GB at every
+    install. The group's write permission lets every login link; the files stay root's (a copy per login cost a
+    login's first boot a 6.6 GB copy, in every fresh clone). Done again once the mirror has changed."""
     mirror.mkdir(parents=True, exist_ok=True)
-    copies = mirror.with_name(f"{mirror.name}-by-login")
-    copies.mkdir(exist_ok=True)
-    target, stamp = copies / account.pw_name, copies / f"{account.pw_name}.version"
+    stamp = mirror.with_name(f"{mirror.name}.shared")
     version = ";".join(f"{path.name}:{path.stat().st_mtime_ns}" for path in sorted(mirror.iterdir()))
-    with open(copies / f"{account.pw_name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # VMs of one login booting at once make the copy once
-        if target.is_dir() and stamp.is_file() and stamp.read_text() == version:
-            return target
-        building = copies / f".{account.pw_name}.building"
-        shutil.rmtree(building, ignore_errors=True)
-        subprocess.run(["cp", "-a", str(mirror), str(building)], check=True)
-        _chown(building, account)
-        shutil.rmtree(target, ignore_errors=True)  # VMs booted from it keep their own links
-        building.rename(target)
+    with open(mirror.with_name(f"{mirror.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # VMs booting at once share it once
+        if stamp.is_file() and stamp.read_text() == version:
+            return
+        _ensure_package_group()
+        subprocess.run(["chgrp", "-R", "-h", PACKAGE_GROUP, str(mirror)], check=True)
+        subprocess.run(["chmod", "-R", "g+rwX", str(mirror)], check=True)
         stamp.write_text(version)
-    return target
 
 
 def _unshare_written_files(cache: Path) -> None:
@@ -456,10 +458,10 @@ class LocalVm:
                 (home / JAX_CACHE_DIR).symlink_to(self.compile_cache)
             _chown(home, _ensure_account(login))
         if self.package_cache is not None and logins:
-            mirror = _login_mirror(self.package_cache, pwd.getpwnam(logins[0]))
-            # The login's copy of the mirror, hard-linked onto the VM's disk (seconds, no bytes copied): uv then
-            # links the packages into the venv, both on /var/tmp's mount (links cannot cross mounts). A copy if
-            # they cannot.
+            mirror = self.package_cache
+            _share_mirror(mirror)
+            # The mirror, hard-linked onto the VM's disk (seconds, no bytes copied): uv then links the packages
+            # into the venv, both on /var/tmp's mount (links cannot cross mounts). A copy if they cannot.
             copy = ["cp", "-a", "--link"] if _same_filesystem(mirror, self.disk_dir) else ["cp", "-a"]
             vm_cache = self.disk_dir / "var-tmp" / VM_UV_CACHE
             subprocess.run([*copy, str(mirror), str(vm_cache)], check=True)
