@@ -199,7 +199,8 @@ def _ensure_account(login: str) -> pwd.struct_passwd:
             except KeyError:
                 _ensure_package_group()
                 useradd = ["useradd", "-M", "-d", f"/home/{login}", "-s", "/bin/bash", "-p", "*", "-G", PACKAGE_GROUP]
-                subprocess.run([*useradd, login], check=False, capture_output=True)
+                if subprocess.run([*useradd, login], check=False, capture_output=True).returncode != 0:
+                    time.sleep(0.25)  # as after usermod below: the lock's holder gets time to finish
                 continue
             with contextlib.suppress(KeyError):
                 if login in grp.getgrnam(PACKAGE_GROUP).gr_mem:
