@@ -42,11 +42,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The versions of requirements/test.lock (what the last green run used); updating it is a deliberate commit.
 uv pip install -q -p .venv/bin/python -r requirements/test.lock -e . --group test
-# Bytecode for every installed module, once (later runs only compare timestamps): the tests start many Python
-# processes (Airflow's components and tasks, the gcloud and storage stand-ins), and with PYTHONDONTWRITEBYTECODE
-# set, as here, each compiled what it imported again. Some packages ship non-Python 3 test data.
-.venv/bin/python -m compileall -q -q -j 0 .venv/lib/python3.12/site-packages || true
-
 # The local "VM"'s image: MaxText's CPU venv (through the same install script the pipeline runs) and the tiny
 # model; and the venv that checks an exported model loads in transformers.
 TPU_POSTTRAIN_PYTHON312="$PY312" .venv/bin/python -m airflow_tpu_posttrain.local.stack prepare .local
