@@ -11,8 +11,9 @@ tells a production user to make it: a login and a private key, no host and no ho
 Under ``vm_dir`` (default ``<local_dir>/vm``, emptied at each start): the instances' disks, the local GCS
 server's objects (``gcs/``: the checkpoint storage ``gs://local-posttrain/...``, reached by the VMs through the
 storage clients' endpoint settings), a directory every VM sees (for storage a user configures as a directory)
-and the Hub's files. In ``local_dir``, kept: the tiny model,
-the client key, and the package cache the VMs install MaxText from (standing in for a package mirror).
+and the Hub's files. In ``local_dir``, kept: the tiny model
+and the client key; the package cache the VMs install MaxText from (standing in for a package mirror) is this
+machine's (``package_cache``).
 Stacks with different ``vm_dir`` can run side by side.
 """
 
@@ -71,9 +72,13 @@ def find_python312() -> str:
 CLIENT_KEY = Path("ssh") / "id_ed25519"
 
 
-def package_cache(local_dir: Path) -> Path:
-    """Uv's cache the local VMs install from: filled once here, as a package mirror would be."""
-    return local_dir / "vm-packages"
+def package_cache() -> Path:
+    """Uv's cache the local VMs install from, standing in for a package mirror: one for this machine.
+
+    In the user's cache directory, as uv's own cache is, not in the checkout: a fresh clone (CI's) installs the
+    releases it names from it without downloading them again or compiling their bytecode again."""
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_home / "airflow-tpu-posttrain" / "vm-packages"
 
 
 def compile_cache(local_dir: Path) -> Path:
@@ -114,7 +119,7 @@ def prepare_vm_image(local_dir: Path, python312: str) -> None:
     cache the VMs install from (the twins' releases too: 0.2.2, 0.2.3). The tiny-llama release's venv builds the
     tiny models and data. The launcher scripts go where the local settings name them (``launcher_source_dir``)."""
     shutil.copytree(Path(__file__).with_name("vm_launchers"), local_dir / LOCAL_LAUNCHERS, dirs_exist_ok=True)
-    cache = package_cache(local_dir)
+    cache = package_cache()
     venv = local_dir / "maxtext-venv"
     if not cache.exists():  # a venv from before the cache existed: built again, to fill the cache
         shutil.rmtree(venv, ignore_errors=True)
@@ -165,7 +170,7 @@ class LocalStack:
         self.fleet = LocalFleet(
             self.vm_dir / "instances",
             shared_paths=(self.storage_dir, self.published_dir),
-            package_cache=package_cache(self.local_dir),
+            package_cache=package_cache(),
             compile_cache=compile_cache(self.local_dir),
         )
         self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
