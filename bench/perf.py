@@ -443,8 +443,8 @@ PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 DOC_METHOD = """\
 How each figure is computed: P1, the TPU VM's time from the emulator's instance creation to the first sample
 without the instance, over the `train` task's start to end. P2, the time task instances spend `running` (in a
-worker) over the DAG run's start to end. P3, `bench/parse_time.py` (fresh interpreters, after `import airflow`).
-P4, the DAG run over `bench/plain_pipeline.sh --sft-only` (the same MaxText commands in a shell script). P5, a
+worker) over the DAG run's start to end. P3, `bench/parse_time.py` (fresh interpreters, after `import airflow`,
+the bytecode written as in a deployment). P4, the DAG run over `bench/plain_pipeline.sh --sft-only` (the same MaxText commands in a shell script). P5, a
 run with more steps whose trainer is SIGKILLed once it logs a chosen step; the retry's resumed step from its
 XCom. P6, orbax's own figures for the converted checkpoint's load (the cold run's train XCom), and the install
 script's storage commands timed on the local venv and GCS server. Modelled P1 and cost: `modelled_p1` and

@@ -430,7 +430,10 @@ def test_the_kept_base_evaluation_beats_a_resumed_grpo_processs_own(tmp_path):
     class Grpo(EvaluationMixin):
         log, step_title, storage_tool = logging.getLogger("test"), "GRPO", None
 
-    vm = SimpleNamespace(run=lambda command: subprocess.run(command, shell=True, capture_output=True, text=True).stdout)
+        def _vm(self):
+            raise AssertionError("the kept evaluation is there: nothing is written")
+
     spec = SimpleNamespace(layout=SimpleNamespace(checkpoints_dir=str(run_dir / "checkpoints")))
-    evaluation = Grpo().evaluation(vm, spec, resumed, str(tmp_path / "job.log"))
+    reported = subprocess.run(Grpo().kept_base_evaluation_command(spec), shell=True, capture_output=True, text=True)
+    evaluation = Grpo().evaluation(spec, resumed, str(tmp_path / "job.log"), reported.stdout)
     assert evaluation["base"]["accuracy"] == 0.0 and evaluation["trained"]["accuracy"] == 50.0

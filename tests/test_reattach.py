@@ -261,3 +261,51 @@ def test_the_watch_runs_a_command_once_when_the_log_shows_its_marker(stack):
         assert event["done"] and event["exit_code"] == 0, event
         with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
             assert vm.run(f"cat {counter}").split() == ["kept"]
+
+
+def test_a_succeeded_jobs_report_comes_with_its_event_after_the_last_marker_was_acted_on(stack):
+    """What a finished step reads from the VM comes in the watch's event: its resumption in a worker asks nothing.
+
+    The job logs the marker as its last line and ends at once, so the watch may see it only in its last poll: the
+    report, run after that poll, still reads what the marker's command wrote (the kept base evaluation). A job
+    that failed carries no report."""
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+    from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
+    from airflow_tpu_posttrain.recipes.remote_job import parse_report, report_command
+    from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+
+    marker = "eval metrics after step: 0,"
+    kept = f"{DEFAULT_WORKDIR}/kept.log"
+    report = report_command({
+        "kept": f"cat {kept}",
+        "absent": f"cat {DEFAULT_WORKDIR}/absent",
+        "text": "printf 'two words\\nand a line with  spaces\\n'; echo 'on stderr' >&2",
+    })
+
+    def watch(machine, job_id: str, script: str) -> dict:
+        job = RemoteJobPaths(job_id=job_id, remote_os="posix", base_dir=f"{DEFAULT_WORKDIR}/jobs")
+        with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
+            vm.run(build_posix_wrapper_command(script, job))
+        trigger = MaxTextJobTrigger(
+            ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
+            job_id=job.job_id, job_dir=job.job_dir, log_file=job.log_file, exit_code_file=job.exit_code_file,
+            remote_os="posix", poll_interval=1,
+            on_output={"markers": [marker], "command": f"echo '{marker} loss=6.3' > {kept}", "description": "keeping"},
+            report_command=report,
+        )
+        _, kwargs = trigger.serialize()  # rebuilt, as the triggerer does
+        return asyncio.run(asyncio.wait_for(until_done(MaxTextJobTrigger(**kwargs)), timeout=120)).payload
+
+    with vm_of_its_own(stack, "report-vm") as machine:
+        event = watch(machine, "reported", f"{{ sleep 3; echo '{marker} loss=6.3'; }}")
+        assert event["done"] and event["exit_code"] == 0, event
+        items = parse_report(event["report"])
+        assert (items["kept"].status, items["kept"].stdout) == (0, f"{marker} loss=6.3\n")
+        assert items["absent"].status != 0 and "No such file" in items["absent"].stderr
+        assert items["text"].stdout == "two words\nand a line with  spaces\n"
+        assert items["text"].stderr == "on stderr\n"
+
+        failed = watch(machine, "failed", "{ echo working; (exit 3); }")
+        assert failed["exit_code"] == 3 and "report" not in failed, failed

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import base64
-import io
 import json
 import os
 import posixpath
@@ -234,16 +233,6 @@ class VmHook(SSHHook):
             with sftp.open(path, "w") as handle:
                 handle.write(data)
 
-    def get_text(self, path: str) -> str | None:
-        """The file's text, or None when it does not exist."""
-        with self._client.open_sftp() as sftp:
-            buffer = io.BytesIO()
-            try:
-                sftp.getfo(path, buffer)
-            except FileNotFoundError:
-                return None
-            return buffer.getvalue().decode(errors="replace")
-
     def job_state(self, paths: RemoteJobPaths) -> tuple[str, int]:
         """A detached job's state and its log's size.
 
@@ -264,19 +253,23 @@ class VmHook(SSHHook):
         A ``gs://`` object or prefix is read with the VM's credentials through ``tool``. :class:`StorageError`
         when storage could not be asked: "could not look" is never taken for "not there" (which would redo a
         finished step, or fail a finished training)."""
-        from airflow_tpu_posttrain.recipes.storage import EXISTS_NO, exists_command
+        from airflow_tpu_posttrain.recipes.storage import exists_command
 
         status, _, stderr = self.exec_ssh_client_command(
             self._client, exists_command(uri, tool), get_pty=False, environment=None, timeout=timeout
         )
-        if status == 0:
-            return True
-        if status == EXISTS_NO:
-            return False
-        raise StorageError(
-            f"could not check {uri} from the VM (exit status {status}): "
-            f"{stderr.decode(errors='replace').strip()[-2000:]}"
-        )
+        return exists_answer(uri, status, stderr.decode(errors="replace"))
+
+
+def exists_answer(uri: str, status: int, stderr: str) -> bool:
+    """What ``storage.exists_command``'s exit status says of ``uri``; :class:`StorageError` when it could not look."""
+    from airflow_tpu_posttrain.recipes.storage import EXISTS_NO
+
+    if status == 0:
+        return True
+    if status == EXISTS_NO:
+        return False
+    raise StorageError(f"could not check {uri} from the VM (exit status {status}): {stderr.strip()[-2000:]}")
 
 
 class VmHookAsync(SSHHookAsync):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from airflow_tpu_posttrain.recipes import remote_job, storage
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.recipes import maxtext
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
@@ -35,6 +37,7 @@ class EvaluationMixin:
     log: Any
     step_title: str
     storage_tool: storage.GcsTool
+    _vm: Callable[[], VmHook]  # VmConnectionMixin's, in the operators
 
     def base_evaluation_uri(self, spec: maxtext.RunSpec) -> str:
         return f"{posixpath.dirname(spec.layout.checkpoints_dir)}/{BASE_EVALUATION_FILE}"
@@ -52,24 +55,28 @@ class EvaluationMixin:
             "description": f"keeping the base model's evaluation at {uri}",
         }
 
+    def kept_base_evaluation_command(self, spec: maxtext.RunSpec) -> str:
+        """Prints the metric lines kept at ``base_evaluation_uri``; nothing when none were kept."""
+        return f"{storage.read_command(self.base_evaluation_uri(spec), self.storage_tool)} 2>/dev/null || true"
+
     def evaluation(
-        self, vm: VmHook, spec: maxtext.RunSpec, metrics: TrainingMetrics, log_file: str
+        self, spec: maxtext.RunSpec, metrics: TrainingMetrics, log_file: str, kept: str
     ) -> dict[str, Any]:
         """``{"base": ..., "trained": ...}``: the base numbers kept by the run's first process, else this log's.
 
-        Kept first: a resumed GRPO process logs "Pre RL Training" too, for the model it resumed (partly trained),
-        and its log need not say it resumed."""
+        ``kept``: what ``kept_base_evaluation_command`` printed. Kept first: a resumed GRPO process logs
+        "Pre RL Training" too, for the model it resumed (partly trained), and its log need not say it resumed."""
         from airflow_tpu_posttrain.recipes.metrics import parse_lines
 
         uri = self.base_evaluation_uri(spec)
-        kept = vm.run(f"{storage.read_command(uri, self.storage_tool)} 2>/dev/null || true")
         base = parse_lines(kept.splitlines()).base_evaluation()
         if base:
             self.log.info("The base model's evaluation %s, kept at %s", base, uri)
         else:
             base = metrics.base_evaluation()
-            if base:
-                vm.run(self.keep_base_evaluation(spec, log_file)["command"])  # if the watch missed it (a short job)
+            if base:  # the watch did not keep it (it never read that part of the log: a job that ended first)
+                with self._vm() as vm:
+                    vm.run(self.keep_base_evaluation(spec, log_file)["command"])
             else:
                 self.log.warning("The base model's evaluation is neither in this log nor at %s", uri)
         return {"base": base, "trained": metrics.trained_evaluation()}

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
+    from airflow_tpu_posttrain.recipes.remote_job import ReportItem
 
 
 class PublishedModelLink(XComUrlLink):
@@ -250,10 +251,20 @@ class HfExportOperator(MaxTextJobOperator):
         for name in VM_SCRIPTS:
             vm.put_bytes(f"{self.workdir}/vm_scripts/{name}", (scripts / name).read_bytes(), 0o644)
 
+    def report_commands(self, context: Context, job: Job, paths: RemoteJobPaths) -> dict[str, str]:
+        """Also what publishing wrote to its result file."""
+        return {**super().report_commands(context, job, paths), "published": f"cat {shlex.quote(job.outputs['result_file'])}"}
+
     def results(
-        self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics, paths: RemoteJobPaths
+        self,
+        context: Context,
+        job: Job,
+        metrics: TrainingMetrics,
+        paths: RemoteJobPaths,
+        report: dict[str, ReportItem],
     ) -> dict:
-        text = vm.get_text(job.outputs["result_file"])
+        published = report["published"]
+        text = published.stdout if published.status == 0 else None
         if text is None:
             raise RemoteJobError(
                 f"Publishing left no result file; the exported model is on the VM at {job.outputs['export_dir']}"

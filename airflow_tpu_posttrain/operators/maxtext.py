@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
+    from airflow_tpu_posttrain.recipes.remote_job import ReportItem
 
 
 class MaxTextInstallOperator(MaxTextJobOperator):
@@ -81,8 +82,10 @@ class MaxTextInstallOperator(MaxTextJobOperator):
         for launcher in sorted(Path(self.launcher_source_dir).glob("*.py")):
             vm.put_bytes(f"{spec.runtime.launcher_dir}/{launcher.name}", launcher.read_bytes(), 0o644)
 
-    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
-        result = super().finish(context, vm, job, paths, reused)
+    def finish(
+        self, context: Context, job: Job, paths: RemoteJobPaths, report: dict[str, ReportItem], reused: bool
+    ) -> dict:
+        result = super().finish(context, job, paths, report, reused)
         if not reused and isinstance(self.vm, dict):
             just_in_time.record_ready(self.vm)
         return result
@@ -178,8 +181,10 @@ class MaxTextConvertOperator(MaxTextJobOperator):
             claim=self._claim(spec, context) if spec.layout.conversion_key else None,
         )
 
-    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
-        result = super().finish(context, vm, job, paths, reused)
+    def finish(
+        self, context: Context, job: Job, paths: RemoteJobPaths, report: dict[str, ReportItem], reused: bool
+    ) -> dict:
+        result = super().finish(context, job, paths, report, reused)
         if job.outputs.get("conversion_key"):
             record = self.vm if isinstance(self.vm, dict) else {}
             spec = self.run_spec(context)
@@ -289,15 +294,33 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
     def on_vm_lost(self, context: Context, lost: Any) -> Any:
         return self.recover(context, lost)
 
+    def report_commands(self, context: Context, job: Job, paths: RemoteJobPaths) -> dict[str, str]:
+        """Also whether the final checkpoint was committed, and the base model's evaluation kept in storage."""
+        spec = self.resolved(context, self.run_spec(context))
+        committed = storage.committed_checkpoint(job.outputs["checkpoint"])
+        return {
+            **super().report_commands(context, job, paths),
+            "checkpoint_committed": storage.exists_command(committed, self.storage_tool),
+            "kept_base_evaluation": self.kept_base_evaluation_command(spec),
+        }
+
     def results(
-        self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics, paths: RemoteJobPaths
+        self,
+        context: Context,
+        job: Job,
+        metrics: TrainingMetrics,
+        paths: RemoteJobPaths,
+        report: dict[str, ReportItem],
     ) -> dict:
         """The final checkpoint must be durable before the task succeeds: the TPU VM is deleted right after.
 
         Durable: in storage, or on the VM in the seeds' layout. Then the evaluations."""
+        from airflow_tpu_posttrain.hooks.vm import exists_answer
+
         checkpoint = job.outputs["checkpoint"]
         committed = storage.committed_checkpoint(checkpoint)  # a half-written step is not a checkpoint
-        if not vm.exists(committed, self.storage_tool):
+        answer = report["checkpoint_committed"]
+        if not exists_answer(committed, answer.status, answer.stderr):
             raise CheckpointMissingError(
                 f"{self.step_title} finished but its final checkpoint {checkpoint} is missing or incomplete "
                 f"(no {committed}); a retry resumes from the newest checkpoint"
@@ -307,7 +330,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
             CheckpointLink().push(context, link)
         spec = self.resolved(context, self.run_spec(context))
         return {
-            "evaluation": self.evaluation(vm, spec, metrics, paths.log_file),
+            "evaluation": self.evaluation(spec, metrics, paths.log_file, report["kept_base_evaluation"].stdout),
             "finished_at": datetime.now(UTC).isoformat(),
             # What the training's cost counts: the VM it finished on and those lost before (recoveries).
             "vm": self.serving_vm(context),

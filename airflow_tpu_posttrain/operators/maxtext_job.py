@@ -291,19 +291,19 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 self.log.info(
                     "%s: output already complete (%s); nothing to redo", self.step_title, job.done_marker
                 )
-                return self.finish(context, vm, job, paths, reused=True)
+                return self.finish(context, job, paths, self._report(vm, context, job, paths), reused=True)
             if job.done_check:
                 status, said = vm.run_status(job.done_check)
                 if status == 0:
                     self.log.info("%s: %s", self.step_title, said.strip())
-                    return self.finish(context, vm, job, paths, reused=True)
+                    return self.finish(context, job, paths, self._report(vm, context, job, paths), reused=True)
             state, log_offset = vm.job_state(paths)
             if state == "running":
                 self.log.info("Re-attaching to job %s, still running on the VM", paths.job_id)
             else:
                 if state == "succeeded":
                     self.log.info("Job %s already finished successfully on the VM", paths.job_id)
-                    return self.finish(context, vm, job, paths, reused=True)
+                    return self.finish(context, job, paths, self._report(vm, context, job, paths), reused=True)
                 if state != "absent":
                     self.log.info(
                         "Earlier job %s %s; starting it again (training resumes from its checkpoint)",
@@ -313,7 +313,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                     vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
                 self._start(vm, spec, job, paths)
                 log_offset = 0
-        return self._watch(context, paths, log_offset=log_offset, first=True)
+        return self._watch(context, job, paths, log_offset=log_offset, first=True)
 
     def _start(self, vm: VmHook, spec: maxtext.RunSpec, job: Job, paths: RemoteJobPaths) -> None:
         from airflow.providers.ssh.utils.remote_job import build_posix_wrapper_command
@@ -342,7 +342,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         """Upload what the step needs besides its script (launchers, helper scripts)."""
 
-    def _watch(self, context: Context, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
+    def _watch(self, context: Context, job: Job, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
         """Defer to the remote-job trigger; before the first deferral, record the job for ``on_kill``."""
         from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
 
@@ -372,6 +372,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 vm=self.vm_watch(context),
                 stall_timeout=self.stall_timeout_s,
                 on_output=self.on_output(context, paths),
+                report_command=self._report_command(context, job, paths),
             ),
             method_name="execute_complete",
             timeout=self.execution_timeout,
@@ -384,8 +385,9 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         for line in (event.get("log_chunk") or "").splitlines():
             self.log.info("[remote] %s", line)
         paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
+        job = self.build_job(self.resolved(context, self.run_spec(context)), context)
         if not event.get("done"):
-            return self._watch(context, paths, log_offset=event.get("log_offset", 0))
+            return self._watch(context, job, paths, log_offset=event.get("log_offset", 0))
         exit_code = event.get("exit_code")
         if exit_code == remote_job.JOB_DIED:
             raise RemoteJobError(
@@ -410,9 +412,11 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
                 f"{self.failure_hint(context)}"
             )
-        job = self.build_job(self.resolved(context, self.run_spec(context)), context)
-        with self._vm() as vm:
-            return self.finish(context, vm, job, paths, reused=False)
+        report = event.get("report")
+        if report is None:  # the watch could not read it
+            with self._vm() as vm:
+                report = vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S)
+        return self.finish(context, job, paths, remote_job.parse_report(report), reused=False)
 
     def on_kill(self) -> None:
         """A kill of the running task stops the job's processes on the VM."""
@@ -424,20 +428,40 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         with self._vm() as vm:
             vm.run(remote_job.stop_command(job["pid_file"]), check=False)
 
-    def finish(self, context: Context, vm: VmHook, job: Job, paths: RemoteJobPaths, reused: bool) -> dict:
-        """Parse metrics, push outputs and metrics, log the one-line summary.
+    def report_commands(self, context: Context, job: Job, paths: RemoteJobPaths) -> dict[str, str]:
+        """What ``finish`` reads from the VM, ``{name: command}``: the job's metric lines, and each step's own.
 
-        The metrics are parsed from the job's log (or those kept in storage)."""
+        Run as one command (``remote_job.report_command``) by the job's watch when the job succeeded, or here
+        when a finished output is reused. The metric lines are the log's, or, when the job finished on an
+        earlier VM (its log went with that VM's disk), those kept in storage."""
+        lines = remote_job.metric_lines_command(paths.log_file)
+        if job.done_marker:
+            kept = storage.read_command(storage.metrics_uri(job.done_marker), self.storage_tool)
+            lines = f'm=$({lines}); if [ -n "$m" ]; then printf "%s\\n" "$m"; else {kept} 2>/dev/null || true; fi'
+        return {"metric_lines": lines}
+
+    def _report_command(self, context: Context, job: Job, paths: RemoteJobPaths) -> str:
+        return remote_job.report_command(self.report_commands(context, job, paths))
+
+    def _report(
+        self, vm: VmHook, context: Context, job: Job, paths: RemoteJobPaths
+    ) -> dict[str, remote_job.ReportItem]:
+        return remote_job.parse_report(vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S))
+
+    def finish(
+        self,
+        context: Context,
+        job: Job,
+        paths: RemoteJobPaths,
+        report: dict[str, remote_job.ReportItem],
+        reused: bool,
+    ) -> dict:
+        """Parse metrics, push outputs and metrics, log the one-line summary; from the VM's ``report``."""
         from airflow_tpu_posttrain.recipes.metrics import parse_lines
 
-        log = vm.run(remote_job.metric_lines_command(paths.log_file))
-        if not log.strip() and job.done_marker:
-            # finished on an earlier VM: its log went with that VM's disk; the lines were kept in storage
-            kept = storage.read_command(storage.metrics_uri(job.done_marker), self.storage_tool)
-            log = vm.run(f"{kept} 2>/dev/null || true")
-        metrics = parse_lines(log.splitlines())
+        metrics = parse_lines(report["metric_lines"].stdout.splitlines())
         result = {**job.outputs, "metrics": metrics.as_xcom(), "reused": reused}
-        result.update(self.results(context, vm, job, metrics, paths))
+        result.update(self.results(context, job, metrics, paths, report))
         self.log.info("%s%s", metrics.summary(self.step_title), " (reused)" if reused else "")
         return result
 
@@ -450,7 +474,12 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         return None
 
     def results(
-        self, context: Context, vm: VmHook, job: Job, metrics: TrainingMetrics, paths: RemoteJobPaths
+        self,
+        context: Context,
+        job: Job,
+        metrics: TrainingMetrics,
+        paths: RemoteJobPaths,
+        report: dict[str, remote_job.ReportItem],
     ) -> dict:
-        """Step-specific results read back from the VM (``metrics``: what the job's log said)."""
+        """Step-specific results, from what the VM reported (``report_commands``; ``metrics``: the job's log)."""
         return {}

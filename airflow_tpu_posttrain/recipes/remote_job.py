@@ -9,7 +9,9 @@ Pure: strings in, strings out.
 
 from __future__ import annotations
 
+import base64
 import shlex
+from dataclasses import dataclass
 
 from airflow_tpu_posttrain.recipes import storage
 from airflow_tpu_posttrain.recipes.metrics import LOG_FILTER
@@ -164,3 +166,47 @@ def wrapper_script(
             storage.mark_command(done_marker, storage_tool),
         ]
     return "\n".join(lines) + "\n"
+
+
+_REPORT_STDERR_TAIL = 2000  # bytes of an item's stderr kept in the report
+REPORT_TIMEOUT_S = 300  # seconds a report may take: it reads storage from the VM (as VmHook.exists may)
+
+
+@dataclass(frozen=True)
+class ReportItem:
+    """One command's answer in a job's report: exit status, stdout and the end of stderr."""
+
+    status: int
+    stdout: str
+    stderr: str
+
+
+def report_command(commands: dict[str, str]) -> str:
+    """Runs each command of ``{name: command}`` and prints one line per command: name, status, outputs.
+
+    What a finished step reads back from the VM, in one SSH command: the job's watch runs it when the job
+    succeeded, so the task's resumption in a worker opens no connection. The outputs are base64 (empty when
+    empty), so any text survives the framing; ``parse_report`` reads it back."""
+    item = (
+        'r() { o=$(mktemp) e=$(mktemp); bash -c "$2" >"$o" 2>"$e"; s=$?; '
+        f'printf "%s %d %s %s\\n" "$1" "$s" "$(base64 -w0 <"$o")" "$(tail -c {_REPORT_STDERR_TAIL} "$e" | base64 -w0)"; '
+        'rm -f "$o" "$e"; }'
+    )
+    calls = "; ".join(f"r {shlex.quote(name)} {shlex.quote(command)}" for name, command in commands.items())
+    return f"{item}; {calls}"
+
+
+def parse_report(output: str) -> dict[str, ReportItem]:
+    """``{name: ReportItem}`` from ``report_command``'s output."""
+    items = {}
+    for line in output.splitlines():
+        fields = line.split(" ")
+        if len(fields) != 4 or not fields[1].lstrip("-").isdigit():
+            continue
+        name, status, stdout, stderr = fields
+        items[name] = ReportItem(int(status), *(_unbase64(text) for text in (stdout, stderr)))
+    return items
+
+
+def _unbase64(text: str) -> str:
+    return base64.b64decode(text).decode(errors="replace") if text else ""

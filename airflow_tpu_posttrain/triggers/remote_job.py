@@ -19,8 +19,8 @@ from airflow_tpu_posttrain.triggers.settle import not_before_settled
 if TYPE_CHECKING:
     from asyncssh import SSHClientConnection
 
-VM_LOST = "VM lost"
-_MARKER_OVERLAP = 200  # characters of a chunk kept to find a marker that straddles two chunks  # starts the error event's message when Compute says the VM is gone
+VM_LOST = "VM lost"  # starts the error event's message when Compute says the VM is gone
+_MARKER_OVERLAP = 200  # characters of a chunk kept to find a marker that straddles two chunks
 
 
 class _VmGone(Exception):
@@ -48,6 +48,9 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
     :param stall_timeout: seconds without a new byte in the job's log after which the job is taken for hung (a
         trainer whose storage is unreachable is silent for minutes): its processes are stopped and the watch ends
         with the exit code ``remote_job.JOB_STALLED``. 0 or None: never. The clock starts with the watch.
+    :param report_command: run on the VM once the job succeeded (``remote_job.report_command``: what the step's
+        finish reads back); its output is the event's ``report``. Without it (not given, or the VM did not
+        answer) the task's resumption asks the VM itself.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         vm: dict[str, Any] | None = None,
         stall_timeout: float | None = None,
         on_output: dict[str, str] | None = None,
+        report_command: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -70,12 +74,37 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         self.vm = vm
         self.stall_timeout = stall_timeout
         self.on_output = on_output
+        self.report_command = report_command
         self._output_tail = ""  # the end of the last chunk: a marker may straddle two chunks
         self._progress: tuple[int, float] | None = None  # (log offset, when it last grew)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        async for event in not_before_settled(super().run(), time.monotonic()):
+        async for event in not_before_settled(self._run_and_report(), time.monotonic()):
             yield event
+
+    async def _run_and_report(self) -> AsyncIterator[TriggerEvent]:
+        async for event in super().run():
+            if self.report_command and event.payload.get("exit_code") == 0:
+                report = await self._report()
+                if report is not None:
+                    event.payload["report"] = report
+            yield event
+
+    async def _report(self) -> str | None:
+        """``report_command``'s output, on a connection of its own; None if it failed."""
+        try:
+            conn = await self._connect()
+            try:
+                result = await conn.run(self.report_command, timeout=remote_job.REPORT_TIMEOUT_S, check=False)
+            finally:
+                await self._close(conn)
+        except Exception as err:  # noqa: BLE001 - the task's resumption asks the VM itself
+            self.log.warning("Could not read the finished job's report from the VM: %s", err)
+            return None
+        if result.exit_status:
+            self.log.warning("The finished job's report ended with status %s: %s", result.exit_status, result.stderr)
+            return None
+        return result.stdout
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         _, kwargs = super().serialize()
@@ -88,6 +117,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             "vm": self.vm,
             "stall_timeout": self.stall_timeout,
             "on_output": self.on_output,
+            "report_command": self.report_command,
         }
 
     def _get_hook(self) -> VmHookAsync:
