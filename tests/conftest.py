@@ -64,6 +64,29 @@ def access_token(credentials) -> str:
     return credentials.token
 
 
+def compute_clients(emulator):
+    """The Compute clients production code builds (REST, a service account key), pointed at ``emulator``."""
+    from types import SimpleNamespace
+
+    from google.cloud import compute_v1
+
+    options = {
+        "transport": "rest",
+        "client_options": {"api_endpoint": emulator.url},
+        "credentials": emulator_credentials(emulator),
+    }
+    return SimpleNamespace(
+        instances=compute_v1.InstancesClient(**options),
+        firewalls=compute_v1.FirewallsClient(**options),
+        policies=compute_v1.ResourcePoliciesClient(**options),
+        templates=compute_v1.InstanceTemplatesClient(**options),
+        migs=compute_v1.InstanceGroupManagersClient(**options),
+        zone_operations=compute_v1.ZoneOperationsClient(**options),
+        region_operations=compute_v1.RegionOperationsClient(**options),
+        global_operations=compute_v1.GlobalOperationsClient(**options),
+    )
+
+
 def emulator_credentials(emulator, account: str = "", roles: tuple[str, ...] = ()):
     """Credentials the Google clients send to ``emulator``: a new key of ``account`` (default the runner's).
 

@@ -12,10 +12,9 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import RUNNER_ACCOUNT, RUNNER_ROLES, access_token, emulator_credentials
+from conftest import RUNNER_ACCOUNT, RUNNER_ROLES, access_token, compute_clients, emulator_credentials
 from google.api_core import exceptions
 from google.cloud import compute_v1
 
@@ -34,18 +33,7 @@ def emulator():
 
 @pytest.fixture
 def gce(emulator):
-    """The clients production code builds, pointed at the emulator."""
-    options = {
-        "transport": "rest",
-        "client_options": {"api_endpoint": emulator.url},
-        "credentials": emulator_credentials(emulator),
-    }
-    return SimpleNamespace(
-        instances=compute_v1.InstancesClient(**options),
-        zone_operations=compute_v1.ZoneOperationsClient(**options),
-        firewalls=compute_v1.FirewallsClient(**options),
-        global_operations=compute_v1.GlobalOperationsClient(**options),
-    )
+    return compute_clients(emulator)
 
 
 def tpu_instance(name: str, **fields) -> compute_v1.Instance:

@@ -12,10 +12,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import access_token, emulator_credentials
+from conftest import access_token, compute_clients, emulator_credentials
 from google.api_core import exceptions
 from google.cloud import compute_v1
 
@@ -38,21 +37,7 @@ def emulator():
 
 @pytest.fixture
 def gce(emulator):
-    """The clients a provider builds, pointed at the emulator."""
-    options = {
-        "transport": "rest",
-        "client_options": {"api_endpoint": emulator.url},
-        "credentials": emulator_credentials(emulator),
-    }
-    return SimpleNamespace(
-        policies=compute_v1.ResourcePoliciesClient(**options),
-        templates=compute_v1.InstanceTemplatesClient(**options),
-        migs=compute_v1.InstanceGroupManagersClient(**options),
-        instances=compute_v1.InstancesClient(**options),
-        zone_operations=compute_v1.ZoneOperationsClient(**options),
-        region_operations=compute_v1.RegionOperationsClient(**options),
-        global_operations=compute_v1.GlobalOperationsClient(**options),
-    )
+    return compute_clients(emulator)
 
 
 def reservation_bound() -> dict:

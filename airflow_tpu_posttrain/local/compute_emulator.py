@@ -379,6 +379,17 @@ def _parse_filter(expression: str) -> list[tuple[str, str, str]]:
     return terms
 
 
+def _matching(resources: dict[tuple, dict], scope: tuple, terms: list[tuple[str, str, str]]) -> list[dict]:
+    """Copies of the resources keyed ``(*scope, name)`` that the filter's terms match."""
+    return [copy.deepcopy(r) for key, r in resources.items() if key[:-1] == scope and _matches(r, terms)]
+
+
+def _listing(kind: str, path: str, items: list[dict]) -> tuple[int, dict]:
+    """A ``list`` method's answer; the real API omits an empty ``items``."""
+    listing = {"kind": kind, "id": path, "selfLink": f"{API_ROOT}/{path}"}
+    return 200, {**listing, **({"items": items} if items else {})}
+
+
 def _matches(resource: dict[str, Any], terms: list[tuple[str, str, str]]) -> bool:
     for field, op, expected in terms:
         actual: Any = resource
@@ -1248,19 +1259,8 @@ class ComputeEmulator:
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
             self._advance()
-            items = [
-                copy.deepcopy(instance)
-                for (instance_project, instance_zone, _), instance in self._instances.items()
-                if (instance_project, instance_zone) == (project, zone) and _matches(instance, terms)
-            ]
-        listing = {
-            "kind": "compute#instanceList",
-            "id": f"projects/{project}/zones/{zone}/instances",
-            "selfLink": f"{API_ROOT}/projects/{project}/zones/{zone}/instances",
-        }
-        if items:  # the real API omits an empty "items"
-            listing["items"] = items
-        return 200, listing
+            items = _matching(self._instances, (project, zone), terms)
+        return _listing("compute#instanceList", f"projects/{project}/zones/{zone}/instances", items)
 
     def _get_guest_attributes(self, query: dict, body: dict, project: str, zone: str, name: str):
         """``hostkeys/`` as the guest environment publishes it: only once booted, only when enabled."""
@@ -1384,8 +1384,7 @@ class ComputeEmulator:
                     "selfLink": f"{API_ROOT}/projects/{project}/regions/{region}/routers/{name}",
                 }
             )
-        listing = {"kind": "compute#routerList", "id": f"projects/{project}/regions/{region}/routers"}
-        return 200, {**listing, **({"items": items} if items else {})}
+        return _listing("compute#routerList", f"projects/{project}/regions/{region}/routers", items)
 
     def _get_instance(self, query: dict, body: dict, project: str, zone: str, name: str):
         with self._lock:
@@ -1498,15 +1497,10 @@ class ComputeEmulator:
     def _list_resource_policies(self, query: dict, body: dict, project: str, region: str):
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
-            items = [
-                copy.deepcopy(policy)
-                for (policy_project, policy_region, _), policy in self._resource_policies.items()
-                if (policy_project, policy_region) == (project, region) and _matches(policy, terms)
-            ]
-        listing = {
-            "kind": "compute#resourcePolicyList", "id": f"projects/{project}/regions/{region}/resourcePolicies"
-        }
-        return 200, {**listing, **({"items": items} if items else {})}
+            items = _matching(self._resource_policies, (project, region), terms)
+        return _listing(
+            "compute#resourcePolicyList", f"projects/{project}/regions/{region}/resourcePolicies", items
+        )
 
     def _delete_resource_policy(self, query: dict, body: dict, project: str, region: str, name: str):
         with self._lock:
@@ -1578,13 +1572,8 @@ class ComputeEmulator:
     def _list_instance_templates(self, query: dict, body: dict, project: str):
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
-            items = [
-                copy.deepcopy(template)
-                for (template_project, _), template in self._instance_templates.items()
-                if template_project == project and _matches(template, terms)
-            ]
-        listing = {"kind": "compute#instanceTemplateList", "id": f"projects/{project}/global/instanceTemplates"}
-        return 200, {**listing, **({"items": items} if items else {})}
+            items = _matching(self._instance_templates, (project,), terms)
+        return _listing("compute#instanceTemplateList", f"projects/{project}/global/instanceTemplates", items)
 
     def _delete_instance_template(self, query: dict, body: dict, project: str, name: str):
         with self._lock:
@@ -1942,11 +1931,9 @@ class ComputeEmulator:
                 if (group_project, group_zone) == (project, zone)
             ]
         items = [view for view in views if _matches(view, terms)]
-        listing = {
-            "kind": "compute#instanceGroupManagerList",
-            "id": f"projects/{project}/zones/{zone}/instanceGroupManagers",
-        }
-        return 200, {**listing, **({"items": items} if items else {})}
+        return _listing(
+            "compute#instanceGroupManagerList", f"projects/{project}/zones/{zone}/instanceGroupManagers", items
+        )
 
     def _list_managed_instances(self, query: dict, body: dict, project: str, zone: str, name: str):
         """``listManagedInstances`` (a POST with no body): every instance the MIG keeps, made or not.
@@ -2056,13 +2043,8 @@ class ComputeEmulator:
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
             self._advance()
-            items = [
-                copy.deepcopy(firewall)
-                for (firewall_project, _), firewall in self._firewalls.items()
-                if firewall_project == project and _matches(firewall, terms)
-            ]
-        listing = {"kind": "compute#firewallList", "id": f"projects/{project}/global/firewalls"}
-        return 200, {**listing, **({"items": items} if items else {})}
+            items = _matching(self._firewalls, (project,), terms)
+        return _listing("compute#firewallList", f"projects/{project}/global/firewalls", items)
 
     def _get_firewall(self, query: dict, body: dict, project: str, name: str):
         with self._lock:
