@@ -309,3 +309,36 @@ def test_a_succeeded_jobs_report_comes_with_its_event_after_the_last_marker_was_
 
         failed = watch(machine, "failed", "{ echo working; (exit 3); }")
         assert failed["exit_code"] == 3 and "report" not in failed, failed
+
+
+def test_a_stall_whose_stop_outlived_its_command_timeout_is_still_reported_as_a_stall():
+    """A stall is reported as one even when its stop outlived the command's timeout.
+
+    On a loaded VM the stop (SIGTERM, a grace, SIGKILL, the wait for the group) may outlive it; the base trigger
+    reconnects and polls again. The job, gone by then without an exit code, is reported stalled (the operator's
+    message says why it was stopped), not died, and is stopped again to be sure."""
+    from airflow_tpu_posttrain.recipes import remote_job
+    from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+
+    stops: list[str] = []
+    answers = iter(["", "died"])  # the completion check: running, then gone without an exit code
+
+    class Connection:
+        async def run(self, command: str, timeout: float, check: bool) -> SimpleNamespace:
+            if command.startswith('p="$(cat'):  # remote_job.stop_command
+                stops.append(command)
+                if len(stops) == 1:
+                    raise TimeoutError
+                return SimpleNamespace(stdout="", stderr="", exit_status=0)
+            return SimpleNamespace(stdout=next(answers), stderr="", exit_status=0)
+
+    trigger = MaxTextJobTrigger(
+        ssh_conn_id="local_vm", remote_host="10.77.0.9", job_id="silent", job_dir="/w/jobs/silent",
+        log_file="/w/jobs/silent/stdout.log", exit_code_file="/w/jobs/silent/exit_code", remote_os="posix",
+        poll_interval=1, stall_timeout=3,
+    )
+    trigger._progress = (trigger.log_offset, time.monotonic() - 10)  # silent for 10 s
+    with pytest.raises(TimeoutError):
+        asyncio.run(trigger._check_completion(Connection()))
+    assert asyncio.run(trigger._check_completion(Connection())) == remote_job.JOB_STALLED
+    assert len(stops) == 2

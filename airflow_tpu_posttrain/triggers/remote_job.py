@@ -77,6 +77,7 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         self.report_command = report_command
         self._output_tail = ""  # the end of the last chunk: a marker may straddle two chunks
         self._progress: tuple[int, float] | None = None  # (log offset, when it last grew)
+        self._stopped_stalled = False  # this watch began stopping the job for its silence
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         async for event in not_before_settled(self._run_and_report(), time.monotonic()):
@@ -182,8 +183,12 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         pid_file = posixpath.join(self.job_dir, "pid")
         _, stdout, _ = await self._run_command(conn, remote_job.completion_command(pid_file, self.exit_code_file))
         exit_code = remote_job.parse_completion(stdout)
-        if exit_code is None and self._stalled():
-            self.log.warning("No output from job %s for %.0f s: stopping it", self.job_id, self.stall_timeout)
+        if self._stopped_stalled or (exit_code is None and self._stalled()):
+            # Stopped again when an earlier poll's stop outlived its command's timeout (a loaded VM; the base
+            # trigger then reconnects): its job is then gone without an exit code, still a stalled one.
+            if not self._stopped_stalled:
+                self.log.warning("No output from job %s for %.0f s: stopping it", self.job_id, self.stall_timeout)
+            self._stopped_stalled = True
             await self._run_command(conn, remote_job.stop_command(pid_file))
             return remote_job.JOB_STALLED
         return exit_code
