@@ -253,7 +253,8 @@ class HfExportOperator(MaxTextJobOperator):
 
     def report_commands(self, context: Context, job: Job, paths: RemoteJobPaths) -> dict[str, str]:
         """Also what publishing wrote to its result file."""
-        return {**super().report_commands(context, job, paths), "published": f"cat {shlex.quote(job.outputs['result_file'])}"}
+        published = f"cat {shlex.quote(job.outputs['result_file'])}"
+        return {**super().report_commands(context, job, paths), "published": published}
 
     def results(
         self,

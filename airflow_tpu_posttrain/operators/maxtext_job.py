@@ -446,7 +446,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     def _report(
         self, vm: VmHook, context: Context, job: Job, paths: RemoteJobPaths
     ) -> dict[str, remote_job.ReportItem]:
-        return remote_job.parse_report(vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S))
+        output = vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S)
+        return remote_job.parse_report(output)
 
     def finish(
         self,
