@@ -320,6 +320,23 @@ def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeyp
     )
 
 
+def test_a_short_commands_output_is_read_to_its_end_even_after_its_exit_status(make_vm, tmp_path, monkeypatch):
+    """sshd sends the exit status when the shell exits; output still on its way comes after it.
+
+    Here a child outlives the shell and writes twice after the status came: the answer holds both lines, and the
+    shell's status. (Reading stopped at the first line after the status: a check's ``echo reached`` was lost.)"""
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+
+    _, public_key = _keypair(tmp_path, "worker")
+    vm = make_vm("vm-late-output", f"{LOGIN}:{public_key}\n")
+    connection = {"conn_type": "ssh", "login": LOGIN, "port": vm.port, "extra": {"key_file": str(tmp_path / "worker")}}
+    monkeypatch.setenv("AIRFLOW_CONN_LATE_VM", json.dumps(connection))
+    with VmHook("late_vm", remote_host=vm.address, host_keys=vm.host_keys) as hook:
+        late = "(sleep 1; echo late; sleep 1; echo last) &"
+        assert hook.run(f"{late} echo early").split() == ["early", "late", "last"]
+        assert hook.run_status(f"{late} exit 3") == (3, "late\nlast\n")
+
+
 def test_sshd_answers_only_after_boot_delay(make_vm, keys):
     boot_delay = 1.5
     vm = make_vm("vm-slow", boot=False, boot_delay=boot_delay, guest_attributes=False)

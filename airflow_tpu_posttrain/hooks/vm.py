@@ -14,9 +14,11 @@ import base64
 import json
 import os
 import posixpath
+import selectors
 import shlex
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -212,12 +214,41 @@ class VmHook(SSHHook):
 
     def run(self, command: str, timeout: int = 60, check: bool = True) -> str:
         """Run a short command; its stdout. No secrets may be part of ``command`` (it is visible in ``ps``)."""
-        status, stdout, stderr = self.exec_ssh_client_command(
-            self._client, command, get_pty=False, environment=None, timeout=timeout
-        )
+        status, stdout, stderr = self._execute(command, timeout)
         if check and status != 0:
             raise RuntimeError(f"remote command failed ({status}): {stderr.decode(errors='replace').strip()}")
         return stdout.decode(errors="replace")
+
+    def _execute(self, command: str, timeout: float) -> tuple[int, bytes, bytes]:
+        """Run ``command``; its exit status, stdout and stderr, each read to its end.
+
+        Not providers-ssh's ``exec_ssh_client_command``: it stops reading once the exit status has come and its
+        buffers are empty for a moment, but sshd may send the exit status before the last of the output (SSH
+        orders a channel's data and its EOF, not its requests), and the last line was then lost: ``hostname;
+        echo reached`` answered ``vm``. The end of the output is the channel's EOF (or its close)."""
+        self.log.info("Running command: %s", command)
+        stdin, stdout, _ = self._client.exec_command(command, timeout=timeout)
+        stdin.close()
+        channel = stdout.channel
+        channel.shutdown_write()
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(channel, selectors.EVENT_READ)
+            while True:
+                if channel.recv_ready():
+                    out += channel.recv(65536)
+                elif channel.recv_stderr_ready():
+                    err += channel.recv_stderr(65536)
+                elif channel.closed or (channel.eof_received and channel.exit_status_ready()):
+                    break
+                elif time.monotonic() > deadline:
+                    channel.close()
+                    raise TimeoutError(f"remote command still running after {timeout} s: {command[:200]}")
+                else:
+                    # The exit status wakes no selector: poll for it at least once a second.
+                    selector.select(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        return channel.recv_exit_status(), bytes(out), bytes(err)
 
     def put_text(self, path: str, text: str, mode: int = 0o644) -> None:
         """Write ``text`` to ``path`` with ``mode``; the parent directory is created first (0700)."""
@@ -242,9 +273,7 @@ class VmHook(SSHHook):
 
     def run_status(self, command: str, timeout: int = 60) -> tuple[int, str]:
         """Run a short command that answers with its exit status: ``(status, stdout)``."""
-        status, stdout, _ = self.exec_ssh_client_command(
-            self._client, command, get_pty=False, environment=None, timeout=timeout
-        )
+        status, stdout, _ = self._execute(command, timeout)
         return status, stdout.decode(errors="replace")
 
     def exists(self, uri: str, tool: GcsTool | None = None, timeout: int = 300) -> bool:
@@ -255,9 +284,7 @@ class VmHook(SSHHook):
         finished step, or fail a finished training)."""
         from airflow_tpu_posttrain.recipes.storage import exists_command
 
-        status, _, stderr = self.exec_ssh_client_command(
-            self._client, exists_command(uri, tool), get_pty=False, environment=None, timeout=timeout
-        )
+        status, _, stderr = self._execute(exists_command(uri, tool), timeout)
         return exists_answer(uri, status, stderr.decode(errors="replace"))
 
 
