@@ -248,7 +248,7 @@ def test_missing_reservation_still_fails_at_once(emulator, run_dag, capfd, fault
 
 PROBE_DAGS = """
 from datetime import datetime
-from airflow.sdk import DAG
+from airflow.sdk import DAG, TriggerRule
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
@@ -275,6 +275,7 @@ for dag_id, cap, reservation in [("cap_probe", 1, "my-reservation"), ("resv_prob
         delete = TpuDeleteOperator(task_id="delete_tpu_vm", project_id="{project}", zones=["us-east5-b"],
                                    poll_interval=1)
         create >> use >> delete.as_teardown(setups=create)
+        delete.trigger_rule = TriggerRule.NONE_SKIPPED  # as the pipelines wire it: also after a failed create
     globals()[dag_id] = dag
 """
 
@@ -290,7 +291,7 @@ def _run_states(airflow, dag_id: str) -> dict[str, str]:
 
 
 def _task_report(airflow, dag_id: str) -> str:
-    """Each task's state and, for a task not successful, the end of its log: what a failure shows."""
+    """Each task's state and, for a task not successful, its log's errors and end: what a failure shows."""
     lines = []
     for run_id in _run_states(airflow, dag_id):
         tasks = airflow.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()["task_instances"]
@@ -298,7 +299,10 @@ def _task_report(airflow, dag_id: str) -> str:
             lines.append(f"{run_id} {task['task_id']} try {task['try_number']}: {task['state']}")
             if task["state"] != "success":
                 folder = airflow.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task['task_id']}"
-                lines += [f"  {log.name}: {log.read_text(errors='replace')[-2500:]}" for log in folder.glob("*.log")]
+                for log in folder.glob("*.log"):
+                    text = log.read_text(errors="replace")
+                    errors = [line[:3000] for line in text.splitlines() if '"level":"error"' in line]
+                    lines += [f"  {log.name} errors:", *errors, f"  {log.name} end: {text[-1500:]}"]
     return "\n".join(lines)
 
 
@@ -316,7 +320,10 @@ def _trigger_and_sample(airflow, emulator, dag_id: str, runs: int, timeline: lis
         if len(states) == runs and all(state in ("success", "failed") for state in states.values()):
             assert set(states.values()) == {"success"}, _task_report(airflow, dag_id)
             return
-        assert time.monotonic() < deadline, f"runs still going after 600 s: {states}\n{_task_report(airflow, dag_id)}"
+        assert time.monotonic() < deadline, (
+            f"runs still going after 600 s: {states}; instances: "
+            f"{[(i['name'], i['status']) for i in emulator.instances()]}\n{_task_report(airflow, dag_id)}"
+        )
         time.sleep(1)
 
 

@@ -321,7 +321,7 @@ def test_the_vms_published_host_keys_beat_known_hosts(make_vm, tmp_path, monkeyp
 
 
 def test_a_short_commands_output_is_read_to_its_end_even_after_its_exit_status(make_vm, tmp_path, monkeypatch):
-    """sshd sends the exit status when the shell exits; output still on its way comes after it.
+    """The SSH server sends the exit status when the shell exits; output still on its way comes after it.
 
     Here a child outlives the shell and writes twice after the status came: the answer holds both lines, and the
     shell's status. (Reading stopped at the first line after the status: a check's ``echo reached`` was lost.)"""

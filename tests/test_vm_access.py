@@ -508,3 +508,47 @@ def test_the_port_check_ends_the_whole_tunnel_at_once():
     assert time.monotonic() - started < 60
     left = [p for p in psutil.process_iter(["cmdline"]) if seconds in (p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_a_connection_dropped_at_the_first_login_is_asked_again_and_one_that_lasts_fails(monkeypatch):
+    """The create's trigger saw the sshd answer; a dropped connection just after (a loaded VM) is not the step's end."""
+    import datetime
+
+    import paramiko
+
+    from airflow_tpu_posttrain.hooks import vm as vm_hooks
+    from airflow_tpu_posttrain.operators import vm_login
+    from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
+    from airflow_tpu_posttrain.recipes.compute import TpuVmSpec
+
+    failures = []
+
+    class FlakyHook:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            if failures:
+                raise failures.pop(0)
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def run(self, command):
+            return ""
+
+    monkeypatch.setattr(vm_hooks, "VmHook", FlakyHook)
+    monkeypatch.setattr(vm_login.time, "sleep", lambda _: None)
+    operator = TpuVmCreateOperator(task_id="create_tpu_vm", project_id=PROJECT, zones=["us-east5-b"])
+    vm = {"ssh_address": "10.0.0.2", "ssh_login": "posttrain", "ssh_proxy_command": None}
+    spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation="my-reservation")
+
+    failures[:] = [paramiko.SSHException("Error reading SSH protocol banner"), ConnectionResetError(104, "reset")]
+    operator._check_login({}, spec, "tpu-x", "us-east5-b", vm, {})
+    assert failures == []  # both asked again, then logged in
+
+    monkeypatch.setattr(vm_login, "LOGIN_GRACE", datetime.timedelta(seconds=0))
+    failures[:] = [paramiko.SSHException("Error reading SSH protocol banner")]
+    with pytest.raises(paramiko.SSHException, match="banner"):
+        operator._check_login({}, spec, "tpu-x", "us-east5-b", vm, {})

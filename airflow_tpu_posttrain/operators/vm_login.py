@@ -47,7 +47,7 @@ class VmLoginMixin:
 
         An SSH port that answers says nothing of the login: OS Login lets in only accounts with an OS Login role,
         and where the organization enforces OS Login a VM ignores ``ssh-keys``. A refusal is asked again for
-        ``LOGIN_GRACE`` (a key or grant just made takes a moment to reach the VM)."""
+        ``LOGIN_GRACE`` (a key or grant just made takes a moment to reach the VM), and so is a dropped connection."""
         import paramiko
 
         from airflow_tpu_posttrain.hooks.vm import VmHook
@@ -71,6 +71,12 @@ class VmLoginMixin:
                 if time.monotonic() > deadline:
                     refused = err
                     break
+                time.sleep(2)
+            except (paramiko.SSHException, OSError):
+                # The trigger saw this sshd answer: a connection dropped now is a moment's (a loaded VM's banner
+                # late, a reset), asked again; one that lasts is the step's failure, retried as a whole.
+                if time.monotonic() > deadline:
+                    raise
                 time.sleep(2)
         if spec.ssh_key_mode == "oslogin":
             why = (
