@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from airflow_tpu_posttrain.recipes import install, maxtext
-from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, accelerator, tpu_env
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, SLICE_ACCELERATORS, accelerator, tpu_env
 from airflow_tpu_posttrain.recipes.layout import RunLayout, conversion_key, run_name
 from airflow_tpu_posttrain.recipes.models import SftDataset, model_profile, tiny_llama_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime, tpu_runtime
@@ -556,7 +556,7 @@ def test_unknown_values_list_the_valid_ones():
     with pytest.raises(SpecError, match="v6e-8") as err:
         accelerator("v5e-8")
     assert err.value.field == "accelerator_type"
-    assert set(ACCELERATORS) == {"v6e-1", "v6e-4", "v6e-8", "cpu", "cpu-highmem-16"}
+    assert set(ACCELERATORS) == {"v6e-1", "v6e-4", "v6e-8", "cpu", "cpu-highmem-16", *SLICE_ACCELERATORS}
     with pytest.raises(SpecError, match="gemma3-4b"):
         model_profile("gpt-5")
 

@@ -54,7 +54,12 @@ from zoneinfo import ZoneInfo
 from airflow_tpu_posttrain.local import compute_schema, vpc
 from airflow_tpu_posttrain.local.iam import TOKEN_PATH, GrantRefused, LocalIam, Unauthenticated
 from airflow_tpu_posttrain.local.oslogin import OsLoginDirectory, OsLoginError
-from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS
+from airflow_tpu_posttrain.recipes.accelerators import (
+    ACCELERATORS,
+    SLICE_ACCELERATORS,
+    SLICE_CHIPS_PER_VM,
+    SLICE_MACHINE_TYPE,
+)
 
 if TYPE_CHECKING:
     from airflow_tpu_posttrain.local.fleet import LocalFleet
@@ -85,11 +90,9 @@ V6E_ZONES = frozenset(
 )
 TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
 
-# Multi-host TPU v6e slices (cloud.google.com/tpu/docs/v6e, its table of slice shapes): every VM of one is a
-# ct6e-standard-4t with 4 chips, so a slice of topology T is a MIG of chips(T) / 4 VMs (v6e-16, 4x4: 4 VMs).
-SLICE_MACHINE_TYPE = "ct6e-standard-4t"
-CHIPS_PER_SLICE_VM = 4
-V6E_SLICE_TOPOLOGIES = {"4x4": 16, "4x8": 32, "8x8": 64, "8x16": 128, "16x16": 256}
+# Multi-host TPU v6e slices, from the accelerator table: a slice of topology T is a MIG of its VM count of
+# ct6e-standard-4t VMs (v6e-16, 4x4: 4 VMs).
+SLICE_VMS = {ACCELERATORS[name].topology: ACCELERATORS[name].vms for name in SLICE_ACCELERATORS}
 # Bulk mode supports only the reservation-bound and flex-start provisioning models
 # (cloud.google.com/compute/docs/instance-groups/about-bulk-mode, its limitations): not on-demand, not Spot.
 BULK_PROVISIONING_MODELS = ("RESERVATION_BOUND", "FLEX_START")
@@ -1680,17 +1683,17 @@ class ComputeEmulator:
         machine_type = properties["machineType"].rsplit("/", 1)[-1]
         invalid_policy = "Invalid value for field 'resource.resourcePolicies.workloadPolicy'"
         if topology:
-            vm_count = V6E_SLICE_TOPOLOGIES.get(topology, 0) // CHIPS_PER_SLICE_VM
+            vm_count = SLICE_VMS.get(topology, 0)
             if machine_type != SLICE_MACHINE_TYPE or not vm_count or workload.get("type") != "HIGH_THROUGHPUT":
                 raise _ApiError(
                     400, "invalid", f"{invalid_policy}: accelerator topology '{topology}' is not a multi-host "
-                    f"slice of {machine_type} VMs (a HIGH_THROUGHPUT policy of {', '.join(V6E_SLICE_TOPOLOGIES)} "
+                    f"slice of {machine_type} VMs (a HIGH_THROUGHPUT policy of {', '.join(SLICE_VMS)} "
                     f"for {SLICE_MACHINE_TYPE})."
                 )
             if size not in (0, vm_count):
                 raise _ApiError(
                     400, "invalid", f"Invalid value for field 'resource.targetSize': '{size}'. Accelerator topology "
-                    f"'{topology}' takes {vm_count} VMs of {SLICE_MACHINE_TYPE} ({CHIPS_PER_SLICE_VM} chips each)."
+                    f"'{topology}' takes {vm_count} VMs of {SLICE_MACHINE_TYPE} ({SLICE_CHIPS_PER_VM} chips each)."
                 )
         elif machine_type == SLICE_MACHINE_TYPE and size > 1:
             raise _ApiError(

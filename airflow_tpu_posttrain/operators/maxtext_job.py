@@ -30,7 +30,7 @@ from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
-from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, single_host
 from airflow_tpu_posttrain.recipes.models import ModelProfile, local_profile, model_profile
 from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -239,7 +239,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             profile = self._profile()
             return maxtext.RunSpec(
                 model=profile,
-                accelerator=accelerator(self.accelerator_type or DEFAULT_ACCELERATOR),
+                accelerator=single_host("accelerator_type", self.accelerator_type or DEFAULT_ACCELERATOR),
                 runtime=self._runtime(),
                 layout=layout.RunLayout(
                     profile.key, name, self.root_dir or "", self.checkpoint_storage or "", conversion_key

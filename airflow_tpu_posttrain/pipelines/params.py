@@ -63,8 +63,8 @@ FORM = (
         description=lambda cfg: (
             "The local CPU 'VM' (the only choice here)."
             if cfg.local
-            else "TPU slice, e.g. v6e-8 (8 chips); the machine type is derived from it "
-            "(v6e-8 → ct6e-standard-8t)."
+            else "One TPU VM: v6e-1, v6e-4 or v6e-8 (8 chips); the machine type is derived from it "
+            "(v6e-8 → ct6e-standard-8t). Multi-host slices (v6e-16 and up) are refused."
         ),
     ),
     FormField(

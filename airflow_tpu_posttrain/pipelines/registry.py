@@ -16,7 +16,7 @@ from typing import Any
 
 from airflow_tpu_posttrain.recipes import access, compute, cost, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
-from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, single_host
 from airflow_tpu_posttrain.recipes.models import define_models, model_definitions, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -220,7 +220,7 @@ class PipelineConfig:
         check(validation.one_of, "recipe", self.recipe, RECIPES)
         check(validation.one_of, "layout", self.layout, LAYOUTS)
         check(validation.one_of, "quality_gate", self.quality_gate, gate.RULES)
-        check(accelerator, self.accelerator_type)
+        check(single_host, "accelerator_type", self.accelerator_type)
         check(validation.one_of, "provisioning_model", self.provisioning_model, compute.PROVISIONING_MODELS)
         check(validation.one_of, "network_path", self.network_path, access.NETWORK_PATHS)
         check(validation.one_of, "ssh_key_mode", self.ssh_key_mode, access.KEY_MODES)

@@ -18,7 +18,9 @@ CPU_CONVERSION_ARGS: Mapping[str, str] = MappingProxyType({"hardware": "cpu", "s
 
 @dataclass(frozen=True)
 class Accelerator:
-    """One single-host machine shape. The TPU fields are ``None`` for the CPU pseudo-accelerator."""
+    """One machine shape: ``vms`` VMs of ``machine_type`` holding ``chips`` in all (a slice when ``vms`` > 1).
+
+    The TPU fields are ``None`` for the CPU pseudo-accelerators."""
 
     type: str
     machine_type: str
@@ -26,14 +28,39 @@ class Accelerator:
     topology: str | None = None
     chips_per_host_bounds: str | None = None
     host_bounds: str | None = None
+    vms: int = 1
 
     @property
     def is_tpu(self) -> bool:
         return self.topology is not None
 
+    @property
+    def is_multi_host(self) -> bool:
+        return self.vms > 1
+
+    @property
+    def chips_per_vm(self) -> int:
+        return self.chips // self.vms
+
 
 def _v6e(chips: int, machine_type: str, topology: str, chips_per_host_bounds: str) -> Accelerator:
     return Accelerator(f"v6e-{chips}", machine_type, chips, topology, chips_per_host_bounds, "1,1,1")
+
+
+# Multi-host v6e slices (cloud.google.com/tpu/docs/v6e, its table of slice shapes; on Compute Engine a MIG whose
+# workload policy names the topology, compute/docs/tpus/create-tpu-mig-multi-host-slice): every VM of one is a
+# ct6e-standard-4t with its 4 chips as 2x2, so a slice of X x Y chips is (X/2) x (Y/2) VMs.
+SLICE_MACHINE_TYPE = "ct6e-standard-4t"
+SLICE_CHIPS_PER_VM = 4
+
+
+def _v6e_slice(topology: str) -> Accelerator:
+    x, y = (int(side) for side in topology.split("x"))
+    chips = x * y
+    return Accelerator(
+        f"v6e-{chips}", SLICE_MACHINE_TYPE, chips, topology, "2,2,1", f"{x // 2},{y // 2},1",
+        vms=chips // SLICE_CHIPS_PER_VM,
+    )
 
 
 ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType(
@@ -43,6 +70,7 @@ ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType(
             _v6e(1, "ct6e-standard-1t", "1x1", "1,1,1"),
             _v6e(4, "ct6e-standard-4t", "2x2", "2,2,1"),
             _v6e(8, "ct6e-standard-8t", "2x4", "2,4,1"),
+            *(_v6e_slice(topology) for topology in ("4x4", "4x8", "8x8", "8x16", "16x16")),
             # The local "VM" (this machine over SSH) runs the tiny model on its CPU. e2-standard-2 (2 vCPUs,
             # 8 GB) is the smallest general-purpose shape the tiny pipeline was seen to fit (peak < 1.1 GB
             # on 2 cores); the local Compute emulator records it, and a real e2-standard-2 could run it too.
@@ -57,7 +85,9 @@ ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType(
 
 
 DEFAULT_ACCELERATOR = "v6e-8"  # the tutorials' TPU slice
-TPU_ACCELERATORS = tuple(name for name, acc in ACCELERATORS.items() if acc.is_tpu)
+# What a run may name: one VM each. The slices above are known (the emulator serves them) but not provisioned.
+TPU_ACCELERATORS = tuple(name for name, acc in ACCELERATORS.items() if acc.is_tpu and not acc.is_multi_host)
+SLICE_ACCELERATORS = tuple(name for name, acc in ACCELERATORS.items() if acc.is_multi_host)
 
 
 def accelerator(accelerator_type: str) -> Accelerator:
@@ -70,6 +100,20 @@ def accelerator(accelerator_type: str) -> Accelerator:
             "is not a supported accelerator",
             f"use one of: {', '.join(ACCELERATORS)}",
         ) from None
+
+
+def single_host(field: str, accelerator_type: str) -> Accelerator:
+    """The accelerator a run trains on: a known type of one VM; a multi-host slice is refused, naming the fix."""
+    acc = accelerator(accelerator_type)
+    if acc.is_multi_host:
+        raise SpecError(
+            field,
+            accelerator_type,
+            f"is a multi-host slice ({acc.vms} VMs of {acc.machine_type}, topology {acc.topology}), and a run "
+            "trains on one TPU VM",
+            f"use one of: {', '.join(TPU_ACCELERATORS)}",
+        )
+    return acc
 
 
 def tpu_env(acc: Accelerator) -> dict[str, EnvValue]:

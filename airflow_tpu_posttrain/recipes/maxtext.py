@@ -210,7 +210,7 @@ def train_rl(
         "load_parameters_path": _checkpoint(converted_params or spec.layout.converted_params),
         "run_name": spec.layout.run_name,
         "base_output_directory": spec.layout.post_train_dir,
-        "chips_per_vm": str(spec.accelerator.chips),
+        "chips_per_vm": str(spec.accelerator.chips_per_vm),
         "num_batches": _count("num_batches", num_batches, spec.model.rl_num_batches),
         "num_test_batches": _count("num_test_batches", num_test_batches, spec.model.rl_num_test_batches),
         "rollout_data_parallelism": "1",

@@ -1,0 +1,50 @@
+"""The accelerator table: single-host TPU VMs, the multi-host v6e slices it knows, and what a run may name."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_tpu_posttrain.recipes.accelerators import (
+    ACCELERATORS,
+    SLICE_ACCELERATORS,
+    TPU_ACCELERATORS,
+    tpu_env,
+)
+
+
+def test_each_v6e_slice_is_its_topologys_vms_of_four_chips():
+    """cloud.google.com/tpu/docs/v6e: a slice's VMs are ct6e-standard-4t, 2x2 chips each."""
+    shapes = {
+        name: (acc.topology, acc.vms, acc.chips_per_vm, acc.machine_type, acc.host_bounds)
+        for name, acc in ACCELERATORS.items()
+        if acc.is_multi_host
+    }
+    assert shapes == {
+        "v6e-16": ("4x4", 4, 4, "ct6e-standard-4t", "2,2,1"),
+        "v6e-32": ("4x8", 8, 4, "ct6e-standard-4t", "2,4,1"),
+        "v6e-64": ("8x8", 16, 4, "ct6e-standard-4t", "4,4,1"),
+        "v6e-128": ("8x16", 32, 4, "ct6e-standard-4t", "4,8,1"),
+        "v6e-256": ("16x16", 64, 4, "ct6e-standard-4t", "8,8,1"),
+    }
+    assert SLICE_ACCELERATORS == tuple(shapes)
+
+
+def test_single_host_types_are_as_before_and_the_only_ones_a_run_may_name():
+    assert TPU_ACCELERATORS == ("v6e-1", "v6e-4", "v6e-8")
+    v6e_8 = ACCELERATORS["v6e-8"]
+    assert (v6e_8.vms, v6e_8.chips, v6e_8.chips_per_vm, v6e_8.machine_type) == (1, 8, 8, "ct6e-standard-8t")
+    assert tpu_env(v6e_8)["TPU_HOST_BOUNDS"] == "1,1,1" and tpu_env(v6e_8)["TPU_WORKER_HOSTNAMES"] == "localhost"
+
+
+def test_a_slice_is_refused_before_anything_is_created_naming_the_field_and_the_fix():
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+    from airflow_tpu_posttrain.recipes.compute import TpuVmSpec
+    from airflow_tpu_posttrain.recipes.validation import SpecError
+
+    refusal = r"accelerator_type='v6e-16': is a multi-host slice \(4 VMs of ct6e-standard-4t, topology 4x4\)"
+    fix = "Fix: use one of: v6e-1, v6e-4, v6e-8"
+    with pytest.raises(ValueError, match=refusal) as raised:
+        PipelineConfig(model="gemma3-4b", recipe="sft", accelerator_type="v6e-16", checkpoint_storage="gs://b/x")
+    assert fix in str(raised.value)
+    with pytest.raises(SpecError, match=refusal):
+        TpuVmSpec(project_id="my-project", zones=("us-east5-b",), accelerator_type="v6e-16", reservation="r")
