@@ -37,14 +37,18 @@ def test_single_host_types_are_as_before_and_the_only_ones_a_run_may_name():
 
 
 def test_a_slice_is_refused_before_anything_is_created_naming_the_field_and_the_fix():
+    from airflow_tpu_posttrain.exceptions import InvalidInputError
+    from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
-    from airflow_tpu_posttrain.recipes.compute import TpuVmSpec
-    from airflow_tpu_posttrain.recipes.validation import SpecError
 
     refusal = r"accelerator_type='v6e-16': is a multi-host slice \(4 VMs of ct6e-standard-4t, topology 4x4\)"
     fix = "Fix: use one of: v6e-1, v6e-4, v6e-8"
     with pytest.raises(ValueError, match=refusal) as raised:
         PipelineConfig(model="gemma3-4b", recipe="sft", accelerator_type="v6e-16", checkpoint_storage="gs://b/x")
     assert fix in str(raised.value)
-    with pytest.raises(SpecError, match=refusal):
-        TpuVmSpec(project_id="my-project", zones=("us-east5-b",), accelerator_type="v6e-16", reservation="r")
+    operator = TpuVmCreateOperator(
+        task_id="create_tpu_vm", project_id="my-project", zones=["us-east5-b"], accelerator_type="v6e-16",
+        reservation="r", max_run_duration=3600,
+    )
+    with pytest.raises(InvalidInputError, match=refusal):
+        operator._spec({})

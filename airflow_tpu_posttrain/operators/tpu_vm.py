@@ -29,7 +29,7 @@ from airflow_tpu_posttrain.operators.compute_base import (
 from airflow_tpu_posttrain.operators.just_in_time import JustInTimeMixin
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
 from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
-from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, single_host
 from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -237,6 +237,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 labels=dict(self.labels or {}),
                 metadata=dict(self.metadata or {}),
             )
+            single_host("accelerator_type", spec.accelerator_type)
             if self.oslogin_user:
                 access.oslogin_user("oslogin_user", self.oslogin_user)
             return spec

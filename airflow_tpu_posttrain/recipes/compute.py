@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from airflow_tpu_posttrain.recipes import access, validation
-from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator, single_host
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 MANAGED_BY = "airflow-tpu-posttrain"
@@ -159,7 +159,7 @@ class TpuVmSpec:
             validation.zone(f"zones[{i}]", zone)
         if len(set(self.zones)) != len(self.zones):
             raise SpecError("zones", list(self.zones), "lists a zone twice", "list each zone once, in order")
-        single_host("accelerator_type", self.accelerator_type)
+        accelerator(self.accelerator_type)
         if self.provisioning_model not in PROVISIONING_MODELS:
             raise SpecError(
                 "provisioning_model",
