@@ -88,6 +88,22 @@ class TpuVmHook(GoogleBaseHook):
         return self._client("GlobalOperationsClient")
 
     @cached_property
+    def region_operations(self) -> Any:
+        return self._client("RegionOperationsClient")
+
+    @cached_property
+    def resource_policies(self) -> Any:
+        return self._client("ResourcePoliciesClient")
+
+    @cached_property
+    def instance_templates(self) -> Any:
+        return self._client("InstanceTemplatesClient")
+
+    @cached_property
+    def instance_groups(self) -> Any:
+        return self._client("InstanceGroupManagersClient")
+
+    @cached_property
     def retry(self) -> Any:
         """Backoff on 429/5xx, and on 400 ``resourceNotReady`` (the instance busy with another operation).
 
@@ -228,11 +244,17 @@ class TpuVmHook(GoogleBaseHook):
             return None
         return operation.name
 
-    def get_operation(self, project: str, operation: str, zone: str | None = None) -> dict:
-        """A zonal operation (``zone`` given) or a global one (firewalls)."""
+    def get_operation(
+        self, project: str, operation: str, zone: str | None = None, region: str | None = None
+    ) -> dict:
+        """A zonal operation (``zone`` given), a regional one (``region``: policies) or a global one."""
         if zone:
             message = self.zone_operations.get(
                 project=project, zone=zone, operation=operation, retry=self.retry
+            )
+        elif region:
+            message = self.region_operations.get(
+                project=project, region=region, operation=operation, retry=self.retry
             )
         else:
             message = self.global_operations.get(project=project, operation=operation, retry=self.retry)
@@ -262,6 +284,78 @@ class TpuVmHook(GoogleBaseHook):
         except NotFound:
             return None
         return operation.name
+
+
+    # A multi-host slice (recipes/slices.py): its policy, template and group. Each insert answers None when the
+    # resource exists (409), each delete None when it is gone (404): a retried create or delete goes on.
+
+    def _started(self, call: Any, request: dict, none_on: type[Exception]) -> str | None:
+        try:
+            return call(request=request, retry=self.retry).name
+        except none_on:
+            return None
+
+    def insert_workload_policy(self, project: str, region: str, body: dict, request_id: str) -> str | None:
+        from google.api_core.exceptions import Conflict
+        from google.cloud import compute_v1
+
+        resource = compute_v1.ResourcePolicy.from_json(json.dumps(body))
+        request = {"project": project, "region": region, "resource_policy_resource": resource}
+        return self._started(self.resource_policies.insert, {**request, "request_id": request_id}, Conflict)
+
+    def insert_instance_template(self, project: str, body: dict, request_id: str) -> str | None:
+        from google.api_core.exceptions import Conflict
+        from google.cloud import compute_v1
+
+        resource = compute_v1.InstanceTemplate.from_json(json.dumps(body))
+        request = {"project": project, "instance_template_resource": resource, "request_id": request_id}
+        return self._started(self.instance_templates.insert, request, Conflict)
+
+    def insert_instance_group(self, project: str, zone: str, body: dict, request_id: str) -> str | None:
+        """Start a group's insert. Its operation is DONE once the group exists, before any of its VMs does."""
+        from google.api_core.exceptions import Conflict
+        from google.cloud import compute_v1
+
+        resource = compute_v1.InstanceGroupManager.from_json(json.dumps(body))
+        request = {"project": project, "zone": zone, "instance_group_manager_resource": resource}
+        return self._started(self.instance_groups.insert, {**request, "request_id": request_id}, Conflict)
+
+    def get_instance_group(self, project: str, zone: str, name: str) -> dict | None:
+        from google.api_core.exceptions import NotFound
+
+        try:
+            group = self.instance_groups.get(
+                project=project, zone=zone, instance_group_manager=name, retry=self.retry
+            )
+        except NotFound:
+            return None
+        return _message_to_dict(group)
+
+    def list_group_instances(self, project: str, zone: str, name: str) -> list[dict]:
+        """The group's managed instances: ``{"name", "instance" (its URL), "instanceStatus", "currentAction"}``."""
+        pages = self.instance_groups.list_managed_instances(
+            request={"project": project, "zone": zone, "instance_group_manager": name}, retry=self.retry
+        )
+        return [_message_to_dict(member) for member in pages]
+
+    def delete_instance_group(self, project: str, zone: str, name: str, request_id: str) -> str | None:
+        """Start a group's delete, which deletes its VMs."""
+        from google.api_core.exceptions import NotFound
+
+        request = {"project": project, "zone": zone, "instance_group_manager": name, "request_id": request_id}
+        return self._started(self.instance_groups.delete, request, NotFound)
+
+    def delete_instance_template(self, project: str, name: str, request_id: str) -> str | None:
+        from google.api_core.exceptions import NotFound
+
+        request = {"project": project, "instance_template": name, "request_id": request_id}
+        return self._started(self.instance_templates.delete, request, NotFound)
+
+    def delete_workload_policy(self, project: str, region: str, name: str, request_id: str) -> str | None:
+        from google.api_core.exceptions import NotFound
+
+        request = {"project": project, "region": region, "resource_policy": name, "request_id": request_id}
+        return self._started(self.resource_policies.delete, request, NotFound)
 
 
 class TpuVmAsyncHook(GoogleBaseAsyncHook):

@@ -1,0 +1,128 @@
+"""A multi-host TPU slice on Compute Engine: a workload policy, an instance template, a MIG in bulk mode.
+
+Google's way (compute/docs/tpus/create-tpu-mig-multi-host-slice; compute/docs/instance-groups/about-bulk-mode):
+a regional workload policy of type ``HIGH_THROUGHPUT`` names the slice's accelerator topology; a global
+instance template holds what each VM is made from; a zonal managed instance group of the slice's VM count,
+in bulk mode, names both and creates every VM at once or none. Created in that order and deleted in the
+reverse one: Compute refuses to delete a template or a policy a group still uses.
+
+Pure: names and REST bodies. A slice's VMs are made from exactly the body a single-host VM gets
+(``compute.instance_body``): the same image, disk, scheduling, reservation, service account, labels, metadata
+and SSH access; only what a template cannot hold is left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from airflow_tpu_posttrain.recipes import compute
+from airflow_tpu_posttrain.recipes.accelerators import Accelerator, accelerator
+
+BASE_NAME_ROOM = 52  # a MIG's baseInstanceName before its "-###": `[a-z][-a-z0-9]{0,51}-#{1,10}` (v1 reference)
+# What an instances.insert body holds that an instance template's properties do not (InstanceProperties, v1):
+# the instance's own name, and the FLEX_START wait, which a MIG takes from a resize request instead.
+NOT_IN_TEMPLATE = ("name", "params")
+
+
+@dataclass(frozen=True)
+class SliceNames:
+    """Deterministic names of one run's slice: one per resource type, so each type's name is the run's VM name."""
+
+    policy: str
+    template: str
+    group: str
+    base_instance_name: str
+
+    def member(self, index: int) -> str:
+        """The name of the group's ``index``-th VM (from 0), as the group numbers them (``-001`` …)."""
+        return self.base_instance_name.replace("###", f"{index + 1:03d}")
+
+
+def slice_names(name: str) -> SliceNames:
+    """The slice's names from the run's VM name (``compute.instance_name``).
+
+    The VMs are ``<base>-001`` … ; a name too long for a base is cut with a hash of the whole name, never its
+    tail alone (the run's hash at its end keeps two runs apart), as ``compute.firewall_name`` does."""
+    base = name
+    if len(base) > BASE_NAME_ROOM:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+        base = f"{name[: BASE_NAME_ROOM - 11].rstrip('-')}-{digest}"
+    return SliceNames(policy=name, template=name, group=name, base_instance_name=f"{base}-###")
+
+
+def region_of(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+def workload_policy_body(names: SliceNames, acc: Accelerator) -> dict:
+    """``resourcePolicies.insert``: the slice's topology, its VMs joined by ICI."""
+    return {
+        "name": names.policy,
+        "description": f"{compute.MANAGED_BY}: the {acc.type} slice of group {names.group}",
+        "workloadPolicy": {"type": "HIGH_THROUGHPUT", "acceleratorTopology": acc.topology},
+    }
+
+
+def instance_template_body(names: SliceNames, instance_body: dict) -> dict:
+    """``instanceTemplates.insert``: ``instance_body`` (one VM of the slice) as a template's properties."""
+    properties = {key: value for key, value in instance_body.items() if key not in NOT_IN_TEMPLATE}
+    properties["machineType"] = instance_body["machineType"].rsplit("/", 1)[-1]  # a template's is a bare name
+    return {
+        "name": names.template,
+        "description": f"{compute.MANAGED_BY}: the VMs of group {names.group}",
+        "properties": properties,
+    }
+
+
+def group_body(project: str, zone: str, names: SliceNames, acc: Accelerator) -> dict:
+    """``instanceGroupManagers.insert``: every VM of the slice at once, or none (bulk mode).
+
+    A failed VM is not repaired (``DO_NOTHING``): a slice short of one VM cannot train, and the run re-creates
+    the whole slice."""
+    return {
+        "name": names.group,
+        "description": f"{compute.MANAGED_BY}: a {acc.type} slice",
+        "baseInstanceName": names.base_instance_name,
+        "instanceTemplate": f"projects/{project}/global/instanceTemplates/{names.template}",
+        "targetSize": acc.vms,
+        "targetSizePolicy": {"mode": "BULK"},
+        "resourcePolicies": {
+            "workloadPolicy": f"projects/{project}/regions/{region_of(zone)}/resourcePolicies/{names.policy}"
+        },
+        "instanceLifecyclePolicy": {"defaultActionOnFailure": "DO_NOTHING"},
+    }
+
+
+@dataclass(frozen=True)
+class SliceBodies:
+    """What a slice's create sends, in order: the policy, the template, the group."""
+
+    names: SliceNames
+    policy: dict
+    template: dict
+    group: dict
+
+
+def slice_bodies(
+    spec: compute.TpuVmSpec,
+    name: str,
+    zone: str,
+    labels: dict[str, str],
+    metadata: dict[str, str] | None = None,
+    ssh_keys: str | None = None,
+) -> SliceBodies:
+    """The three bodies of ``spec``'s slice in ``zone``, its VMs made as ``compute.instance_body`` makes one."""
+    acc = accelerator(spec.accelerator_type)
+    if not acc.is_multi_host:
+        raise ValueError(f"{spec.accelerator_type} is one VM, not a slice")
+    names = slice_names(name)
+    # Named as the run's VM: the name itself is left out of the template, and the SSH firewall rule's target tag
+    # (the run's VM name, ``compute.ssh_firewall_body``) is then on every VM of the slice.
+    member = compute.instance_body(spec, name, zone, labels, metadata, ssh_keys)
+    return SliceBodies(
+        names,
+        workload_policy_body(names, acc),
+        instance_template_body(names, member),
+        group_body(spec.project_id, zone, names, acc),
+    )

@@ -1,0 +1,117 @@
+"""A multi-host slice's resources, built from what a single-host VM gets and made on the Compute emulator.
+
+The policy, template and group bodies of ``recipes/slices.py``, sent through ``TpuVmHook`` with the official
+client in the order Google's MIG how-to gives, and deleted in the reverse order."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+from conftest import PROJECT, RUNNER_ACCOUNT, RUNNER_ROLES
+
+from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
+from airflow_tpu_posttrain.recipes import compute, slices
+from airflow_tpu_posttrain.recipes.compute import TpuVmSpec
+
+ZONE, REGION = "us-east5-b", "us-east5"
+RUN_VM = compute.instance_name("posttrain_sft__gemma3-4b", "manual__2026-12-04T10:00:00", "tpu", "airflow-1")
+LABELS = {"managed-by": "airflow-tpu-posttrain", "airflow-run-hash": RUN_VM.rsplit("-", 1)[-1]}
+SSH_KEYS = 'posttrain:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIG google-ssh {"userName":"posttrain"}'
+
+
+def slice_spec(**fields) -> TpuVmSpec:
+    return TpuVmSpec(
+        project_id=PROJECT, zones=(ZONE,), accelerator_type="v6e-16", reservation="slice-reservation",
+        max_run_duration_s=None, **fields,
+    )
+
+
+def test_a_slices_names_are_the_runs_and_its_vms_are_numbered_within_computes_limits():
+    names = slices.slice_names(RUN_VM)
+    assert names.policy == names.template == names.group == RUN_VM
+    assert [names.member(i) for i in (0, 3)] == [f"{RUN_VM}-001", f"{RUN_VM}-004"]
+    long_a, long_b = "tpu-" + "a" * 47 + "-0123456789", "tpu-" + "a" * 47 + "-9876543210"  # 62 chars, two runs
+    a, b = slices.slice_names(long_a), slices.slice_names(long_b)
+    assert a.base_instance_name != b.base_instance_name  # the cut keeps the runs apart
+    assert all(len(n.base_instance_name.removesuffix("-###")) <= slices.BASE_NAME_ROOM for n in (a, b))
+    assert len(a.member(63)) <= 63 and slices.slice_names(long_a) == a
+
+
+def test_each_vm_of_a_slice_is_made_from_the_single_host_vms_body():
+    spec = slice_spec()
+    bodies = slices.slice_bodies(spec, RUN_VM, ZONE, LABELS, {"airflow-dag-id": "d"}, SSH_KEYS)
+    single = compute.instance_body(spec, RUN_VM, ZONE, LABELS, {"airflow-dag-id": "d"}, SSH_KEYS)
+    properties = bodies.template["properties"]
+    assert properties.pop("machineType") == "ct6e-standard-4t"
+    assert properties == {k: v for k, v in single.items() if k not in ("name", "machineType")}
+    assert bodies.policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "4x4"}
+    group = bodies.group
+    assert (group["targetSize"], group["targetSizePolicy"], group["baseInstanceName"]) == (
+        4, {"mode": "BULK"}, f"{RUN_VM}-###"
+    )
+    assert group["resourcePolicies"]["workloadPolicy"].endswith(f"/regions/{REGION}/resourcePolicies/{RUN_VM}")
+    with pytest.raises(ValueError, match="one VM, not a slice"):
+        slices.slice_bodies(TpuVmSpec(project_id=PROJECT, zones=(ZONE,), reservation="r"), RUN_VM, ZONE, {})
+
+
+@pytest.fixture
+def hook(monkeypatch):
+    from airflow_tpu_posttrain.hooks.compute import TpuVmHook
+
+    with ComputeEmulator(operation_seconds=0.1) as emulator:
+        emulator.add_reservation("slice-reservation", ZONE, 4, machine_type="ct6e-standard-4t")
+        key = emulator.service_account_key(RUNNER_ACCOUNT, *RUNNER_ROLES, project=PROJECT)
+        connection = {"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": json.dumps(key), "project": PROJECT}}
+        monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps(connection))
+        yield TpuVmHook(api_endpoint=emulator.url, retry_initial_delay=0.2, retry_deadline=30), emulator
+
+
+def _done(hook, operation: str | None, **location) -> None:
+    """Poll the operation until DONE; it must end without errors."""
+    deadline = time.monotonic() + 30
+    while operation:
+        answer = hook.get_operation(PROJECT, operation, **location)
+        if answer["status"] == "DONE":
+            assert not answer.get("error"), answer
+            return
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
+
+
+def test_a_v6e_16_slice_comes_up_whole_as_the_run_made_it_and_is_deleted_in_reverse(hook):
+    """Four VMs RUNNING, each with the run's labels, SSH key and reservation; a retried insert finds what exists."""
+    hook, emulator = hook
+    bodies = slices.slice_bodies(slice_spec(), RUN_VM, ZONE, LABELS, None, SSH_KEYS)
+    names = bodies.names
+    for _ in range(2):  # the second time: a retried create, every resource already there (None, not an error)
+        _done(hook, hook.insert_workload_policy(PROJECT, REGION, bodies.policy, str(uuid.uuid4())), region=REGION)
+        _done(hook, hook.insert_instance_template(PROJECT, bodies.template, str(uuid.uuid4())))
+        _done(hook, hook.insert_instance_group(PROJECT, ZONE, bodies.group, str(uuid.uuid4())), zone=ZONE)
+    deadline = time.monotonic() + 30
+    while not (hook.get_instance_group(PROJECT, ZONE, names.group) or {}).get("status", {}).get("isStable"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+    members = hook.list_group_instances(PROJECT, ZONE, names.group)
+    assert sorted((m["name"], m["instanceStatus"]) for m in members) == [
+        (names.member(i), "RUNNING") for i in range(4)
+    ]
+    worker_ids = set()
+    for member in members:
+        vm = hook.get_instance(PROJECT, ZONE, member["name"])
+        metadata = {item["key"]: item["value"] for item in vm["metadata"]["items"]}
+        assert vm["machineType"].endswith("/machineTypes/ct6e-standard-4t")
+        assert vm["labels"] == {**LABELS} and metadata["ssh-keys"] == SSH_KEYS
+        assert metadata["enable-guest-attributes"] == "TRUE"  # its host keys are published, as a single VM's
+        assert vm["reservationAffinity"]["values"] == ["slice-reservation"]
+        worker_ids.add(metadata["worker-id"])
+    assert worker_ids == {"0", "1", "2", "3"}
+
+    for _ in range(2):  # the second time: a retried delete, every resource already gone
+        _done(hook, hook.delete_instance_group(PROJECT, ZONE, names.group, str(uuid.uuid4())), zone=ZONE)
+        _done(hook, hook.delete_instance_template(PROJECT, names.template, str(uuid.uuid4())))
+        _done(hook, hook.delete_workload_policy(PROJECT, REGION, names.policy, str(uuid.uuid4())), region=REGION)
+    assert emulator.instances() == [] and hook.get_instance_group(PROJECT, ZONE, names.group) is None
