@@ -6,6 +6,7 @@ client in the order Google's MIG how-to gives, and deleted in the reverse order.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
@@ -81,19 +82,31 @@ def _done(hook, operation: str | None, **location) -> None:
         time.sleep(0.1)
 
 
+def _make_slice(hook) -> slices.SliceNames:
+    bodies = slices.slice_bodies(slice_spec(), RUN_VM, ZONE, LABELS, None, SSH_KEYS)
+    _done(hook, hook.insert_workload_policy(PROJECT, REGION, bodies.policy, str(uuid.uuid4())), region=REGION)
+    _done(hook, hook.insert_instance_template(PROJECT, bodies.template, str(uuid.uuid4())))
+    _done(hook, hook.insert_instance_group(PROJECT, ZONE, bodies.group, str(uuid.uuid4())), zone=ZONE)
+    return bodies.names
+
+
+def _state_when(hook, states: set[str], timeout: float = 30) -> slices.SliceState:
+    """Poll the group, as the create does, until its slice is in one of ``states``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = slices.slice_state(hook.get_instance_group(PROJECT, ZONE, RUN_VM))
+        if state.state in states:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+
+
 def test_a_v6e_16_slice_comes_up_whole_as_the_run_made_it_and_is_deleted_in_reverse(hook):
     """Four VMs RUNNING, each with the run's labels, SSH key and reservation; a retried insert finds what exists."""
     hook, emulator = hook
-    bodies = slices.slice_bodies(slice_spec(), RUN_VM, ZONE, LABELS, None, SSH_KEYS)
-    names = bodies.names
-    for _ in range(2):  # the second time: a retried create, every resource already there (None, not an error)
-        _done(hook, hook.insert_workload_policy(PROJECT, REGION, bodies.policy, str(uuid.uuid4())), region=REGION)
-        _done(hook, hook.insert_instance_template(PROJECT, bodies.template, str(uuid.uuid4())))
-        _done(hook, hook.insert_instance_group(PROJECT, ZONE, bodies.group, str(uuid.uuid4())), zone=ZONE)
-    deadline = time.monotonic() + 30
-    while not (hook.get_instance_group(PROJECT, ZONE, names.group) or {}).get("status", {}).get("isStable"):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    names = _make_slice(hook)
+    assert _make_slice(hook) == names  # a retried create: every resource already there (None, not an error)
+    assert _state_when(hook, {slices.WHOLE}).state == slices.WHOLE
 
     members = hook.list_group_instances(PROJECT, ZONE, names.group)
     assert sorted((m["name"], m["instanceStatus"]) for m in members) == [
@@ -115,3 +128,32 @@ def test_a_v6e_16_slice_comes_up_whole_as_the_run_made_it_and_is_deleted_in_reve
         _done(hook, hook.delete_instance_template(PROJECT, names.template, str(uuid.uuid4())))
         _done(hook, hook.delete_workload_policy(PROJECT, REGION, names.policy, str(uuid.uuid4())), region=REGION)
     assert emulator.instances() == [] and hook.get_instance_group(PROJECT, ZONE, names.group) is None
+
+
+def test_a_slice_is_creating_until_every_vm_runs(hook):
+    """The group's insert is DONE before its VMs exist: what follows is waited for, not taken for a failure."""
+    hook, emulator = hook
+    emulator.set_faults(operation_seconds=2.0)
+    _make_slice(hook)
+    assert _state_when(hook, {slices.CREATING, slices.WHOLE, slices.BROKEN}).state == slices.CREATING
+    assert _state_when(hook, {slices.WHOLE, slices.BROKEN}).state == slices.WHOLE
+
+
+def test_a_stockout_is_waited_for_with_computes_reason_and_no_vm_made(hook):
+    hook, emulator = hook
+    emulator.set_faults(stockout_zones=[ZONE])
+    _make_slice(hook)
+    waiting = _state_when(hook, {slices.NO_CAPACITY})
+    assert waiting.detail.startswith("ZONE_RESOURCE_POOL_EXHAUSTED: The zone") and emulator.instances() == []
+    emulator.set_faults(stockout_zones=[])
+    assert _state_when(hook, {slices.WHOLE}).state == slices.WHOLE
+
+
+def test_a_vm_lost_from_the_slice_breaks_it(hook):
+    """A preempted VM of a bulk group is not made again: the slice cannot train, whatever the other three do."""
+    hook, emulator = hook
+    names = _make_slice(hook)
+    _state_when(hook, {slices.WHOLE})
+    emulator.preempt(ZONE, names.member(1))
+    broken = _state_when(hook, {slices.BROKEN})
+    assert re.fullmatch(r"3 of 4 VMs running \(1 (stopping|terminated)\); topology INCOMPLETE", broken.detail)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from airflow_tpu_posttrain.recipes import compute
 from airflow_tpu_posttrain.recipes.accelerators import Accelerator, accelerator
@@ -125,4 +126,44 @@ def slice_bodies(
         workload_policy_body(names, acc),
         instance_template_body(names, member),
         group_body(spec.project_id, zone, names, acc),
+    )
+
+
+class SliceState(NamedTuple):
+    """Where a slice's group stands (``state``), and Compute's words for why (``detail``)."""
+
+    state: str
+    detail: str = ""
+
+
+WHOLE = "whole"  # every VM RUNNING, the topology ACTIVE: the slice can be trained on
+CREATING = "creating"  # the group creates its VMs (bulk: all at once)
+NO_CAPACITY = "no-capacity"  # bulk mode waits for the whole slice's capacity (a stock-out, a short reservation)
+BROKEN = "broken"  # a VM is gone or stopped and will not come back (bulk mode creates once): never trained on
+
+
+def slice_state(group: dict) -> SliceState:
+    """What a group (``instanceGroupManagers.get``, REST JSON) says of its slice.
+
+    The fields Compute documents for TPU MIGs (v1 reference): ``status.isStable``,
+    ``status.appliedAcceleratorTopologies[].state`` (ACTIVE, ACTIVATING, INCOMPLETE: "cannot be activated due to
+    insufficient number of running VMs"), ``status.bulkInstanceOperation`` (``inProgress``, and the reason the
+    last progress check made nothing: ``lastProgressCheck.error``) and ``status.currentInstanceStatuses``."""
+    status = group.get("status") or {}
+    topology = ((status.get("appliedAcceleratorTopologies") or [{}])[0]).get("state")
+    counts = status.get("currentInstanceStatuses") or {}
+    running = counts.get("running", 0)
+    target = int(group.get("targetSize", 0))
+    if status.get("isStable") and topology == "ACTIVE" and running == target:
+        return SliceState(WHOLE)
+    bulk = status.get("bulkInstanceOperation") or {}
+    if bulk.get("inProgress"):
+        errors = ((bulk.get("lastProgressCheck") or {}).get("error") or {}).get("errors") or []
+        if errors:
+            return SliceState(NO_CAPACITY, "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors))
+        return SliceState(CREATING)
+    lost = {state: n for state, n in counts.items() if state != "running" and n}
+    return SliceState(
+        BROKEN, f"{running} of {target} VMs running ({', '.join(f'{n} {s}' for s, n in sorted(lost.items()))}); "
+        f"topology {topology or 'unknown'}"
     )
