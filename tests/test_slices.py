@@ -5,6 +5,7 @@ client in the order Google's MIG how-to gives, and deleted in the reverse order.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -157,3 +158,86 @@ def test_a_vm_lost_from_the_slice_breaks_it(hook):
     emulator.preempt(ZONE, names.member(1))
     broken = _state_when(hook, {slices.BROKEN})
     assert re.fullmatch(r"3 of 4 VMs running \(1 (stopping|terminated)\); topology INCOMPLETE", broken.detail)
+
+
+def _trigger(emulator, spec: TpuVmSpec | None = None, capacity_wait: float = 30, ready_timeout: float = 30):
+    from airflow_tpu_posttrain.triggers.slice import TpuSliceCreateTrigger
+
+    bodies = slices.slice_bodies(spec or slice_spec(), RUN_VM, ZONE, LABELS, None, SSH_KEYS)
+    trigger = TpuSliceCreateTrigger(
+        PROJECT, ZONE, {"policy": bodies.policy, "template": bodies.template, "group": bodies.group},
+        network_path="internal", ssh_port=22, capacity_wait=capacity_wait, ready_timeout=ready_timeout,
+        api_endpoint=emulator.url, poll_interval=0.2,
+    )
+    # What the triggerer gets back from the database is the serialized form: run that one.
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "airflow_tpu_posttrain.triggers.slice.TpuSliceCreateTrigger"
+    return TpuSliceCreateTrigger(**kwargs)
+
+
+def _event(trigger) -> dict:
+    async def first():
+        async for event in trigger.run():
+            return event.payload
+
+    return asyncio.run(first())
+
+
+def _nothing_left(hook, emulator) -> bool:
+    """No VM, group, template or policy of the slice, as Compute lists them."""
+    return (
+        emulator.instances() == []
+        and hook.get_instance_group(PROJECT, ZONE, RUN_VM) is None
+        and list(hook.instance_templates.list(project=PROJECT)) == []
+        and list(hook.resource_policies.list(project=PROJECT, region=REGION)) == []
+    )
+
+
+def test_the_slice_create_hands_on_every_vm_reachable_by_worker_id(hook, tmp_path):
+    """Four local VMs booted with their sshds: each published its host keys and answers; worker 0 first."""
+    from airflow_tpu_posttrain.local.fleet import LocalFleet
+
+    hook, emulator = hook
+    emulator.fleet = LocalFleet(tmp_path / "disks", boot_delay=0)
+    event = _event(_trigger(emulator))
+    assert event["status"] == "ready", event
+    assert [vm["worker_id"] for vm in event["vms"]] == [0, 1, 2, 3]
+    assert sorted(vm["name"] for vm in event["vms"]) == [slices.slice_names(RUN_VM).member(i) for i in range(4)]
+    assert all(set(vm["host_keys"]) >= {"ssh-ed25519"} for vm in event["vms"])
+    assert len({vm["instance"]["networkInterfaces"][0]["networkIP"] for vm in event["vms"]}) == 4
+    assert "metadata" not in event["vms"][0]["instance"]  # only what reaching and billing the VM needs
+
+    again = _event(_trigger(emulator))  # a retried task: the same slice, found and handed on
+    assert again["status"] == "ready" and again["vms"] == event["vms"]
+
+
+def test_a_slice_without_capacity_in_time_fails_and_leaves_nothing(hook):
+    hook, emulator = hook
+    emulator.set_faults(stockout_zones=[ZONE])
+    event = _event(_trigger(emulator, capacity_wait=1))
+    assert (event["status"], event["reason"]) == ("failed", "no-capacity")
+    assert "ZONE_RESOURCE_POOL_EXHAUSTED" in event["detail"]
+    assert _nothing_left(hook, emulator)
+
+
+def test_a_slice_whose_vms_never_answer_is_deleted_whole(hook):
+    """No guest environment here (no local fleet): no host keys, so no VM can be verified, and none is kept."""
+    hook, emulator = hook
+    event = _event(_trigger(emulator, ready_timeout=1))
+    assert (event["status"], event["reason"]) == ("failed", "not-ready")
+    assert "published no SSH host keys" in event["detail"]
+    assert _nothing_left(hook, emulator)
+
+
+def test_an_earlier_tries_broken_slice_is_deleted_and_made_again(hook, tmp_path):
+    from airflow_tpu_posttrain.local.fleet import LocalFleet
+
+    hook, emulator = hook
+    emulator.fleet = LocalFleet(tmp_path / "disks", boot_delay=0)
+    names = _make_slice(hook)
+    _state_when(hook, {slices.WHOLE})
+    emulator.preempt(ZONE, names.member(2))
+    _state_when(hook, {slices.BROKEN})
+    event = _event(_trigger(emulator))
+    assert event["status"] == "ready", event
+    assert slices.slice_state(hook.get_instance_group(PROJECT, ZONE, RUN_VM)).state == slices.WHOLE

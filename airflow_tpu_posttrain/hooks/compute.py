@@ -363,9 +363,11 @@ class TpuVmAsyncHook(GoogleBaseAsyncHook):
 
     sync_hook_class = TpuVmHook
 
-    async def get_operation(self, project: str, operation: str, zone: str | None = None) -> dict:
+    async def get_operation(
+        self, project: str, operation: str, zone: str | None = None, region: str | None = None
+    ) -> dict:
         hook = await self.get_sync_hook()
-        return await asyncio.to_thread(hook.get_operation, project, operation, zone)
+        return await asyncio.to_thread(hook.get_operation, project, operation, zone, region)
 
     async def get_instance(self, project: str, zone: str, name: str) -> dict | None:
         hook = await self.get_sync_hook()
@@ -406,3 +408,33 @@ class TpuVmAsyncHook(GoogleBaseAsyncHook):
     async def list_routers(self, project: str, region: str) -> list[dict]:
         hook = await self.get_sync_hook()
         return await asyncio.to_thread(hook.list_routers, project, region)
+
+    # A multi-host slice's resources (the sync hook's methods of the same names).
+
+    async def _in_thread(self, method: str, *args: Any) -> Any:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(getattr(hook, method), *args)
+
+    async def insert_workload_policy(self, project: str, region: str, body: dict, request_id: str) -> str | None:
+        return await self._in_thread("insert_workload_policy", project, region, body, request_id)
+
+    async def insert_instance_template(self, project: str, body: dict, request_id: str) -> str | None:
+        return await self._in_thread("insert_instance_template", project, body, request_id)
+
+    async def insert_instance_group(self, project: str, zone: str, body: dict, request_id: str) -> str | None:
+        return await self._in_thread("insert_instance_group", project, zone, body, request_id)
+
+    async def get_instance_group(self, project: str, zone: str, name: str) -> dict | None:
+        return await self._in_thread("get_instance_group", project, zone, name)
+
+    async def list_group_instances(self, project: str, zone: str, name: str) -> list[dict]:
+        return await self._in_thread("list_group_instances", project, zone, name)
+
+    async def delete_instance_group(self, project: str, zone: str, name: str, request_id: str) -> str | None:
+        return await self._in_thread("delete_instance_group", project, zone, name, request_id)
+
+    async def delete_instance_template(self, project: str, name: str, request_id: str) -> str | None:
+        return await self._in_thread("delete_instance_template", project, name, request_id)
+
+    async def delete_workload_policy(self, project: str, region: str, name: str, request_id: str) -> str | None:
+        return await self._in_thread("delete_workload_policy", project, region, name, request_id)

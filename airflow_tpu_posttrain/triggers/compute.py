@@ -133,7 +133,7 @@ class _OperationsTrigger(ComputeTrigger):
         for op in operations:
             while True:
                 operation = await self._poll(
-                    lambda op=op: hook.get_operation(self.project_id, op["name"], op.get("zone"))
+                    lambda op=op: hook.get_operation(self.project_id, op["name"], op.get("zone"), op.get("region"))
                 )
                 if operation.get("status") == "DONE":
                     break

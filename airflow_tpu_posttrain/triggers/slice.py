@@ -1,0 +1,208 @@
+"""A multi-host TPU slice's create, run from the triggerer: every VM of it ready, or none left.
+
+The slice is the three resources of ``recipes/slices.py``; this trigger makes them, waits on the group's own
+account of its VMs (``slices.slice_state``) and then on each VM's host keys and sshd, as the single VM's create
+(``triggers/create.py``) waits on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from airflow.triggers.base import TriggerEvent
+
+from airflow_tpu_posttrain.recipes import access, slices
+from airflow_tpu_posttrain.triggers.compute import (
+    _billed,
+    _OperationsTrigger,
+    not_ready_message,
+    ssh_port_check,
+)
+
+if TYPE_CHECKING:
+    from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
+
+# The instance metadata key that tells a slice's VM its worker id. Google documents none for MIG-made TPU VMs:
+# JAX reads ``agent-worker-number`` on Cloud TPU API VMs; ``worker-id`` is what MIG-made TPU VMs were seen to carry.
+WORKER_ID_KEYS = ("worker-id", "agent-worker-number")
+
+
+class _SliceFailed(Exception):  # noqa: N818 - a control-flow signal inside the trigger, never raised out of it
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def worker_id(instance: dict) -> int | None:
+    """The VM's worker id in its slice, from its metadata; None when it carries none."""
+    metadata = {item["key"]: item.get("value") for item in (instance.get("metadata") or {}).get("items", [])}
+    value = next((metadata[key] for key in WORKER_ID_KEYS if metadata.get(key) is not None), None)
+    return int(value) if value is not None else None
+
+
+class TpuSliceCreateTrigger(_OperationsTrigger):
+    """Create a run's multi-host slice and wait until every VM of it can be reached over SSH: all, or nothing.
+
+    In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
+    the workload policy, the instance template and the group are inserted (each insert's 409 is "there
+    already"); the group is polled while it creates its VMs (bulk mode: all at once or none) or waits for
+    capacity, up to ``capacity_wait`` seconds; then every VM must publish its host keys and answer on
+    ``ssh_port`` within ``ready_timeout``. A slice that cannot be completed (no capacity in time, a VM lost, a
+    VM that never answers, an insert refused) is deleted whole, the group with its VMs, then the template and
+    the policy, before the event: a partial slice is never handed on.
+
+    Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "worker_id", "instance",
+    "host_keys"}] by worker id, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
+    "not-ready" | "refused", "detail", "state"}``.
+
+    :param project_id: the slice's project.
+    :param zone: the slice's zone.
+    :param bodies: ``{"policy", "template", "group"}``: the REST bodies of ``slices.slice_bodies``.
+    :param network_path: how Airflow reaches the VMs: ``internal`` or ``external`` (``access.ssh_address``).
+    :param ssh_port: the port every VM's sshd must answer on.
+    :param capacity_wait: seconds the group may wait for the slice's capacity.
+    :param ready_timeout: seconds the RUNNING VMs have to publish their host keys and answer on ``ssh_port``.
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        zone: str,
+        bodies: dict[str, dict],
+        network_path: str,
+        ssh_port: int,
+        capacity_wait: float,
+        ready_timeout: float,
+        **common: Any,
+    ) -> None:
+        super().__init__(project_id, **common)
+        self.zone = zone
+        self.bodies = bodies
+        self.network_path = network_path
+        self.ssh_port = ssh_port
+        self.capacity_wait = capacity_wait
+        self.ready_timeout = ready_timeout
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            **super()._kwargs(),
+            "zone": self.zone,
+            "bodies": self.bodies,
+            "network_path": self.network_path,
+            "ssh_port": self.ssh_port,
+            "capacity_wait": self.capacity_wait,
+            "ready_timeout": self.ready_timeout,
+        }
+
+    @property
+    def _region(self) -> str:
+        return slices.region_of(self.zone)
+
+    @property
+    def _group(self) -> str:
+        return self.bodies["group"]["name"]
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook()
+        try:
+            earlier = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
+            if earlier and slices.slice_state(earlier).state == slices.BROKEN:
+                self.log.info("Slice %s of an earlier try is broken: deleting it whole first", self._group)
+                await self._delete(hook)
+            await self._insert(hook)
+            vms = await self._ready(hook, await self._whole(hook))
+        except _SliceFailed as failed:
+            self.log.warning("Slice %s cannot be completed (%s): deleting it whole", self._group, failed.detail)
+            left = await self._delete(hook)
+            detail = f"{failed.detail}; not deleted: {left}" if left else failed.detail
+            yield self._event({"status": "failed", "reason": failed.reason, "detail": detail})
+            return
+        yield self._event({"status": "ready", "zone": self.zone, "vms": vms})
+
+    async def _insert(self, hook: TpuVmAsyncHook) -> None:
+        """The policy, the template, the group, each waited for; one Compute refuses fails the slice."""
+        steps = (
+            (hook.insert_workload_policy, (self._region, self.bodies["policy"]), {"region": self._region}),
+            (hook.insert_instance_template, (self.bodies["template"],), {}),
+            (hook.insert_instance_group, (self.zone, self.bodies["group"]), {"zone": self.zone}),
+        )
+        for insert, args, location in steps:
+            try:
+                operation = await self._poll(
+                    lambda insert=insert, args=args: insert(self.project_id, *args, str(uuid.uuid4()))
+                )
+            except Exception as err:
+                raise _SliceFailed("refused", f"{type(err).__name__}: {err}") from err
+            if operation:
+                errors = await self._operation_errors(hook, [{"name": operation, **location}])
+                if errors:
+                    raise _SliceFailed("refused", "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors))
+
+    async def _whole(self, hook: TpuVmAsyncHook) -> list[dict]:
+        """Wait for the group's VMs, all RUNNING; its managed instances."""
+        deadline = time.monotonic() + self.capacity_wait
+        logged = ""
+        while True:
+            group = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
+            state = slices.slice_state(group or {})
+            if state.state == slices.WHOLE:
+                return await self._poll(
+                    lambda: hook.list_group_instances(self.project_id, self.zone, self._group)
+                )
+            if state.state == slices.BROKEN:
+                raise _SliceFailed("broken", state.detail)
+            if state.state == slices.NO_CAPACITY and time.monotonic() > deadline:
+                raise _SliceFailed("no-capacity", f"no capacity within {self.capacity_wait:.0f} s: {state.detail}")
+            if state.detail and state.detail != logged:
+                self.log.info("Slice %s waits for capacity: %s", self._group, state.detail)
+                logged = state.detail
+            await asyncio.sleep(self.poll_interval)
+
+    async def _ready(self, hook: TpuVmAsyncHook, members: list[dict]) -> list[dict]:
+        """Every VM's host keys and sshd; the VMs by worker id."""
+        deadline = time.monotonic() + self.ready_timeout
+        vms = []
+        for member in sorted(members, key=lambda m: m["name"]):
+            name = member["name"]
+            while True:
+                instance = await self._poll(lambda name=name: hook.get_instance(self.project_id, self.zone, name))
+                status = (instance or {}).get("status")
+                host_keys = await self._poll(lambda name=name: hook.get_host_keys(self.project_id, self.zone, name))
+                answered = False
+                if status == "RUNNING" and host_keys:
+                    address = access.ssh_address(instance, self.network_path)
+                    answered, _ = await ssh_port_check(address, self.ssh_port) if address else (False, "")
+                if answered:
+                    break
+                if status != "RUNNING" or time.monotonic() > deadline:
+                    raise _SliceFailed("not-ready", not_ready_message(name, status, host_keys, self.ready_timeout))
+                await asyncio.sleep(self.poll_interval)
+            reached = {"networkInterfaces": instance.get("networkInterfaces"), **(_billed(instance) or {})}
+            vms.append({"name": name, "worker_id": worker_id(instance), "instance": reached, "host_keys": host_keys})
+        return sorted(vms, key=lambda vm: (vm["worker_id"] is None, vm["worker_id"], vm["name"]))
+
+    async def _delete(self, hook: TpuVmAsyncHook) -> str:
+        """The group (with its VMs), then the template, then the policy: each gone before the next is asked.
+
+        What could not be deleted, with Compute's reason ("" when all is gone): the reaper's to end."""
+        steps = (
+            (hook.delete_instance_group, (self.zone, self._group), {"zone": self.zone}),
+            (hook.delete_instance_template, (self.bodies["template"]["name"],), {}),
+            (hook.delete_workload_policy, (self._region, self.bodies["policy"]["name"]), {"region": self._region}),
+        )
+        for delete, args, location in steps:
+            try:
+                operation = await self._poll(
+                    lambda delete=delete, args=args: delete(self.project_id, *args, str(uuid.uuid4()))
+                )
+                errors = await self._operation_errors(hook, [{"name": operation, **location}]) if operation else []
+            except Exception as err:
+                errors = self._raised(err)
+            if errors:
+                return f"{args[-1]}: " + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+        return ""
