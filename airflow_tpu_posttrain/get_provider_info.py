@@ -60,6 +60,7 @@ def get_provider_info() -> dict:
                     "airflow_tpu_posttrain.operators.quality_gate",
                     "airflow_tpu_posttrain.operators.reaper",
                     "airflow_tpu_posttrain.operators.tpu_delete",
+                    "airflow_tpu_posttrain.operators.tpu_slice",
                     "airflow_tpu_posttrain.operators.tpu_vm",
                 ],
             }
@@ -78,6 +79,7 @@ def get_provider_info() -> dict:
                     "airflow_tpu_posttrain.triggers.create",
                     "airflow_tpu_posttrain.triggers.hub_revision",
                     "airflow_tpu_posttrain.triggers.remote_job",
+                    "airflow_tpu_posttrain.triggers.slice",
                 ],
             }
         ],

@@ -52,9 +52,12 @@ def test_every_hook_operator_and_trigger_module_is_declared():
 def test_the_google_connection_is_templated_where_googles_operators_template_it():
     from airflow_tpu_posttrain.operators.reaper import TpuVmReaperOperator
     from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+    from airflow_tpu_posttrain.operators.tpu_slice import TpuSliceCreateOperator, TpuSliceDeleteOperator
     from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
-    for operator in (TpuVmCreateOperator, TpuDeleteOperator, TpuVmReaperOperator):
+    operators = (TpuVmCreateOperator, TpuDeleteOperator, TpuVmReaperOperator, TpuSliceCreateOperator,
+                 TpuSliceDeleteOperator)
+    for operator in operators:
         assert {"gcp_conn_id", "impersonation_chain"} <= set(operator.template_fields), operator
 
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 # Without a DAG-level timeout to derive it from, the cloud-side backstop deletes the VM after this long.
 DEFAULT_MAX_RUN_DURATION = timedelta(hours=12)
+# Added to the DAG's dagrun_timeout so teardown normally wins the race against the backstop.
+BACKSTOP_MARGIN = timedelta(minutes=30)
 _REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 
 
@@ -74,6 +76,19 @@ def deployment_id() -> str:
         if latest != settled:
             settled, stable_since = latest, time.monotonic()
     return settled
+
+
+def max_run_duration_s(explicit: timedelta | int | None, context: Context) -> int:
+    """A VM's cloud-side backstop in seconds.
+
+    ``explicit``, else the DAG's ``dagrun_timeout`` plus ``BACKSTOP_MARGIN``, else ``DEFAULT_MAX_RUN_DURATION``."""
+    given = seconds(explicit)
+    if given is not None:
+        return given
+    dagrun_timeout = getattr(context["dag"], "dagrun_timeout", None)
+    if dagrun_timeout:
+        return int((dagrun_timeout + BACKSTOP_MARGIN).total_seconds())
+    return int(DEFAULT_MAX_RUN_DURATION.total_seconds())
 
 
 def vm_expires_at(spec: compute.TpuVmSpec) -> int:

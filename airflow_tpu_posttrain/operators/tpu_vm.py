@@ -19,10 +19,10 @@ from airflow_tpu_posttrain.exceptions import (
 )
 from airflow_tpu_posttrain.links import VmConsoleLink
 from airflow_tpu_posttrain.operators.compute_base import (
-    DEFAULT_MAX_RUN_DURATION,
     ComputeOperator,
     as_list,
     deployment_id,
+    max_run_duration_s,
     seconds,
     vm_expires_at,
 )
@@ -36,9 +36,6 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-
-# Added to the DAG's dagrun_timeout so teardown normally wins the race against the backstop.
-BACKSTOP_MARGIN = timedelta(minutes=30)
 
 
 class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
@@ -201,15 +198,6 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         self.conversion_accelerator_type = conversion_accelerator_type
         self.inputs = inputs
 
-    def _max_run_duration_s(self, context: Context) -> int:
-        explicit = seconds(self.max_run_duration)
-        if explicit is not None:
-            return explicit
-        dagrun_timeout = getattr(context["dag"], "dagrun_timeout", None)
-        if dagrun_timeout:
-            return int((dagrun_timeout + BACKSTOP_MARGIN).total_seconds())
-        return int(DEFAULT_MAX_RUN_DURATION.total_seconds())
-
     def _spec(self, context: Context) -> compute.TpuVmSpec:
         """Validate everything the user gave before any API call; bad input fails without a retry."""
         try:
@@ -228,7 +216,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 boot_disk_size_gb=self.boot_disk_size_gb,
                 image_project=self.image_project,
                 image_family=self.image_family,
-                max_run_duration_s=self._max_run_duration_s(context),
+                max_run_duration_s=max_run_duration_s(self.max_run_duration, context),
                 capacity_wait_s=(
                     seconds(self.max_wait_for_capacity) if self.provisioning_model == "FLEX_START" else None
                 ),

@@ -45,7 +45,40 @@ def worker_id(instance: dict) -> int | None:
     return int(value) if value is not None else None
 
 
-class TpuSliceCreateTrigger(_OperationsTrigger):
+class _SliceTrigger(_OperationsTrigger):
+    """What the slice's create and delete share: its deletion, in the order Compute allows."""
+
+    async def _delete_slice(
+        self, hook: TpuVmAsyncHook, zone: str, group: str, template: str, policy: str
+    ) -> tuple[str | None, str]:
+        """The group (with its VMs), then the template, then the policy: each gone before the next is asked.
+
+        Returns when the group's delete ended (its operation's ``endTime``; None when it was gone already) and
+        what could not be deleted, with Compute's reason ("" when all is gone: else the reaper's to end)."""
+        region = slices.region_of(zone)
+        steps = (
+            (hook.delete_instance_group, (zone, group), {"zone": zone}),
+            (hook.delete_instance_template, (template,), {}),
+            (hook.delete_workload_policy, (region, policy), {"region": region}),
+        )
+        group_ended = None
+        for index, (delete, args, location) in enumerate(steps):
+            try:
+                operation = await self._poll(
+                    lambda delete=delete, args=args: delete(self.project_id, *args, str(uuid.uuid4()))
+                )
+                finished = await self._finished(hook, [{"name": operation, **location}]) if operation else []
+                errors = next((op["error"]["errors"] for op in finished if op.get("error", {}).get("errors")), [])
+            except Exception as err:
+                finished, errors = [], self._raised(err)
+            if errors:
+                return group_ended, f"{args[-1]}: " + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+            if index == 0 and finished:  # the group's
+                group_ended = finished[0].get("endTime")
+        return group_ended, ""
+
+
+class TpuSliceCreateTrigger(_SliceTrigger):
     """Create a run's multi-host slice and wait until every VM of it can be reached over SSH: all, or nothing.
 
     In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
@@ -107,18 +140,24 @@ class TpuSliceCreateTrigger(_OperationsTrigger):
     def _group(self) -> str:
         return self.bodies["group"]["name"]
 
+    @property
+    def _template_and_policy(self) -> tuple[str, str]:
+        return self.bodies["template"]["name"], self.bodies["policy"]["name"]
+
     async def _events(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
         try:
             earlier = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
             if earlier and slices.slice_state(earlier).state == slices.BROKEN:
                 self.log.info("Slice %s of an earlier try is broken: deleting it whole first", self._group)
-                await self._delete(hook)
+                _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
+                if left:
+                    raise _SliceFailed("broken", f"the earlier try's broken slice could not be deleted: {left}")
             await self._insert(hook)
             vms = await self._ready(hook, await self._whole(hook))
         except _SliceFailed as failed:
             self.log.warning("Slice %s cannot be completed (%s): deleting it whole", self._group, failed.detail)
-            left = await self._delete(hook)
+            _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
             detail = f"{failed.detail}; not deleted: {left}" if left else failed.detail
             yield self._event({"status": "failed", "reason": failed.reason, "detail": detail})
             return
@@ -186,23 +225,44 @@ class TpuSliceCreateTrigger(_OperationsTrigger):
             vms.append({"name": name, "worker_id": worker_id(instance), "instance": reached, "host_keys": host_keys})
         return sorted(vms, key=lambda vm: (vm["worker_id"] is None, vm["worker_id"], vm["name"]))
 
-    async def _delete(self, hook: TpuVmAsyncHook) -> str:
-        """The group (with its VMs), then the template, then the policy: each gone before the next is asked.
 
-        What could not be deleted, with Compute's reason ("" when all is gone): the reaper's to end."""
-        steps = (
-            (hook.delete_instance_group, (self.zone, self._group), {"zone": self.zone}),
-            (hook.delete_instance_template, (self.bodies["template"]["name"],), {}),
-            (hook.delete_workload_policy, (self._region, self.bodies["policy"]["name"]), {"region": self._region}),
-        )
-        for delete, args, location in steps:
-            try:
-                operation = await self._poll(
-                    lambda delete=delete, args=args: delete(self.project_id, *args, str(uuid.uuid4()))
-                )
-                errors = await self._operation_errors(hook, [{"name": operation, **location}]) if operation else []
-            except Exception as err:
-                errors = self._raised(err)
-            if errors:
-                return f"{args[-1]}: " + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-        return ""
+class TpuSliceDeleteTrigger(_SliceTrigger):
+    """Delete a run's slice: its group with every VM, then its template and policy; what each VM cost.
+
+    Fires once with fixed keys: ``{"status": "success" | "error", "deleted": [{"name", "instance"}] of the VMs
+    the group held (an instance: what its cost needs of it, read before the delete), "ended" (the group's delete
+    operation's ``endTime``; None when it was gone already), "errors": [{"code", "message"}], "state"}``.
+
+    :param project_id: the slice's project.
+    :param zone: the slice's zone.
+    :param group: the group's name; ``template``, ``policy``: the names of its template and workload policy.
+    """
+
+    def __init__(self, project_id: str, zone: str, group: str, template: str, policy: str, **common: Any) -> None:
+        super().__init__(project_id, **common)
+        self.zone = zone
+        self.group = group
+        self.template = template
+        self.policy = policy
+
+    def _kwargs(self) -> dict[str, Any]:
+        names = {"zone": self.zone, "group": self.group, "template": self.template, "policy": self.policy}
+        return {**super()._kwargs(), **names}
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook()
+        deleted: list[dict[str, Any]] = []
+        try:
+            if await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self.group)):
+                members = await self._poll(lambda: hook.list_group_instances(self.project_id, self.zone, self.group))
+                for member in members:
+                    name = member["name"]
+                    instance = await self._poll(lambda name=name: hook.get_instance(self.project_id, self.zone, name))
+                    if instance:
+                        deleted.append({"name": name, "instance": _billed(instance)})
+            ended, left = await self._delete_slice(hook, self.zone, self.group, self.template, self.policy)
+            errors = [{"code": "NOT_DELETED", "message": left}] if left else []
+        except Exception as err:
+            ended, errors = None, self._raised(err)
+        status = "error" if errors else "success"
+        yield self._event({"status": status, "deleted": deleted, "ended": ended, "errors": errors})

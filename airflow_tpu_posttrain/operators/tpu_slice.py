@@ -1,0 +1,383 @@
+"""Create and delete the multi-host TPU slice of one DAG run: every VM of it, or none (``recipes/slices.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow_tpu_posttrain.exceptions import (
+    CapacityTimeoutError,
+    InvalidInputError,
+    VmCreateError,
+    VmDeleteError,
+    VmLostError,
+    VmNotReadyError,
+)
+from airflow_tpu_posttrain.operators.compute_base import (
+    ComputeOperator,
+    deployment_id,
+    max_run_duration_s,
+    seconds,
+    vm_expires_at,
+)
+from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
+from airflow_tpu_posttrain.recipes import compute, cost, slices
+from airflow_tpu_posttrain.recipes.accelerators import accelerator
+from airflow_tpu_posttrain.recipes.validation import SpecError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+# What a slice is made with (compute/docs/instance-groups/about-bulk-mode: bulk mode takes these two only).
+SLICE_PROVISIONING_MODELS = ("RESERVATION_BOUND", "FLEX_START")
+
+
+class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
+    """Create the multi-host TPU slice (v6e-16 … v6e-256) of this DAG run, or find and reuse it.
+
+    The slice is a workload policy, an instance template and a managed instance group in bulk mode, all named
+    after the run (deterministic, as a single VM's name is): Compute creates every VM at once or none. Every
+    Compute call is made from the triggerer (``triggers/slice.py``), which hands on the slice only when every VM
+    is RUNNING, has published its host keys and answers on its SSH port; a slice that cannot be completed (no
+    capacity within ``max_wait_for_capacity``, a VM lost, a VM that never answers) is deleted whole before the
+    task fails, and a retry's create replaces an earlier try's broken slice. The worker then logs in to worker 0
+    once, as every SSH step will (every VM has the same key, from the template).
+
+    Returns (XCom) ``name, project, zone, accelerator_type, machine_type, slice: {group, template, policy},
+    vms: [{name, worker_id, status, internal_ip, external_ip, ssh_address, ssh_port, ssh_login, host_keys}] by
+    worker id, requested_at``; a partial record with the slice's names is pushed before the first API call so
+    the teardown finds the slice even if this task dies half-way.
+
+    :param zone: the slice's zone (a slice's VMs share one zone's interconnect).
+    :param accelerator_type: the slice, ``v6e-16`` … ``v6e-256`` (``recipes/accelerators.py``).
+    :param provisioning_model: RESERVATION_BOUND (needs ``reservation``) or FLEX_START: the two bulk mode takes.
+    :param reservation: the specific reservation the slice's VMs consume (RESERVATION_BOUND).
+    :param network: VPC network name.
+    :param subnetwork: subnetwork name or path; required on a custom-mode network.
+    :param network_path: how Airflow reaches the VMs: ``internal`` (their internal IPs) or ``external``.
+    :param ssh_conn_id: the SSH connection the steps use; its login and public key go into the template's
+        ``ssh-keys`` metadata, so every VM of the slice takes it.
+    :param ready_timeout: how long the RUNNING VMs may take to publish their host keys and answer on SSH.
+    :param max_wait_for_capacity: how long the group may wait for the whole slice's capacity (a timedelta or
+        seconds); then the slice is deleted and the task fails.
+    :param tags: network tags of every VM.
+    :param boot_disk_size_gb: each VM's boot disk.
+    :param image_project: the boot image's project.
+    :param image_family: the boot image's family.
+    :param max_run_duration: cloud-side backstop of every VM (``scheduling.maxRunDuration``); default as for a
+        single VM: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
+    :param service_account: the VMs' service account (``default``: the project's Compute Engine default).
+    :param service_account_scopes: its OAuth scopes.
+    :param instance_name: override the deterministic name of the slice's resources.
+    :param labels: extra labels of every VM; the ownership labels are always set.
+    :param metadata: extra metadata items of every VM.
+    :param api_endpoint: Compute API endpoint override (a local emulator); default from the connection.
+    """
+
+    template_fields: Sequence[str] = (
+        "project_id",
+        "zone",
+        "accelerator_type",
+        "provisioning_model",
+        "reservation",
+        "network",
+        "subnetwork",
+        "network_path",
+        "ssh_conn_id",
+        "max_wait_for_capacity",
+        "tags",
+        "instance_name",
+        "labels",
+        "metadata",
+        "api_endpoint",
+        *ComputeOperator.connection_template_fields,
+    )
+    ui_color = "#d5e8f7"
+    oslogin_user = None  # the template's ssh-keys let the connection in (``VmLoginMixin``)
+
+    def __init__(
+        self,
+        *,
+        zone: str,
+        accelerator_type: str,
+        provisioning_model: str = "RESERVATION_BOUND",
+        reservation: str | None = None,
+        network: str = "default",
+        subnetwork: str | None = None,
+        network_path: str = "external",
+        ssh_conn_id: str = "tpu_vm_ssh",
+        ready_timeout: timedelta = timedelta(minutes=10),
+        max_wait_for_capacity: timedelta | int = timedelta(hours=1),
+        tags: Sequence[str] | None = None,
+        boot_disk_size_gb: int = 200,
+        image_project: str = compute.DEFAULT_IMAGE_PROJECT,
+        image_family: str = compute.DEFAULT_IMAGE_FAMILY,
+        max_run_duration: timedelta | int | None = None,
+        service_account: str = "default",
+        service_account_scopes: Sequence[str] = (compute.CLOUD_PLATFORM_SCOPE,),
+        instance_name: str | None = None,
+        labels: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.zone = zone
+        self.accelerator_type = accelerator_type
+        self.provisioning_model = provisioning_model
+        self.reservation = reservation
+        self.network = network
+        self.subnetwork = subnetwork
+        self.network_path = network_path
+        self.ssh_conn_id = ssh_conn_id
+        self.ready_timeout = ready_timeout
+        self.max_wait_for_capacity = max_wait_for_capacity
+        self.tags = tags
+        self.boot_disk_size_gb = boot_disk_size_gb
+        self.image_project = image_project
+        self.image_family = image_family
+        self.max_run_duration = max_run_duration
+        self.service_account = service_account
+        self.service_account_scopes = service_account_scopes
+        self.instance_name = instance_name
+        self.labels = labels
+        self.metadata = metadata
+
+    def _spec(self, context: Context) -> compute.TpuVmSpec:
+        """Validate everything the user gave before any API call; bad input fails without a retry."""
+        try:
+            if not accelerator(self.accelerator_type).is_multi_host:
+                raise SpecError(
+                    "accelerator_type", self.accelerator_type, "is one VM, not a slice",
+                    "use TpuVmCreateOperator for it, or a slice: v6e-16, v6e-32, v6e-64, v6e-128 or v6e-256",
+                )
+            if self.provisioning_model not in SLICE_PROVISIONING_MODELS:
+                raise SpecError(
+                    "provisioning_model", self.provisioning_model, "cannot make a slice all at once",
+                    f"use one of {list(SLICE_PROVISIONING_MODELS)} (Compute's bulk mode takes only these)",
+                )
+            if self.network_path not in ("internal", "external"):
+                raise SpecError(
+                    "network_path", self.network_path, "is not served for a slice", "use 'internal' or 'external'"
+                )
+            return compute.TpuVmSpec(
+                project_id=self.project,
+                zones=(self.zone,),
+                accelerator_type=self.accelerator_type,
+                provisioning_model=self.provisioning_model,
+                reservation=self.reservation or None,
+                network=self.network,
+                subnetwork=self.subnetwork or None,
+                network_path=self.network_path,
+                tags=tuple(self.tags or ()),
+                boot_disk_size_gb=self.boot_disk_size_gb,
+                image_project=self.image_project,
+                image_family=self.image_family,
+                max_run_duration_s=max_run_duration_s(self.max_run_duration, context),
+                service_account=self.service_account,
+                service_account_scopes=tuple(self.service_account_scopes),
+                labels=dict(self.labels or {}),
+                metadata=dict(self.metadata or {}),
+            )
+        except SpecError as err:
+            raise InvalidInputError.of(self.task_id, err) from err
+
+    def _name(self, context: Context) -> str:
+        return self.instance_name or compute.instance_name(
+            context["dag"].dag_id, context["run_id"], self.name_prefix, deployment_id()
+        )
+
+    def _record(self, context: Context, name: str, **more: Any) -> dict:
+        names = slices.slice_names(name)
+        record = {
+            "name": name,
+            "project": self.project,
+            "zone": self.zone,
+            "accelerator_type": self.accelerator_type,
+            "machine_type": accelerator(self.accelerator_type).machine_type,
+            "slice": {"group": names.group, "template": names.template, "policy": names.policy},
+            **more,
+        }
+        context["ti"].xcom_push(key="return_value", value=record)
+        return record
+
+    def execute(self, context: Context) -> None:
+        import time
+
+        from airflow_tpu_posttrain.triggers.slice import TpuSliceCreateTrigger
+
+        spec = self._spec(context)
+        name = self._name(context)
+        requested_at = time.time()
+        self._record(context, name, status="CREATING")
+        labels = compute.ownership_labels(
+            context["dag"].dag_id, context["run_id"], self.task_id, vm_expires_at(spec), deployment_id()
+        )
+        metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
+        ssh_keys, _, login = self._authorize_key(spec, vm_expires_at(spec))
+        bodies = slices.slice_bodies(spec, name, self.zone, labels, metadata, ssh_keys)
+        self.log.info(
+            "Requesting slice %s (%s: %d VMs of %s, %s) in %s, from the triggerer",
+            name, spec.accelerator_type, accelerator(spec.accelerator_type).vms, spec.machine_type,
+            spec.provisioning_model, self.zone,
+        )
+        self.defer(
+            trigger=TpuSliceCreateTrigger(
+                zone=self.zone,
+                bodies={"policy": bodies.policy, "template": bodies.template, "group": bodies.group},
+                network_path=self.network_path,
+                ssh_port=self._ssh_port(),
+                capacity_wait=float(seconds(self.max_wait_for_capacity) or 0),
+                ready_timeout=self.ready_timeout.total_seconds(),
+                state={"requested_at": requested_at, "ssh_login": login},
+                **self._trigger_arguments(),
+            ),
+            method_name="execute_complete",
+            timeout=self.wait_timeout
+            + timedelta(seconds=seconds(self.max_wait_for_capacity) or 0)
+            + self.ready_timeout
+            + timedelta(minutes=5),
+        )
+
+    def _ssh_port(self) -> int:
+        from airflow_tpu_posttrain.hooks.vm import client_identity
+
+        return client_identity(self.ssh_conn_id).port
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        """The slice is whole (record it, log in to worker 0) or could not be made (deleted already: raise why)."""
+        spec = self._spec(context)
+        name = self._name(context)
+        if event["status"] != "ready":
+            raise self._failure(name, event)
+        state = event["state"]
+        vms = []
+        for made in event["vms"]:
+            vm = self._vm(spec, made["name"], self.zone, made["instance"], state["ssh_login"], False)
+            vms.append({"name": made["name"], "worker_id": made["worker_id"], **vm, "host_keys": made["host_keys"]})
+        self._check_login(context, spec, name, self.zone, vms[0], vms[0]["host_keys"])
+        record = self._record(context, name, status="RUNNING", vms=vms, requested_at=state["requested_at"])
+        self.log.info(
+            "Slice %s is ready in %s: %s", name, self.zone,
+            ", ".join(f"worker {vm['worker_id']} {vm['name']} at {vm['ssh_address']}" for vm in vms),
+        )
+        return record
+
+    def _failure(self, name: str, event: dict[str, Any]) -> Exception:
+        reason, detail = event["reason"], event["detail"]
+        if reason == "no-capacity":
+            return CapacityTimeoutError(
+                f"No capacity for slice {name} ({self.accelerator_type}) within "
+                f"{seconds(self.max_wait_for_capacity)} s: {detail}. Nothing was left. Raise max_wait_for_capacity, "
+                "use a reservation of the whole slice, or trigger the run later."
+            )
+        if reason == "broken":
+            return VmLostError(f"Slice {name} lost a VM before it could be used ({detail}); it was deleted whole.")
+        if reason == "not-ready":
+            return VmNotReadyError(f"{detail}. The slice was deleted whole; a retry creates a new one.")
+        return VmCreateError(f"Compute refused slice {name}: {detail}. Nothing was left.")
+
+    def _refused(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, error: Exception) -> None:
+        """A slice Airflow cannot log into is deleted whole from the triggerer; then ``error`` is raised."""
+        from airflow_tpu_posttrain.triggers.slice import TpuSliceDeleteTrigger
+
+        names = slices.slice_names(name)
+        self.log.warning("Deleting slice %s: the create failed and its VMs must not outlive it", name)
+        self.defer(
+            trigger=TpuSliceDeleteTrigger(
+                zone=zone,
+                group=names.group,
+                template=names.template,
+                policy=names.policy,
+                state={"error": type(error).__name__, "message": str(error)},
+                **self._trigger_arguments(),
+            ),
+            method_name="refused_complete",
+            timeout=self.wait_timeout,
+        )
+
+
+class TpuSliceDeleteOperator(ComputeOperator):
+    """Delete the multi-host slice of this DAG run, from the triggerer: the teardown of a slice's pipeline.
+
+    The group with every VM, then the template and the workload policy, named by the create task's XCom (the
+    partial record a failed create leaves included), else by the run's deterministic name. What is already gone
+    counts as deleted. Returns (XCom) ``{"deleted": bool, "name", "zone", "vms": n, "cost_usd", "vm_seconds"}``:
+    the cost sums every VM's (None when ``prices`` has no price for it).
+
+    :param create_task_id: the task id of the :class:`TpuSliceCreateOperator` whose slice to delete.
+    :param zone: where the slice is when there is no XCom.
+    :param instance_name: the slice's name instead of the deterministic one.
+    :param prices: USD per hour by machine type and provisioning model; None: ``recipes.cost.DEFAULT_PRICES``.
+    """
+
+    template_fields: Sequence[str] = (
+        "project_id",
+        "zone",
+        "instance_name",
+        "api_endpoint",
+        *ComputeOperator.connection_template_fields,
+    )
+    ui_color = "#f7d5d5"
+
+    def __init__(
+        self,
+        *,
+        create_task_id: str | None = "create_tpu_vm",
+        zone: str | None = None,
+        instance_name: str | None = None,
+        prices: dict[str, dict[str, float]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.create_task_id = create_task_id
+        self.zone = zone
+        self.instance_name = instance_name
+        self.prices = prices
+
+    def execute(self, context: Context) -> None:
+        from airflow_tpu_posttrain.triggers.slice import TpuSliceDeleteTrigger
+
+        record = context["ti"].xcom_pull(task_ids=self.create_task_id) if self.create_task_id else None
+        if record and record.get("slice"):
+            self.project_id = self.project_id or record.get("project")
+            name, zone, names = record["name"], record["zone"], record["slice"]
+        else:
+            name = self.instance_name or compute.instance_name(
+                context["dag"].dag_id, context["run_id"], self.name_prefix, deployment_id()
+            )
+            zone, made = self.zone, slices.slice_names(name)
+            names = {"group": made.group, "template": made.template, "policy": made.policy}
+            self.log.info("No XCom from %s: looking for slice %s by its deterministic name", self.create_task_id, name)
+        if not zone:
+            raise InvalidInputError(f"{self.task_id}: zone: not set and no XCom names it. Fix: pass the slice's zone")
+        self.log.info("Deleting slice %s in %s (group, template, workload policy)", name, zone)
+        self.defer(
+            trigger=TpuSliceDeleteTrigger(
+                zone=zone, **names, state={"name": name, "zone": zone}, **self._trigger_arguments()
+            ),
+            method_name="execute_complete",
+            timeout=self.wait_timeout,
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        state = event["state"]
+        if event["status"] != "success":
+            raise VmDeleteError(
+                f"Deleting slice {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
+            )
+        deleted = event["deleted"]
+        result: dict[str, Any] = {"deleted": bool(deleted), "name": state["name"], "zone": state["zone"]}
+        result["vms"] = len(deleted)
+        if not deleted:
+            self.log.info("Nothing to delete: slice %s was not found in %s", state["name"], state["zone"])
+            return result
+        if event.get("ended"):
+            spent = [cost.vm_cost(vm["name"], vm["instance"], event["ended"], self.prices) for vm in deleted]
+            known = [s.as_dict() for s in spent]
+            total = [c["cost_usd"] for c in known]
+            result["vm_seconds"] = sum(c["vm_seconds"] for c in known)
+            result["cost_usd"] = None if None in total else round(sum(total), 2)
+            self.log.info("Deleted slice %s: %d VMs, %s VM-seconds, cost %s USD", state["name"], len(deleted),
+                          result["vm_seconds"], result["cost_usd"])
+        return result

@@ -1,0 +1,92 @@
+"""The slice's create and teardown operators in a DAG: every VM reachable, or none left; one teardown.
+
+``dag.test()`` with the Compute emulator, whose instances are local machines with their own sshds."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROJECT, compute_clients
+from test_tpu_vm_operators import task_states, xcom
+
+from airflow_tpu_posttrain.recipes import slices
+
+SLICE_DAG = """
+from datetime import datetime
+from airflow.sdk import DAG, TriggerRule, task
+from airflow_tpu_posttrain.operators.tpu_slice import TpuSliceCreateOperator, TpuSliceDeleteOperator
+
+with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
+    create = TpuSliceCreateOperator(
+        task_id="create_tpu_vm", zone="us-east5-b", accelerator_type={accelerator!r},
+        reservation="slice-reservation", poll_interval=0.2, max_wait_for_capacity={wait},
+    )
+
+    @task
+    def on_every_vm(record):
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        said = {{}}
+        for vm in record["vms"]:
+            with VmHook(
+                "tpu_vm_ssh", remote_host=vm["ssh_address"], username=vm["ssh_login"], host_keys=vm["host_keys"]
+            ) as hook:
+                said[vm["name"]] = hook.run("hostname").strip()
+        return said
+
+    delete = TpuSliceDeleteOperator(task_id="delete_tpu_vm", zone="us-east5-b", poll_interval=0.2)
+    create >> on_every_vm(create.output) >> delete.as_teardown(setups=create)
+    delete.trigger_rule = TriggerRule.NONE_SKIPPED  # as the pipelines wire it: also after a failed create
+"""
+
+
+def slice_dag(dag_id: str, accelerator: str = "v6e-16", wait: int = 60) -> str:
+    return SLICE_DAG.format(dag_id=dag_id, accelerator=accelerator, wait=wait)
+
+
+@pytest.fixture
+def sliced(emulator):
+    emulator.add_reservation("slice-reservation", "us-east5-b", 4, machine_type="ct6e-standard-4t")
+    return emulator
+
+
+def _nothing_left(emulator) -> bool:
+    """No VM, group, template or workload policy, as Compute lists them."""
+    gce = compute_clients(emulator)
+    return (
+        emulator.instances() == []
+        and list(gce.migs.list(project=PROJECT, zone="us-east5-b")) == []
+        and list(gce.templates.list(project=PROJECT)) == []
+        and list(gce.policies.list(project=PROJECT, region="us-east5")) == []
+    )
+
+
+def test_a_slice_is_made_whole_each_vm_logged_into_and_the_teardown_deletes_it_all(sliced, run_dag):
+    dr = run_dag("slice_ok", slice_dag("slice_ok"))
+    assert dr.state == "success", task_states(dr)
+    record = xcom(dr, "create_tpu_vm")
+    names = slices.slice_names(record["name"])
+    assert [vm["worker_id"] for vm in record["vms"]] == [0, 1, 2, 3]
+    assert sorted(vm["name"] for vm in record["vms"]) == [names.member(i) for i in range(4)]
+    assert record["slice"] == {"group": names.group, "template": names.template, "policy": names.policy}
+    assert sorted(xcom(dr, "on_every_vm")) == [names.member(i) for i in range(4)]  # each VM answered
+    deleted = xcom(dr, "delete_tpu_vm")
+    assert deleted["deleted"] and deleted["vms"] == 4
+    assert deleted["cost_usd"] is not None and deleted["vm_seconds"] > 0  # every VM counted
+    assert _nothing_left(sliced)
+
+
+def test_a_slice_without_capacity_fails_having_left_nothing_and_the_teardown_finds_nothing(sliced, run_dag, capfd):
+    sliced.set_faults(stockout_zones=["us-east5-b"])
+    dr = run_dag("slice_stockout", slice_dag("slice_stockout", wait=2))
+    logs = "".join(capfd.readouterr())
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "No capacity for slice" in logs and "ZONE_RESOURCE_POOL_EXHAUSTED" in logs
+    assert task_states(dr)["delete_tpu_vm"] == "success" and xcom(dr, "delete_tpu_vm")["deleted"] is False
+    assert _nothing_left(sliced)
+
+
+def test_one_vm_is_not_a_slice_and_is_refused_before_anything_is_made(sliced, run_dag, capfd):
+    dr = run_dag("slice_single", slice_dag("slice_single", accelerator="v6e-8"))
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "accelerator_type='v6e-8': is one VM, not a slice" in "".join(capfd.readouterr())
+    assert [r for r in sliced.requests if r["method"] == "POST"] == []
