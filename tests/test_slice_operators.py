@@ -90,3 +90,13 @@ def test_one_vm_is_not_a_slice_and_is_refused_before_anything_is_made(sliced, ru
     assert task_states(dr)["create_tpu_vm"] == "failed"
     assert "accelerator_type='v6e-8': is one VM, not a slice" in "".join(capfd.readouterr())
     assert [r for r in sliced.requests if r["method"] == "POST"] == []
+
+
+def test_a_slice_whose_host_keys_are_not_its_vms_is_deleted_whole(sliced, run_dag, capfd):
+    """The published keys are not the ones the VMs' sshds show: nothing is trusted, and nothing is kept."""
+    sliced.set_faults(impostor_host_keys=True)
+    dr = run_dag("slice_impostor", slice_dag("slice_impostor"))
+    logs = "".join(capfd.readouterr())
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    assert "Deleting slice" in logs and "VmHostKeyMismatchError" in logs
+    assert _nothing_left(sliced)
