@@ -126,6 +126,9 @@ with DAG("reaper_{mode}", schedule=None, start_date=datetime(2026, 1, 1), catchu
 """
 
 
+NO_SLICES = {"slices_deleted": 0, "slice_parts_deleted": 0}
+
+
 def reap_counts(dr):
     [ti] = dr.get_task_instances()
     return ti.xcom_pull(task_ids="reap")
@@ -147,11 +150,11 @@ def test_reaper_deletes_a_finished_runs_vm_and_spares_others(emulator, run_dag, 
         name="not-ours", machine_type="zones/us-east5-b/machineTypes/e2-standard-2"))
 
     dry = run_dag("reaper_dry", REAPER.format(mode="dry", dry_run=True))
-    assert reap_counts(dry) == {"seen": 1, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": True}
+    assert reap_counts(dry) == {"seen": 1, "deleted": 0, "kept": 0, "firewalls_deleted": 0, **NO_SLICES, "dry_run": True}
     assert len(emulator.instances()) == 2
 
     wet = run_dag("reaper_wet", REAPER.format(mode="wet", dry_run=False))
-    assert reap_counts(wet) == {"seen": 1, "deleted": 1, "kept": 0, "firewalls_deleted": 0, "dry_run": False}
+    assert reap_counts(wet) == {"seen": 1, "deleted": 1, "kept": 0, "firewalls_deleted": 0, **NO_SLICES, "dry_run": False}
     deadline = datetime.now() + timedelta(seconds=3)
     while len(emulator.instances()) > 1 and datetime.now() < deadline:
         time.sleep(0.1)
@@ -187,7 +190,7 @@ def test_two_deployments_sharing_a_project_keep_to_their_own_vms(emulator, run_d
     assert labels == {name: deployment for deployment, name in names.items()}
 
     reaped = run_dag("reaper_wet", REAPER.format(mode="wet", dry_run=False))  # production's reaper
-    assert reap_counts(reaped) == {"seen": 2, "deleted": 1, "kept": 1, "firewalls_deleted": 0, "dry_run": False}
+    assert reap_counts(reaped) == {"seen": 2, "deleted": 1, "kept": 1, "firewalls_deleted": 0, **NO_SLICES, "dry_run": False}
     assert _wait_until(lambda: [i["name"] for i in emulator.instances()] == [names["airflow-staging"]])
     fault_matrix.record(
         "reaper: two deployments share a project (same DAG, same run id): each keeps to its own VM",

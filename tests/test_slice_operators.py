@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import PROJECT, compute_clients
 from test_tpu_vm_operators import task_states, xcom
@@ -100,3 +102,27 @@ def test_a_slice_whose_host_keys_are_not_its_vms_is_deleted_whole(sliced, run_da
     assert task_states(dr)["create_tpu_vm"] == "failed"
     assert "Deleting slice" in logs and "VmHostKeyMismatchError" in logs
     assert _nothing_left(sliced)
+
+
+def test_the_reaper_ends_a_slice_left_behind_whole_then_its_template_and_policy(sliced, run_dag):
+    """A run whose teardown never ran: its slice's group goes once, ending every VM; then its template and policy.
+
+    Each stale VM is of the group: the group is deleted once, and each VM counted (its cost logged)."""
+    from test_reaper import REAPER, reap_counts
+
+    create_only = slice_dag("slice_left").split("    @task")[0]
+    assert run_dag("slice_left", create_only).state == "success" and len(sliced.instances()) == 4
+
+    first = reap_counts(run_dag("reaper_slice_1", REAPER.format(mode="slice_1", dry_run=False)))
+    assert (first["seen"], first["deleted"], first["slices_deleted"]) == (4, 4, 1)
+    gce = compute_clients(sliced)
+    deadline = time.monotonic() + 30
+    while list(gce.migs.list(project=PROJECT, zone="us-east5-b")):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    second = reap_counts(run_dag("reaper_slice_2", REAPER.format(mode="slice_2", dry_run=False)))
+    assert (second["seen"], second["slice_parts_deleted"]) == (0, 2)
+    deadline = time.monotonic() + 30
+    while not _nothing_left(sliced):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

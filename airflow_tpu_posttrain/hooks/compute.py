@@ -338,6 +338,26 @@ class TpuVmHook(GoogleBaseHook):
         )
         return [_message_to_dict(member) for member in pages]
 
+    def find_instance_groups(self, project: str, name: str) -> list[dict]:
+        """The project's groups named ``name``, in any zone (``instanceGroupManagers.aggregatedList``)."""
+        pages = self.instance_groups.aggregated_list(
+            request={"project": project, "filter": f"name = {name}"}, retry=self.retry
+        )
+        return [_message_to_dict(group) for _, scoped in pages for group in scoped.instance_group_managers]
+
+    def list_instance_templates(self, project: str) -> list[dict]:
+        pages = self.instance_templates.list(request={"project": project}, retry=self.retry)
+        return [_message_to_dict(template) for template in pages]
+
+    def list_workload_policies(self, project: str) -> list[tuple[str, dict]]:
+        """The project's resource policies in every region: ``(region, policy)``."""
+        pages = self.resource_policies.aggregated_list(request={"project": project}, retry=self.retry)
+        return [
+            (scope.rsplit("/", 1)[-1], _message_to_dict(policy))
+            for scope, scoped in pages
+            for policy in scoped.resource_policies
+        ]
+
     def delete_instance_group(self, project: str, zone: str, name: str, request_id: str) -> str | None:
         """Start a group's delete, which deletes its VMs."""
         from google.api_core.exceptions import NotFound

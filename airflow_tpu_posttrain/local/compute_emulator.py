@@ -393,6 +393,18 @@ def _listing(kind: str, path: str, items: list[dict]) -> tuple[int, dict]:
     return 200, {**listing, **({"items": items} if items else {})}
 
 
+def _aggregated(kind: str, key: str, project: str, found: list[tuple[str, dict]], query: dict) -> tuple[int, dict]:
+    """An ``aggregatedList`` method's answer: the resources the filter matches.
+
+    ``items`` is keyed by scope (``zones/Z``, ``regions/R``), each scope's resources under ``key``."""
+    terms = _parse_filter(query.get("filter", ""))
+    scoped: dict[str, dict[str, Any]] = {}
+    for scope, resource in found:
+        if _matches(resource, terms):
+            scoped.setdefault(scope, {key: []})[key].append(copy.deepcopy(resource))
+    return 200, {"kind": f"compute#{kind}AggregatedList", "id": f"projects/{project}/aggregated/{key}", "items": scoped}
+
+
 def _matches(resource: dict[str, Any], terms: list[tuple[str, str, str]]) -> bool:
     for field, op, expected in terms:
         actual: Any = resource
@@ -493,6 +505,12 @@ class ComputeEmulator:
             },
             r"/projects/(?P<project>[^/]+)/aggregated/instances": {
                 "GET": (self._aggregated_instances, "list")
+            },
+            r"/projects/(?P<project>[^/]+)/aggregated/instanceGroupManagers": {
+                "GET": (self._aggregated_groups, "list")
+            },
+            r"/projects/(?P<project>[^/]+)/aggregated/resourcePolicies": {
+                "GET": (self._aggregated_resource_policies, "list")
             },
             f"{global_}/firewalls/(?P<name>[^/]+)": {
                 "GET": (self._get_firewall, None),
@@ -1243,20 +1261,27 @@ class ComputeEmulator:
 
     def _aggregated_instances(self, query: dict, body: dict, project: str):
         """``instances.aggregatedList``: the project's instances of every zone, keyed ``zones/<zone>``."""
-        terms = _parse_filter(query.get("filter", ""))
         with self._lock:
             self._advance()
-            scoped: dict[str, dict[str, Any]] = {}
-            for (instance_project, zone, _), instance in self._instances.items():
-                if instance_project == project and _matches(instance, terms):
-                    scoped.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(
-                        copy.deepcopy(instance)
-                    )
-        return 200, {
-            "kind": "compute#instanceAggregatedList",
-            "id": f"projects/{project}/aggregated/instances",
-            "items": scoped,
-        }
+            found = [(f"zones/{zone}", i) for (p, zone, _), i in self._instances.items() if p == project]
+            return _aggregated("instance", "instances", project, found, query)
+
+    def _aggregated_groups(self, query: dict, body: dict, project: str):
+        """``instanceGroupManagers.aggregatedList``: the project's MIGs of every zone, keyed ``zones/<zone>``."""
+        with self._lock:
+            self._advance()
+            found = [
+                (f"zones/{zone}", self._group_view(p, zone, group))
+                for (p, zone, _), group in self._groups.items()
+                if p == project
+            ]
+            return _aggregated("instanceGroupManager", "instanceGroupManagers", project, found, query)
+
+    def _aggregated_resource_policies(self, query: dict, body: dict, project: str):
+        """``resourcePolicies.aggregatedList``: the project's policies of every region, keyed ``regions/<region>``."""
+        with self._lock:
+            found = [(f"regions/{region}", r) for (p, region, _), r in self._resource_policies.items() if p == project]
+            return _aggregated("resourcePolicy", "resourcePolicies", project, found, query)
 
     def _list_instances(self, query: dict, body: dict, project: str, zone: str):
         terms = _parse_filter(query.get("filter", ""))

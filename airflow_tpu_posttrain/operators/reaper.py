@@ -1,6 +1,7 @@
 """The reaper: deletes TPU VMs of this provider whose DAG run is over or whose expiry has passed.
 
-It also deletes SSH firewall rules whose VM is gone."""
+It also deletes SSH firewall rules whose VM is gone. A VM of a multi-host slice goes with its whole group, and a
+slice's template and workload policy once their group is gone."""
 
 from __future__ import annotations
 
@@ -94,10 +95,45 @@ class TpuVmReaperOperator(ComputeOperator):
             self.log.warning("Cannot look up instance %s: %s", name, err)
             return None
 
+    def _group_exists(self, name: str) -> bool | None:
+        from google.api_core.exceptions import GoogleAPICallError
+
+        try:
+            return bool(self.hook.find_instance_groups(self.project, name))
+        except GoogleAPICallError as err:
+            self.log.warning("Cannot look up instance group %s: %s", name, err)
+            return None
+
+    def _sweep_slice_parts(self, now: datetime, counts: dict) -> None:
+        """Delete our slices' templates and workload policies whose group is gone (after the grace period)."""
+        parts = [(None, t) for t in self.hook.list_instance_templates(self.project)]
+        parts += self.hook.list_workload_policies(self.project)
+        for region, part in parts:
+            group = reaper.slice_part_group(part)
+            if group is None:
+                continue
+            kind = "workload policy" if region else "instance template"
+            decision = reaper.decide_slice_part(part, self._group_exists(group), now, self.grace_period_s)
+            if not decision.delete:
+                self.log.info("keep   %s %s: %s", kind, part["name"], decision.reason)
+            elif self.dry_run:
+                self.log.info("WOULD delete %s %s: %s (dry run)", kind, part["name"], decision.reason)
+            else:
+                self.log.warning("delete %s %s: %s", kind, part["name"], decision.reason)
+                if region:
+                    self.hook.delete_workload_policy(self.project, region, part["name"], str(uuid.uuid4()))
+                else:
+                    self.hook.delete_instance_template(self.project, part["name"], str(uuid.uuid4()))
+                counts["slice_parts_deleted"] += 1
+
     def execute(self, context: Context) -> dict:
         now = datetime.now(UTC)
-        counts = {"seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "dry_run": self.dry_run}
+        counts = {
+            "seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "slices_deleted": 0,
+            "slice_parts_deleted": 0, "dry_run": self.dry_run,
+        }
         deployment = deployment_id()
+        groups: set[tuple[str, str]] = set()
         for zone, instance in self.hook.list_project_instances(self.project, reaper.LABEL_FILTER):
             counts["seen"] += 1
             ours = reaper.of_deployment(instance, deployment)
@@ -108,14 +144,22 @@ class TpuVmReaperOperator(ComputeOperator):
                 counts["kept"] += 1
                 self.log.info("keep   %s in %s: %s", name, zone, decision.reason)
                 continue
+            group = reaper.group_of(instance)  # a VM of a slice goes with its whole group
             if self.dry_run:
-                self.log.info("WOULD delete %s in %s: %s (dry run)", name, zone, decision.reason)
+                what = f"{name} with its slice {group}" if group else name
+                self.log.info("WOULD delete %s in %s: %s (dry run)", what, zone, decision.reason)
                 continue
             spent = cost.vm_cost(name, instance, now.isoformat(), self.prices)
+            if group is None:
+                self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
+            elif (zone, group) not in groups:
+                groups.add((zone, group))
+                self.log.warning("delete slice %s in %s, every VM of it", group, zone)
+                self.hook.delete_instance_group(self.project, zone, group, str(uuid.uuid4()))
+                counts["slices_deleted"] += 1
             self.log.warning(
                 "delete %s in %s: %s; cost so far: %s", name, zone, decision.reason, spent.describe()
             )
-            self.hook.delete_instance(self.project, zone, name, str(uuid.uuid4()))
             counts["deleted"] += 1
         for rule in self.hook.list_firewalls(self.project):
             instance = compute.firewall_instance(rule)
@@ -130,5 +174,6 @@ class TpuVmReaperOperator(ComputeOperator):
                 self.log.warning("delete firewall %s: %s", rule["name"], decision.reason)
                 self.hook.delete_firewall(self.project, rule["name"], str(uuid.uuid4()))
                 counts["firewalls_deleted"] += 1
+        self._sweep_slice_parts(now, counts)
         self.log.info("Reaper: %s", counts)
         return counts

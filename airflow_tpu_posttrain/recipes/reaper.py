@@ -77,18 +77,44 @@ def decide(instance: dict, run_state: str | None, now: datetime, grace_s: int, d
     return Decision(True, f"its DAG run is {run_state}")
 
 
-def decide_firewall(rule: dict, instance_exists: bool | None, now: datetime, grace_s: int) -> Decision:
-    """An SSH rule of ours goes once its instance is gone in every zone and the grace period has passed.
+def group_of(instance: dict) -> str | None:
+    """The managed instance group that made the instance (its ``created-by`` metadata), else None.
 
-    ``instance_exists`` is False when the instance is gone; None: the lookup failed. The rule must be older
-    than the grace period (a create makes the rule just before the VM)."""
-    instance = firewall_instance(rule)
-    if instance is None:
+    A VM of a multi-host slice goes with its whole group: the group's delete ends every VM of it."""
+    created_by = _metadata(instance).get("created-by", "")
+    return created_by.rsplit("/", 1)[-1] if "/instanceGroupManagers/" in created_by else None
+
+
+def _decide_leftover(
+    resource: dict, owner: str | None, what: str, owner_exists: bool | None, now: datetime, grace_s: int
+) -> Decision:
+    """A resource of ours that only serves ``owner`` goes once the owner is gone and the grace period has passed.
+
+    ``owner_exists`` is False when the owner is gone; None: the lookup failed. The resource must be older than the
+    grace period (a create makes it just before its owner)."""
+    if owner is None:
         return Decision(False, "not ours (no managed-by description)")
-    if instance_exists is None:
-        return Decision(False, f"could not look up its instance {instance}")
-    if instance_exists:
-        return Decision(False, f"its instance {instance} exists")
-    if _age_s(rule, now) < grace_s:
+    if owner_exists is None:
+        return Decision(False, f"could not look up its {what} {owner}")
+    if owner_exists:
+        return Decision(False, f"its {what} {owner} exists")
+    if _age_s(resource, now) < grace_s:
         return Decision(False, f"younger than the {grace_s} s grace period")
-    return Decision(True, f"its instance {instance} is gone")
+    return Decision(True, f"its {what} {owner} is gone")
+
+
+def decide_firewall(rule: dict, instance_exists: bool | None, now: datetime, grace_s: int) -> Decision:
+    """An SSH rule of ours goes once its instance is gone in every zone and the grace period has passed."""
+    return _decide_leftover(rule, firewall_instance(rule), "instance", instance_exists, now, grace_s)
+
+
+def slice_part_group(resource: dict) -> str | None:
+    """The group a slice's instance template or workload policy serves; None when it is not ours.
+
+    Both are named as their group (``recipes/slices.py``)."""
+    return resource["name"] if (resource.get("description") or "").startswith(f"{MANAGED_BY}:") else None
+
+
+def decide_slice_part(resource: dict, group_exists: bool | None, now: datetime, grace_s: int) -> Decision:
+    """A slice's template or policy of ours goes once its group is gone in every zone and the grace passed."""
+    return _decide_leftover(resource, slice_part_group(resource), "group", group_exists, now, grace_s)
