@@ -68,6 +68,7 @@ def test_a_slice_is_made_whole_each_vm_logged_into_and_the_teardown_deletes_it_a
     record = xcom(dr, "create_tpu_vm")
     names = slices.slice_names(record["name"])
     assert [vm["worker_id"] for vm in record["vms"]] == [0, 1, 2, 3]
+    assert {vm["status"] for vm in record["vms"]} == {"RUNNING"}
     assert sorted(vm["name"] for vm in record["vms"]) == [names.member(i) for i in range(4)]
     assert record["slice"] == {"group": names.group, "template": names.template, "policy": names.policy}
     assert sorted(xcom(dr, "on_every_vm")) == [names.member(i) for i in range(4)]  # each VM answered

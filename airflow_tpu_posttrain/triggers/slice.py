@@ -221,7 +221,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                 if status != "RUNNING" or time.monotonic() > deadline:
                     raise _SliceFailed("not-ready", not_ready_message(name, status, host_keys, self.ready_timeout))
                 await asyncio.sleep(self.poll_interval)
-            reached = {"networkInterfaces": instance.get("networkInterfaces"), **(_billed(instance) or {})}
+            reached = {"status": status, "networkInterfaces": instance.get("networkInterfaces"), **(_billed(instance) or {})}
             vms.append({"name": name, "worker_id": worker_id(instance), "instance": reached, "host_keys": host_keys})
         return sorted(vms, key=lambda vm: (vm["worker_id"] is None, vm["worker_id"], vm["name"]))
 
