@@ -80,6 +80,7 @@ def get_provider_info() -> dict:
                     "airflow_tpu_posttrain.triggers.hub_revision",
                     "airflow_tpu_posttrain.triggers.remote_job",
                     "airflow_tpu_posttrain.triggers.slice",
+                    "airflow_tpu_posttrain.triggers.slice_job",
                 ],
             }
         ],

@@ -36,16 +36,23 @@ def test_single_host_types_are_as_before_and_the_only_ones_a_run_may_name():
     assert tpu_env(v6e_8)["TPU_HOST_BOUNDS"] == "1,1,1" and tpu_env(v6e_8)["TPU_WORKER_HOSTNAMES"] == "localhost"
 
 
-def test_a_slice_is_refused_before_anything_is_created_naming_the_field_and_the_fix():
+def test_one_vms_create_refuses_a_slice_and_the_registry_what_a_slice_does_not_serve():
     from airflow_tpu_posttrain.exceptions import InvalidInputError
     from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
     refusal = r"accelerator_type='v6e-16': is a multi-host slice \(4 VMs of ct6e-standard-4t, topology 4x4\)"
-    fix = "Fix: use one of: v6e-1, v6e-4, v6e-8"
-    with pytest.raises(ValueError, match=refusal) as raised:
-        PipelineConfig(model="gemma3-4b", recipe="sft", accelerator_type="v6e-16", checkpoint_storage="gs://b/x")
-    assert fix in str(raised.value)
+    entry = PipelineConfig(model="gemma3-4b", recipe="sft", accelerator_type="v6e-16", checkpoint_storage="gs://b/x")
+    assert entry.is_slice and entry.dag_id == "posttrain_sft__gemma3-4b__slice"
+    with pytest.raises(ValueError) as raised:
+        PipelineConfig(
+            model="llama3.1-8b-Instruct", recipe="rl", accelerator_type="v6e-16", checkpoint_storage="gs://b/x",
+            zones=("us-east5-a", "us-east5-b"),
+        )
+    said = str(raised.value)
+    assert "recipe='rl': is not served on a multi-host slice (v6e-16)" in said
+    assert "Fix: GRPO trains on one TPU VM; use recipe sft on a slice" in said
+    assert "zones=['us-east5-a', 'us-east5-b']: names more than one zone for a slice" in said
     operator = TpuVmCreateOperator(
         task_id="create_tpu_vm", project_id="my-project", zones=["us-east5-b"], accelerator_type="v6e-16",
         reservation="r", max_run_duration=3600,

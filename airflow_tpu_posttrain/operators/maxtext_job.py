@@ -18,6 +18,7 @@ parse; they import the protocol's pieces when they run. What they add:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
-from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, single_host
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, Accelerator, accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, local_profile, model_profile
 from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -79,7 +80,10 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     :param model: model profile key (``gemma3-4b``, ``llama3.1-8b-Instruct``, ``tiny-llama``).
     :param ssh_conn_id: SSH connection to the VM (login and private key); the host is the VM's.
     :param vm: the VM's record from its create task, wired as that task's XComArg (``create.output``): its
-        address, login, proxy command, host keys and accelerator type are the defaults of the five below.
+        address, login, proxy command, host keys and accelerator type are the defaults of the five below. A
+        multi-host slice's record (``TpuSliceCreateOperator``) lists its VMs: the step runs on every one, as one
+        job (worker 0's log in Airflow; when one worker fails, the others are stopped), and its checkpoints
+        must go to ``checkpoint_storage``.
     :param remote_host: the VM's address, when it does not come from ``vm``.
     :param ssh_login: the login on the VM (default: the one the create task let in, from ``vm``: the
         connection's login, or the OS Login POSIX name); empty: the connection's login.
@@ -178,13 +182,39 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         """Render, then fill what was not given explicitly from the VM's record (``vm``, rendered by now)."""
         super().render_template_fields(context, jinja_env)
         vm = self.vm if isinstance(self.vm, dict) else {}
-        self.remote_host = self.remote_host or vm.get("ssh_address")
-        self.ssh_login = self.ssh_login or vm.get("ssh_login")
+        lead = (vm.get("vms") or [vm])[0]  # a slice's worker 0: the connection fields are its
+        self.remote_host = self.remote_host or lead.get("ssh_address")
+        self.ssh_login = self.ssh_login or lead.get("ssh_login")
         if self.ssh_proxy_command is None:
-            self.ssh_proxy_command = vm.get("ssh_proxy_command")
-            self.ssh_proxy_account = vm.get("ssh_proxy_account")
-        self.host_keys = self.host_keys or vm.get("host_keys")
+            self.ssh_proxy_command = lead.get("ssh_proxy_command")
+            self.ssh_proxy_account = lead.get("ssh_proxy_account")
+        self.host_keys = self.host_keys or lead.get("host_keys")
         self.accelerator_type = self.accelerator_type or vm.get("accelerator_type")
+
+    def _workers(self) -> list[dict]:
+        """The VMs of a multi-host slice by worker id (the slice create's record); [] for one VM."""
+        vm = self.vm if isinstance(self.vm, dict) else {}
+        return sorted(vm.get("vms") or [], key=lambda worker: int(worker["worker_id"]))
+
+    def _vm_of(self, worker: dict) -> VmHook:
+        """A connection to one VM of the slice, pinned to the host keys it published."""
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        return VmHook(
+            ssh_conn_id=self.ssh_conn_id,
+            remote_host=worker["ssh_address"],
+            username=self.ssh_login or worker.get("ssh_login") or None,
+            host_keys=worker["host_keys"],
+            proxy_command=self._proxy_command(),
+            proxy_account=self.ssh_proxy_account,
+        )
+
+    def _for_worker(self, spec: maxtext.RunSpec, worker_id: int) -> maxtext.RunSpec:
+        """``spec`` on worker ``worker_id`` of the slice: how its program finds the others (their internal IPs)."""
+        if not spec.accelerator.is_multi_host:
+            return spec
+        addresses = tuple(worker["internal_ip"] for worker in self._workers())
+        return dataclasses.replace(spec, worker=maxtext.SliceWorker(worker_id, addresses))
 
     @property
     def jobs_dir(self) -> str:
@@ -239,7 +269,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             profile = self._profile()
             return maxtext.RunSpec(
                 model=profile,
-                accelerator=single_host("accelerator_type", self.accelerator_type or DEFAULT_ACCELERATOR),
+                accelerator=self._accelerator(),
                 runtime=self._runtime(),
                 layout=layout.RunLayout(
                     profile.key, name, self.root_dir or "", self.checkpoint_storage or "", conversion_key
@@ -247,6 +277,23 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             )
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
+
+    def _accelerator(self) -> Accelerator:
+        """The accelerator; a multi-host slice needs its VMs (``vm``) and checkpoint storage every VM writes to."""
+        acc = accelerator(self.accelerator_type or DEFAULT_ACCELERATOR)
+        if acc.is_multi_host:
+            if len(self._workers()) < 2:
+                raise SpecError(
+                    "vm", None, f"names no VMs of the multi-host slice {acc.type}",
+                    "wire the slice's create task (TpuSliceCreateOperator) as vm",
+                )
+            if not self.checkpoint_storage:
+                raise SpecError(
+                    "checkpoint_storage", None,
+                    f"is required on a multi-host slice ({acc.type}): every VM writes its part of each checkpoint",
+                    "give gs://bucket/prefix",
+                )
+        return acc
 
     def _remote_job_id(self, context: Context) -> str:
         dag_run = context["dag_run"]
@@ -272,6 +319,9 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         return script, token_file
 
     def _job(self, spec: maxtext.RunSpec, context: Context) -> Job:
+        """The step's job; on a slice, worker 0's unless ``spec`` names the worker."""
+        if spec.worker is None:
+            spec = self._for_worker(spec, 0)
         try:
             return self.build_job(spec, context)
         except SpecError as err:
@@ -283,6 +333,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
 
         paths = RemoteJobPaths(job_id=self._remote_job_id(context), remote_os="posix", base_dir=self.jobs_dir)
+        if self._workers():
+            return self._execute_on_slice(context, spec, paths)
         with self._vm() as vm:
             self.ship_storage_tool(vm, spec)
             spec = self.resolve(context, vm, spec)
@@ -315,6 +367,51 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 log_offset = 0
         return self._watch(context, job, paths, log_offset=log_offset, first=True)
 
+    def _execute_on_slice(self, context: Context, spec: maxtext.RunSpec, paths: RemoteJobPaths) -> Any:
+        """The step on every VM of the slice, as one job.
+
+        Reused when done on every VM, re-attached when running on every VM; else whatever still runs is stopped
+        and every VM starts again (training resumes from its newest checkpoint)."""
+        workers = self._workers()
+        with self._vm_of(workers[0]) as vm:
+            self.ship_storage_tool(vm, spec)
+            spec = self.resolve(context, vm, spec)
+            lead = self._job(self._for_worker(spec, 0), context)
+            if lead.done_marker and vm.exists(lead.done_marker, self.storage_tool):
+                self.log.info("%s: output already complete (%s); nothing to redo", self.step_title, lead.done_marker)
+                return self.finish(context, lead, paths, self._report(vm, context, lead, paths), reused=True)
+        states = []
+        for worker in workers:
+            with self._vm_of(worker) as vm:
+                job = self._job(self._for_worker(spec, int(worker["worker_id"])), context)
+                if worker is not workers[0]:
+                    self.ship_storage_tool(vm, spec)
+                if job.done_check and vm.run_status(job.done_check)[0] == 0:
+                    states.append(("succeeded", 0))
+                else:
+                    states.append(vm.job_state(paths))
+        log_offset = states[0][1]
+        if all(state == "succeeded" for state, _ in states):
+            self.log.info("%s: done on every VM of the slice already", self.step_title)
+            with self._vm_of(workers[0]) as vm:
+                return self.finish(context, lead, paths, self._report(vm, context, lead, paths), reused=True)
+        if all(state == "running" for state, _ in states):
+            self.log.info("Re-attaching to job %s, still running on the slice's %d VMs", paths.job_id, len(workers))
+        else:
+            self.log.info(
+                "Starting job %s on the slice's %d VMs (earlier: %s)",
+                paths.job_id, len(workers), ", ".join(f"worker {i} {state}" for i, (state, _) in enumerate(states)),
+            )
+            for worker, (state, _) in zip(workers, states, strict=True):
+                with self._vm_of(worker) as vm:
+                    if state == "running":
+                        vm.run(remote_job.stop_command(paths.pid_file), check=False)
+                    if state != "absent":
+                        vm.run(f"mv {shlex.quote(paths.job_dir)} {shlex.quote(paths.job_dir)}.$(date +%s)")
+                    self._start(vm, spec, self._job(self._for_worker(spec, int(worker["worker_id"])), context), paths)
+            log_offset = 0
+        return self._watch(context, lead, paths, log_offset=log_offset, first=True)
+
     def _start(self, vm: VmHook, spec: maxtext.RunSpec, job: Job, paths: RemoteJobPaths) -> None:
         from airflow.providers.ssh.utils.remote_job import build_posix_wrapper_command
 
@@ -345,14 +442,26 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     def _watch(self, context: Context, job: Job, paths: RemoteJobPaths, log_offset: int, first: bool = False) -> None:
         """Defer to the remote-job trigger; before the first deferral, record the job for ``on_kill``."""
         from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+        from airflow_tpu_posttrain.triggers.slice_job import SliceJobTrigger
 
+        peers = [
+            {
+                "worker_id": int(worker["worker_id"]),
+                "remote_host": worker["ssh_address"],
+                "login": self.ssh_login or worker.get("ssh_login"),
+                "host_keys": worker["host_keys"],
+            }
+            for worker in self._workers()[1:]
+        ]
+        watch = SliceJobTrigger if peers else MaxTextJobTrigger
         if first:
             context["ti"].xcom_push(
                 key="ssh_remote_job",
                 value={"job_id": paths.job_id, "log_file": paths.log_file, "pid_file": paths.pid_file},
             )
         self.defer(
-            trigger=MaxTextJobTrigger(
+            trigger=watch(
+                **({"peers": peers} if peers else {}),
                 ssh_conn_id=self.ssh_conn_id,
                 remote_host=self.remote_host,
                 login=self.ssh_login or None,
@@ -385,7 +494,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         for line in (event.get("log_chunk") or "").splitlines():
             self.log.info("[remote] %s", line)
         paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
-        job = self.build_job(self.resolved(context, self.run_spec(context)), context)
+        job = self._job(self.resolved(context, self.run_spec(context)), context)
         if not event.get("done"):
             return self._watch(context, job, paths, log_offset=event.get("log_offset", 0))
         exit_code = event.get("exit_code")
@@ -407,6 +516,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             raise RemoteJobError(
                 f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}"
             )
+        if event.get("workers"):
+            raise RemoteJobError(self._slice_failure(event, paths))
         if exit_code != 0:
             raise RemoteJobError(
                 f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
@@ -418,6 +529,19 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 report = vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S)
         return self.finish(context, job, paths, remote_job.parse_report(report), reused=False)
 
+    def _slice_failure(self, event: dict[str, Any], paths: RemoteJobPaths) -> str:
+        """Why the slice's job failed: the worker that failed first, and the end of every worker's log."""
+        failed = event["failed_worker"]
+        for worker, said in sorted(event["workers"].items(), key=lambda item: int(item[0])):
+            self.log.error("Worker %s (exit code %s), the end of its log:", worker, said["exit_code"])
+            for line in said["tail"].splitlines():
+                self.log.error("[worker %s] %s", worker, line)
+        return (
+            f"{self.step_title} failed on worker {failed} of the slice with exit code {event['exit_code']}; the "
+            f"other workers were stopped (log on each VM: {paths.log_file}). A retry starts every worker again "
+            "from the newest checkpoint"
+        )
+
     def on_kill(self) -> None:
         """A kill of the running task stops the job's processes on the VM."""
         ti = getattr(self, "task_instance", None)
@@ -425,8 +549,9 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         if not job:
             return
         self.log.info("Killing job %s on the VM", job["job_id"])
-        with self._vm() as vm:
-            vm.run(remote_job.stop_command(job["pid_file"]), check=False)
+        for worker in self._workers() or [None]:
+            with self._vm_of(worker) if worker else self._vm() as vm:
+                vm.run(remote_job.stop_command(job["pid_file"]), check=False)
 
     def report_commands(self, context: Context, job: Job, paths: RemoteJobPaths) -> dict[str, str]:
         """What ``finish`` reads from the VM, ``{name: command}``: the job's metric lines, and each step's own.

@@ -109,8 +109,8 @@ class VmRecoveryMixin:
     def vm_lost(self, context: Context) -> Lost | None:
         """The loss, when Compute says the VM is gone; None while it lives (or when no create task is named)."""
         record = self._vm_record(context)
-        if not record or not record.get("name"):
-            return None
+        if not record or not record.get("name") or record.get("slice"):
+            return None  # a slice's VMs are watched by its job (SliceJobTrigger): a lost worker fails the job
         zone, instance = self._find_vm(context)
         if instance is not None and instance.get("status") not in DEAD_STATES:
             return None
@@ -121,7 +121,7 @@ class VmRecoveryMixin:
         if not self._creator(context):
             return None
         record = self._recovered(context) or self._vm_record(context)
-        if not record or not record.get("zone"):
+        if not record or not record.get("zone") or record.get("slice"):
             return None
         creator = self._create_task(context)
         return {

@@ -24,13 +24,12 @@ from airflow_tpu_posttrain.operators.compute_base import (
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
 from airflow_tpu_posttrain.recipes import compute, cost, slices
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
+from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-# What a slice is made with (compute/docs/instance-groups/about-bulk-mode: bulk mode takes these two only).
-SLICE_PROVISIONING_MODELS = ("RESERVATION_BOUND", "FLEX_START")
 
 
 class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):

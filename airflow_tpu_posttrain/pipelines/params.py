@@ -11,7 +11,7 @@ from airflow.sdk import Param
 from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 from airflow_tpu_posttrain.recipes import compute, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
-from airflow_tpu_posttrain.recipes.accelerators import TPU_ACCELERATORS
+from airflow_tpu_posttrain.recipes.accelerators import SLICE_ACCELERATORS, TPU_ACCELERATORS
 
 # Param patterns are checked with re.search (and by the UI in JavaScript), where "$" also matches before a
 # final newline: END matches only at the very end, in both. The bodies are the operators' own validation's.
@@ -47,6 +47,13 @@ class FormField:
     recipe: str | None = None
 
 
+def _accelerators(cfg: PipelineConfig) -> list[str]:
+    """What a run of the entry's DAG may train on: a slice's DAG makes slices, the others one VM."""
+    if cfg.local:
+        return [cfg.accelerator_type] if cfg.is_slice else ["cpu"]
+    return list(SLICE_ACCELERATORS if cfg.is_slice else TPU_ACCELERATORS)
+
+
 FORM = (
     FormField(
         "model",
@@ -58,13 +65,17 @@ FORM = (
     FormField(
         "accelerator_type",
         type="string",
-        schema={"enum": lambda cfg: ["cpu"] if cfg.local else list(TPU_ACCELERATORS)},
+        schema={"enum": _accelerators},
         title="Accelerator",
         description=lambda cfg: (
-            "The local CPU 'VM' (the only choice here)."
+            f"The local slice standing for {cfg.accelerator_type} (the only choice here)."
+            if cfg.local and cfg.is_slice
+            else "The local CPU 'VM' (the only choice here)."
             if cfg.local
+            else "A multi-host slice: v6e-16 … v6e-256, VMs of 4 chips (ct6e-standard-4t) made together."
+            if cfg.is_slice
             else "One TPU VM: v6e-1, v6e-4 or v6e-8 (8 chips); the machine type is derived from it "
-            "(v6e-8 → ct6e-standard-8t). Multi-host slices (v6e-16 and up) are refused."
+            "(v6e-8 → ct6e-standard-8t). Multi-host slices (v6e-16 and up) have DAGs of their own (__slice)."
         ),
     ),
     FormField(

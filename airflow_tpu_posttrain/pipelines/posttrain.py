@@ -31,6 +31,7 @@ from airflow_tpu_posttrain.operators.maxtext import (
 )
 from airflow_tpu_posttrain.operators.quality_gate import QualityGateOperator
 from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
+from airflow_tpu_posttrain.operators.tpu_slice import TpuSliceCreateOperator, TpuSliceDeleteOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.inputs import ON_CHANGE, input_assets
 from airflow_tpu_posttrain.pipelines.params import trigger_form
@@ -98,6 +99,7 @@ class Step:
     vm: str | None = None
     layout: str | None = None
     recipe: str | None = None
+    slice: bool | None = None  # only in the DAGs of multi-host slices (True) or of one TPU VM (False)
 
 
 # The Params each recipe's training reads. The inputs check records them, with the accelerator and the
@@ -144,6 +146,22 @@ STEPS = (
             **_just_in_time(cfg),
             "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg) + _conversion_wait(cfg),
         },
+        slice=False,
+    ),
+    # A multi-host slice's VMs, made together (requested at once: no just-in-time request, no VM cap yet).
+    Step(
+        "create_tpu_vm",
+        TpuSliceCreateOperator,
+        lambda cfg: {
+            "zone": "{{ params.zones[0] }}",
+            "accelerator_type": "{{ params.accelerator_type }}",
+            "provisioning_model": "{{ params.provisioning_model }}",
+            "reservation": "{{ params.reservation }}",
+            "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
+            **{key: value for key, value in _creating_vm(cfg).items() if key in SLICE_CREATE_ARGUMENTS},
+            "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg),
+        },
+        slice=True,
     ),
     # The split layout's CPU VM: the conversion and the export run there, outside the TPU pool.
     Step(
@@ -233,7 +251,16 @@ STEPS = (
         },
         vm="cpu",
     ),
-    Step("delete_tpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "tpu")),
+    Step("delete_tpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "tpu"), slice=False),
+    Step(
+        "delete_tpu_vm",
+        TpuSliceDeleteOperator,
+        lambda cfg: {
+            "zone": "{{ params.zones[0] }}",
+            **{key: value for key, value in _deleting_vm(cfg, "tpu").items() if key not in ("zones", "firewall")},
+        },
+        slice=True,
+    ),
     Step(
         WATCHER,
         FailRunOperator,
@@ -297,7 +324,10 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     with _dag(cfg) as dag:
         tasks: dict[str, BaseOperator] = {}
         for step in STEPS:
-            if step.layout in (None, cfg.layout) and step.recipe in (None, cfg.recipe):
+            if step.layout in (None, cfg.layout) and step.recipe in (None, cfg.recipe) and step.slice in (
+                None,
+                cfg.is_slice,
+            ):
                 tasks[step.task_id] = _operator(step, cfg, tasks)
         _wire(tasks, cfg.layout)
     return dag
@@ -399,6 +429,13 @@ def _creating_vm(cfg: PipelineConfig) -> dict[str, Any]:
         + timedelta(minutes=30),
         "execution_timeout": cfg.timeouts.create,
     }
+
+
+# What a slice's create takes of ``_creating_vm`` (its zone is one; its VMs take the key from its template).
+SLICE_CREATE_ARGUMENTS = (
+    "project_id", "gcp_conn_id", "poll_interval", "network", "subnetwork", "network_path", "ssh_conn_id",
+    "service_account", "max_run_duration",
+)
 
 
 def _conversion_wait(cfg: PipelineConfig) -> timedelta:

@@ -16,8 +16,9 @@ from typing import Any
 
 from airflow_tpu_posttrain.recipes import access, compute, cost, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
-from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, single_host
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.models import define_models, model_definitions, model_profile
+from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
@@ -62,6 +63,11 @@ LOCAL_TIMEOUTS = StepTimeouts(
 
 LAYOUTS = ("split", "seeds")
 RECIPES = ("sft", "rl")
+
+
+def _is_slice(accelerator_type: str) -> bool:
+    acc = ACCELERATORS.get(accelerator_type)
+    return bool(acc and acc.is_multi_host)
 
 
 def _doc(text: str, choices: Iterable[str] = ()) -> dict[str, Any]:
@@ -220,7 +226,9 @@ class PipelineConfig:
         check(validation.one_of, "recipe", self.recipe, RECIPES)
         check(validation.one_of, "layout", self.layout, LAYOUTS)
         check(validation.one_of, "quality_gate", self.quality_gate, gate.RULES)
-        check(single_host, "accelerator_type", self.accelerator_type)
+        check(accelerator, self.accelerator_type)
+        if _is_slice(self.accelerator_type):
+            problems.extend(PipelineConfig._slice_problems(self))
         check(validation.one_of, "provisioning_model", self.provisioning_model, compute.PROVISIONING_MODELS)
         check(validation.one_of, "network_path", self.network_path, access.NETWORK_PATHS)
         check(validation.one_of, "ssh_key_mode", self.ssh_key_mode, access.KEY_MODES)
@@ -249,8 +257,35 @@ class PipelineConfig:
         return problems
 
     @property
+    def is_slice(self) -> bool:
+        """Whether the entry trains on a multi-host slice: its DAG creates and deletes slices, not one TPU VM."""
+        return _is_slice(self.accelerator_type)
+
+    def _slice_problems(self) -> list[SpecError]:
+        """What a slice's pipeline does not do (yet), each named with the fix."""
+        wants = (
+            ("recipe", self.recipe, ("sft",), "GRPO trains on one TPU VM; use recipe sft on a slice"),
+            ("layout", self.layout, ("split",), "a slice's checkpoints go to checkpoint_storage: use layout split"),
+            ("provisioning_model", self.provisioning_model, SLICE_PROVISIONING_MODELS,
+             "a slice is made all at once: use RESERVATION_BOUND (with a reservation) or FLEX_START"),
+            ("network_path", self.network_path, ("internal", "external"), "use internal or external"),
+            ("ssh_key_mode", self.ssh_key_mode, ("metadata",), "a slice's VMs take the key from its template's metadata"),
+        )
+        problems = [
+            SpecError(name, value, f"is not served on a multi-host slice ({self.accelerator_type})", fix)
+            for name, value, served, fix in wants
+            if value not in served
+        ]
+        if len(self.zones) != 1:
+            problems.append(SpecError(
+                "zones", list(self.zones), "names more than one zone for a slice",
+                "give the one zone of the slice's reservation (a slice's VMs share one zone's interconnect)",
+            ))
+        return problems
+
+    @property
     def dag_id(self) -> str:
-        suffix = "__seeds" if self.layout == "seeds" else ""
+        suffix = "__seeds" if self.layout == "seeds" else "__slice" if self.is_slice else ""
         return f"posttrain_{self.recipe}__{self.model}{suffix}"
 
 

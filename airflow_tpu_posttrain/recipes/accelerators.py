@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -133,3 +133,27 @@ def tpu_env(acc: Accelerator) -> dict[str, EnvValue]:
         "TPU_CHIPS_PER_HOST_BOUNDS": acc.chips_per_host_bounds,
         "TPU_HOST_BOUNDS": acc.host_bounds,
     }
+
+
+def slice_worker_env(acc: Accelerator, worker_id: int, worker_addresses: Sequence[str], *, cpu: bool) -> dict[str, EnvValue]:
+    """What worker ``worker_id`` of a multi-host slice needs to find its peers: the same program runs on every VM.
+
+    On the TPU, the tutorials' environment with this worker's id and every worker's address: with
+    ``TPU_SKIP_MDS_QUERY`` set, JAX's cluster detection takes the slice from ``TPU_WORKER_HOSTNAMES`` and
+    ``TPU_WORKER_ID`` (jax 0.12 ``_src/clusters/cloud_tpu_cluster.py``, ``GkeTpuCluster``), and so does libtpu. On
+    a CPU (``cpu``: the local slice), what MaxText's ``initialize_jax_for_cpu`` hands ``jax.distributed.initialize``
+    (MaxText 0.2.2 ``utils/max_utils.py``): worker 0's address (its port is MaxText's, 1234), the process count and
+    this process's index."""
+    if not acc.is_multi_host:
+        raise ValueError(f"{acc.type} is one VM, not a slice")
+    count = str(len(worker_addresses))
+    if cpu:
+        return {
+            **CPU_JAX_ENV,
+            "JAX_COORDINATOR_ADDRESS": worker_addresses[0],
+            "JAX_PROCESS_COUNT": count,
+            "JOB_INDEX": "0",
+            "PROCESSES_IN_JOB": count,
+            "JOB_COMPLETION_INDEX": str(worker_id),
+        }
+    return {**tpu_env(acc), "TPU_WORKER_ID": str(worker_id), "TPU_WORKER_HOSTNAMES": ",".join(worker_addresses)}

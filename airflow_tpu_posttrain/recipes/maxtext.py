@@ -11,7 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from airflow_tpu_posttrain.recipes import storage, validation
-from airflow_tpu_posttrain.recipes.accelerators import CPU_CONVERSION_ARGS, CPU_JAX_ENV, Accelerator, tpu_env
+from airflow_tpu_posttrain.recipes.accelerators import (
+    CPU_CONVERSION_ARGS,
+    CPU_JAX_ENV,
+    Accelerator,
+    slice_worker_env,
+    tpu_env,
+)
 from airflow_tpu_posttrain.recipes.layout import RunLayout
 from airflow_tpu_posttrain.recipes.models import ModelProfile, RlDataset, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step
@@ -53,13 +59,24 @@ class RemoteCommand:
 
 
 @dataclass(frozen=True)
+class SliceWorker:
+    """One VM of a multi-host slice as the program on it sees the slice: its worker id, every worker's address."""
+
+    worker_id: int
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RunSpec:
-    """What every step of one DAG run shares: which model, on what, where MaxText runs, where files go."""
+    """What every step of one DAG run shares: which model, on what, where MaxText runs, where files go.
+
+    ``worker``: on a multi-host slice, the VM a training command is for (each VM runs the same program)."""
 
     model: ModelProfile
     accelerator: Accelerator
     runtime: Runtime
     layout: RunLayout
+    worker: SliceWorker | None = None
 
     def __post_init__(self) -> None:
         self.runtime.check_model(self.model)
@@ -79,13 +96,27 @@ def _command(
 
     These replace a seed value in place where they share a key. Then the user's overrides, which may not touch
     any key set before them."""
-    args = {**seed_args, **spec.model.maxtext_overrides, **spec.runtime.step_args(step, spec.model)}
+    multi_process = training and spec.accelerator.is_multi_host
+    args = {
+        **seed_args,
+        **spec.model.maxtext_overrides,
+        **spec.runtime.step_args(step, spec.model, multi_process=multi_process),
+    }
     for pair in validation.override_pairs("overrides", overrides, reserved=frozenset(args)):
         key, value = pair.split("=", 1)
         args[key] = value
     if training:
         spec.runtime.check_accelerator(spec.accelerator)
-    if training or (step is Step.TO_HUGGINGFACE and spec.accelerator.is_tpu):
+    if multi_process:
+        if spec.worker is None:
+            raise SpecError(
+                "accelerator_type", spec.accelerator.type, "is a multi-host slice; its training runs on every VM",
+                "build the command for each VM of the slice (RunSpec.worker)",
+            )
+        cpu = spec.runtime.is_cpu
+        env = {**slice_worker_env(spec.accelerator, spec.worker.worker_id, spec.worker.addresses, cpu=cpu)}
+        env.update(spec.runtime.env)
+    elif training or (step is Step.TO_HUGGINGFACE and spec.accelerator.is_tpu):
         # The export on the TPU VM (seeds layout) runs in the tutorial's shell, which still holds the
         # training's TPU environment: without it JAX would ask the metadata server what the TPU is.
         env = {**tpu_env(spec.accelerator), **spec.runtime.env}

@@ -198,9 +198,10 @@ class Runtime:
     def check_accelerator(self, accelerator: Accelerator) -> None:
         """Training needs the runtime's accelerator: a TPU on ``tpu``, the CPU on ``cpu``.
 
-        Conversions run on any host's CPU, so they may run on a CPU VM with the ``tpu`` runtime's
-        environment."""
-        if accelerator.is_tpu == self.is_cpu:
+        A multi-host slice trains on ``cpu`` too: the local slice, each of its VMs' CPUs one JAX process where a
+        VM's chips would be. Conversions run on any host's CPU, so they may run on a CPU VM with the ``tpu``
+        runtime's environment."""
+        if accelerator.is_tpu == self.is_cpu and not (self.is_cpu and accelerator.is_multi_host):
             raise SpecError(
                 "accelerator_type",
                 accelerator.type,
@@ -214,11 +215,16 @@ class Runtime:
             return (_PYTHON, f"{self.launcher_dir}/{launcher}")
         return (_PYTHON, "-m", step.value)
 
-    def step_args(self, step: Step, model: ModelProfile) -> dict[str, str]:
-        """Arguments set on top of the cloud command's, replacing its value where both set a key."""
+    def step_args(self, step: Step, model: ModelProfile, *, multi_process: bool = False) -> dict[str, str]:
+        """Arguments set on top of the cloud command's, replacing its value where both set a key.
+
+        ``multi_process``: the training of a multi-host slice, one JAX process per VM: MaxText's CPU path then
+        joins the processes (``jax.distributed.initialize``), so it is not skipped."""
         if not self.is_cpu:
             return {}
         args = dict(_CPU_STEP_ARGS[step])
+        if multi_process:
+            args.pop("skip_jax_distributed_system", None)
         if step is Step.TO_MAXTEXT and model.maxtext_version in _ONE_CPU_DEVICE_RELEASES:
             args["--simulated_cpu_devices_count"] = "1"
         if not model.hf_source_in_maxtext_table and step in (Step.TO_MAXTEXT, Step.TO_HUGGINGFACE):

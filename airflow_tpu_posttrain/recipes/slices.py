@@ -25,6 +25,9 @@ BASE_NAME_ROOM = 52  # a MIG's baseInstanceName before its "-###": `[a-z][-a-z0-
 # the instance's own name, and the FLEX_START wait, which a MIG takes from a resize request instead.
 NOT_IN_TEMPLATE = ("name", "params")
 
+# What a slice is made with (compute/docs/instance-groups/about-bulk-mode: bulk mode takes these two only).
+SLICE_PROVISIONING_MODELS = ("RESERVATION_BOUND", "FLEX_START")
+
 
 @dataclass(frozen=True)
 class SliceNames:
