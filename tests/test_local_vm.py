@@ -20,6 +20,7 @@ from conftest import PROJECT, emulator_credentials
 
 from airflow_tpu_posttrain.local import vpc
 from airflow_tpu_posttrain.local.vm import LocalVm, authorized_keys
+from airflow_tpu_posttrain.recipes import remote_job
 
 LOGIN = "posttrain"
 # The image's Python 3.12 (pyenv's, under /root), as the venv's interpreter resolves to it.
@@ -534,3 +535,66 @@ def test_sessions_reach_the_local_gcs_server_without_credentials(make_vm, keys, 
             assert blob.download_as_bytes() == b"written-on-the-vm\n"
         finally:
             del os.environ["STORAGE_EMULATOR_HOST"]
+
+
+def _start_job(vm: LocalVm, job_id: str, script: str):
+    """A detached job on a VM as the MaxText steps start theirs (providers-ssh's wrapper); its paths."""
+    from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
+
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+
+    paths = RemoteJobPaths(job_id=job_id, remote_os="posix", base_dir="/tmp/jobs")
+    with VmHook("slice_vm", remote_host=vm.address, host_keys=vm.host_keys) as hook:
+        hook.put_text(f"{paths.job_dir}.sh", script, 0o700)
+        hook.run(build_posix_wrapper_command(f"bash {paths.job_dir}.sh", paths))
+    return paths
+
+
+def _slice_watch(vms, paths, login_conn: str):
+    import asyncio
+
+    from airflow_tpu_posttrain.triggers.slice_job import SliceJobTrigger
+
+    trigger = SliceJobTrigger(
+        ssh_conn_id=login_conn, remote_host=vms[0].address, host_keys=vms[0].host_keys, job_id=paths.job_id,
+        job_dir=paths.job_dir, log_file=paths.log_file, exit_code_file=paths.exit_code_file, remote_os="posix",
+        poll_interval=0.2, command_timeout=30,
+        peers=[{"worker_id": i, "remote_host": vm.address, "host_keys": vm.host_keys} for i, vm in enumerate(vms) if i],
+    )
+    _, kwargs = trigger.serialize()  # what the triggerer runs: the trigger made again from its serialized form
+    trigger = SliceJobTrigger(**kwargs)
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    return asyncio.run(asyncio.wait_for(first_event(), timeout=120))
+
+
+def test_a_slice_job_ends_when_every_worker_ended_and_one_failure_stops_the_others(make_vm, tmp_path, monkeypatch):
+    """The same job on two VMs, watched as one: it succeeds when both did.
+
+    When worker 1 fails, worker 0's still running job is stopped (its processes gone) and the event carries each
+    worker's exit code and log tail."""
+    from airflow_tpu_posttrain.hooks.vm import VmHook
+
+    _, public_key = _keypair(tmp_path, "worker")
+    vms = [make_vm(f"vm-slice-{i}", f"{LOGIN}:{public_key}\n") for i in range(2)]
+    connection = {"conn_type": "ssh", "login": LOGIN, "extra": {"key_file": str(tmp_path / "worker")}}
+    monkeypatch.setenv("AIRFLOW_CONN_SLICE_VM", json.dumps({**connection, "port": vms[0].port}))
+    for vm in vms:
+        paths = _start_job(vm, "both-succeed", "echo step on $(hostname); sleep 1")
+    done = _slice_watch(vms, paths, "slice_vm")
+    assert (done["status"], done["exit_code"], done.get("workers")) == ("success", 0, None)
+
+    hanging = _start_job(vms[0], "one-fails", "echo worker 0 waits for its peer; sleep 300")
+    _start_job(vms[1], "one-fails", "echo worker 1 lost its peer; exit 134")
+    failed = _slice_watch(vms, hanging, "slice_vm")
+    assert failed["exit_code"] == 134 and failed["failed_worker"] == 1
+    assert failed["workers"]["1"] == {"exit_code": 134, "tail": "worker 1 lost its peer\n"}
+    assert failed["workers"]["0"]["exit_code"] is None  # it was running: stopped, not waited for
+    assert "worker 0 waits for its peer" in failed["workers"]["0"]["tail"]
+    with VmHook("slice_vm", remote_host=vms[0].address, host_keys=vms[0].host_keys) as hook:
+        assert hook.run(remote_job.completion_command(hanging.pid_file, hanging.exit_code_file)).strip() in (
+            "died", "143",
+        )
