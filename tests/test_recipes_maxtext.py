@@ -810,3 +810,33 @@ def _save_and_restore(tmp_path, calls, storage, server, cache_uri, tool_script, 
 
     other = _bash(install.install_script(tpu_runtime(), "0.2.5", cache_uri, storage_tool_script=tool_script), new_vm("newer"))
     assert "Installed MaxText" in other.stdout and "Restored" not in other.stdout
+
+
+def test_every_vm_of_a_slice_trains_with_the_same_argv_told_its_worker_id_and_every_vms_address():
+    addresses = ("10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5")
+    on_tpu = dataclasses.replace(_seed_spec("gemma3-4b"), accelerator=accelerator("v6e-16"))
+    commands = [
+        maxtext.train_sft(dataclasses.replace(on_tpu, worker=maxtext.SliceWorker(i, addresses))) for i in range(4)
+    ]
+    assert all(command.argv == commands[0].argv for command in commands)
+    for i, command in enumerate(commands):
+        assert command.env["TPU_WORKER_ID"] == str(i)
+        assert command.env["TPU_WORKER_HOSTNAMES"] == "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5"
+        assert (command.env["TPU_TOPOLOGY"], command.env["TPU_HOST_BOUNDS"]) == ("4x4", "2,2,1")
+    # Built for no VM in particular, a slice's training is refused: it would run one JAX process of several.
+    with pytest.raises(SpecError, match="is a multi-host slice; its training runs on every VM"):
+        maxtext.train_sft(on_tpu)
+
+    # The local slice (a CPU per VM): MaxText's CPU path joins the processes through jax.distributed.
+    twin = maxtext.RunSpec(
+        model=model_profile("tiny-gemma3-4b"),
+        accelerator=accelerator("v6e-16"),
+        runtime=cpu_runtime("/opt/launchers", "/var/tmp/maxtext-venv"),
+        layout=RunLayout("tiny-gemma3-4b", "tiny-run"),
+        worker=maxtext.SliceWorker(1, addresses[:2]),
+    )
+    local = maxtext.train_sft(twin)
+    assert "hardware=cpu" in local.argv and not any(a.startswith("skip_jax_distributed_system") for a in local.argv)
+    assert {key: local.env[key] for key in ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JOB_COMPLETION_INDEX")} == {
+        "JAX_COORDINATOR_ADDRESS": "10.0.0.2", "JAX_PROCESS_COUNT": "2", "JOB_COMPLETION_INDEX": "1"
+    }

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.models import CLOUD_MODELS, LOCAL_HUB_SOURCES, MODELS, twin_key
 from airflow_tpu_posttrain.recipes.runtime import LOCAL_DIFFERENCES, Step
 
@@ -24,7 +25,13 @@ PAIRS = (
         "posttrain_rl__tiny-llama3.1-8b-Instruct",
         ("convert_to_maxtext", "train", "export_and_publish"),
     ),
+    (
+        "posttrain_sft__gemma3-4b__slice",
+        "posttrain_sft__tiny-gemma3-4b__slice",
+        ("convert_to_maxtext", "train", "export_and_publish"),
+    ),
 )
+LOCAL_SLICE_VMS = 2  # the local stack's slices: 2 VMs standing for v6e-16's 4 (local/stack.py)
 LOGICAL_DATE = datetime(2026, 12, 1, tzinfo=UTC)
 
 
@@ -57,7 +64,15 @@ class _VmRecords:
         if task_ids not in ("create_cpu_vm", "create_tpu_vm"):
             return None
         machine = self.dag.get_task(task_ids).accelerator_type
-        return {"accelerator_type": self.params["accelerator_type"] if "{{" in machine else machine}
+        record = {"accelerator_type": self.params["accelerator_type"] if "{{" in machine else machine}
+        acc = accelerator(record["accelerator_type"])
+        if acc.is_multi_host:  # a slice's create records its VMs; each trains told every VM's address
+            count = LOCAL_SLICE_VMS if "tiny" in self.dag.dag_id else acc.vms
+            record["vms"] = [
+                {"worker_id": i, "internal_ip": f"10.0.0.{i + 2}", "ssh_address": f"10.0.0.{i + 2}", "host_keys": {}}
+                for i in range(count)
+            ]
+        return record
 
 
 def _command(dag, task_id: str) -> dict:
@@ -73,7 +88,7 @@ def _command(dag, task_id: str) -> dict:
     context["ti"] = _VmRecords(dag, context["params"])
     task.render_template_fields(context)
     spec = task.run_spec(context, "conversion-key")
-    script = task.build_job(spec, context).script
+    script = task._job(spec, context).script  # on a slice: worker 0's
     # The command's own block (RemoteCommand.script): `source <venv>/bin/activate`, its exports, `exec <argv>`.
     lines = script.splitlines()
     end = next((i for i, line in enumerate(lines) if line.startswith("exec ") and _is_maxtext(line)), None)
@@ -135,7 +150,7 @@ def differences(cloud: dict, twin: dict) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize(("cloud_dag", "twin_dag", "task_ids"), PAIRS, ids=["sft", "rl"])
+@pytest.mark.parametrize(("cloud_dag", "twin_dag", "task_ids"), PAIRS, ids=["sft", "rl", "sft-slice"])
 def test_a_twin_runs_its_cloud_entrys_commands_but_for_the_declared_differences(dags, cloud_dag, twin_dag, task_ids):
     for task_id in task_ids:
         cloud, twin = _command(dags[cloud_dag], task_id), _command(dags[twin_dag], task_id)
@@ -147,6 +162,8 @@ def test_a_twin_runs_its_cloud_entrys_commands_but_for_the_declared_differences(
         # Declared for the step and absent here: only what this recipe's model or data does not have.
         unused = declared - found
         allowed_unused = {"argv sliding_window_size"} if "llama" in cloud_dag else set()
+        # A slice's processes join through jax.distributed, which the twin's CPU path then does not skip.
+        allowed_unused |= {"argv skip_jax_distributed_system"} if cloud_dag.endswith("__slice") else set()
         allowed_unused |= {"argv hf_eval_split", "argv hf_eval_files"} - set(twin["args"]) if step is Step.TRAIN_SFT else set()
         assert unused <= allowed_unused, f"{twin_dag}.{task_id}: declared but not different {sorted(unused)}"
         # Same model, same Hub repo, same release: only the shape is the twin's.
