@@ -244,6 +244,7 @@ def fault_matrix(request) -> FaultMatrix:
 # The files that take longest (each runs whole pipelines), longest first: xdist hands whole files to the workers in
 # collection order (scripts/test: --no-loadscope-reorder), so the two workers finish close together.
 _LONGEST_FIRST = (
+    "test_slice_pipeline.py",
     "test_maxtext_faults.py",
     "test_pipeline_reruns.py",
     "test_pipeline_failures.py",

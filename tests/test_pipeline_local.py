@@ -411,34 +411,3 @@ def test_tiny_sft_in_the_seeds_layout(stack, capfd):
     assert {"mt-format/0/items", checkpoint} <= under_root, sorted(under_root)[:20]
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
 
-
-SLICE_DAG = f"posttrain_sft__{SFT_TWIN}__slice"
-
-
-def test_tiny_sft_on_a_local_slice_runs_one_jax_process_per_vm(stack, capfd):
-    """The SFT twin on a v6e-16 slice: its VMs made together, the same MaxText command on each, one job.
-
-    The local slice is 2 VMs standing for v6e-16's 4 (the emulator's ``local_slice_vms``). ``packing=false``: each
-    process then holds its own rows of the global batch, the batches a single process would see."""
-    with before_vm_end(stack, lambda vm: None) as ends:
-        dr = run_pipeline(SLICE_DAG, {"storage_uri": str(stack.published_dir), "overrides": "packing=false"})
-        logs = "".join(capfd.readouterr())
-        assert_succeeded(dr, logs)
-        made = xcom(dr, "create_tpu_vm")
-        ends.wait_gone([vm["name"] for vm in made["vms"]] + [xcom(dr, "create_cpu_vm")["name"]])
-    assert made["accelerator_type"] == "v6e-16" and made["machine_type"] == "ct6e-standard-4t"
-    assert [vm["worker_id"] for vm in made["vms"]] == [0, 1]
-    # One JAX program over both VMs: MaxText's mesh spans the two processes' devices (fsdp 2), and gloo joined
-    # worker 0 to its one peer; worker 0's log is the task's.
-    assert "Num_devices: 2" in logs and "Rank 0 is connected to 1 peer ranks" in logs
-    trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == 5
-    objects = storage_objects(LOCAL_CHECKPOINT_STORAGE)
-    run = trained["run_name"]
-    # Both processes wrote their part of the final checkpoint to the shared storage; process 0 committed it.
-    assert f"post-train/{run}/checkpoints/5/commit_success.txt" in objects
-    for process in (0, 1):
-        assert any(f"post-train/{run}/checkpoints/5/model_params/ocdbt.process_{process}/" in o for o in objects)
-    assert f"exports/{run}/model.safetensors" in objects
-    assert xcom(dr, "delete_tpu_vm") | {"deleted": True, "vms": 2} == xcom(dr, "delete_tpu_vm")
-    assert stack.compute.instances() == []

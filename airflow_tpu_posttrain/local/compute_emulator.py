@@ -23,7 +23,9 @@ a custom-mode one needs ``subnetwork``. With a :class:`~airflow_tpu_posttrain.lo
 instance is a machine of its own (an address, an sshd with fresh host keys that trusts only the instance's
 ``ssh-keys``, a disk), booted when the instance turns RUNNING and ended with it; ``getGuestAttributes`` serves
 its host keys once published, and only when ``enable-guest-attributes`` is TRUE. Without a fleet no instance
-ever publishes host keys (an image without Google's guest environment).
+ever publishes host keys (an image without Google's guest environment). With a fleet, what the VMs send each
+other passes their network's firewall rules (``local/vpc.py``), kept current as rules and instances change; the
+default network has Google's ``default-allow-internal`` (unlisted: ``DEFAULT_NETWORK_RULES``).
 
 What the real ``getGuestAttributes`` answers before anything is published, or with guest attributes off, is
 not documented; this emulator answers 404 and 400 respectively, and the provider treats both as "none yet".
@@ -89,6 +91,28 @@ V6E_ZONES = frozenset(
     {"us-central1-ai1", "us-central1-b", "us-east1-d", "us-east5-a", "us-east5-b", "us-south1-ai1b", "europe-west4-a"}
 )
 TRANSIENT_KINDS = ("insert", "get", "delete", "list", "operation")
+
+# The firewall rule Google puts in every project's default network, which VMs of a slice talk over: "Pre-populated
+# rules in the default network" (cloud.google.com/firewall/docs/firewalls#more_rules_default_vpc):
+# default-allow-internal, ingress at priority 65534, tcp and udp on every port and icmp from the network's internal
+# ranges (Google's 10.128.0.0/9; here the local VPC's). Modelled for the traffic between VMs only, and not listed:
+# the emulator's default network lists none of Google's four pre-populated rules (default-allow-ssh, -rdp and -icmp
+# are not modelled: what reaches a VM from outside the VPC is the IAP stand-in's and the SSH firewall rules' to
+# decide). Every other network has only the implied rules: its VMs reach each other where its rules allow.
+DEFAULT_NETWORK_RULES: tuple[dict[str, Any], ...] = (
+    {
+        "name": "default-allow-internal",
+        "network": "global/networks/default",
+        "direction": "INGRESS",
+        "priority": 65534,
+        "sourceRanges": [vpc.VPC_RANGE],
+        "allowed": [
+            {"IPProtocol": "tcp", "ports": ["0-65535"]},
+            {"IPProtocol": "udp", "ports": ["0-65535"]},
+            {"IPProtocol": "icmp"},
+        ],
+    },
+)
 
 # Multi-host TPU v6e slices, from the accelerator table: a slice of topology T is a MIG of its VM count of
 # ct6e-standard-4t VMs (v6e-16, 4x4: 4 VMs).
@@ -289,6 +313,62 @@ def _in_use(kind: str, path: str, user: str) -> _ApiError:
     )
 
 
+def _network_name(resource: dict[str, Any]) -> str:
+    """The VPC network's name of an instance (its first interface's) or of a firewall rule."""
+    if "networkInterfaces" in resource:
+        network = (resource["networkInterfaces"] or [{}])[0].get("network")
+    else:
+        network = resource.get("network")
+    return (network or "global/networks/default").rsplit("/", 1)[-1]
+
+
+def _tags(instance: dict[str, Any]) -> set[str]:
+    return set((instance.get("tags") or {}).get("items") or [])
+
+
+def _service_accounts(instance: dict[str, Any]) -> set[str]:
+    return {account.get("email", "") for account in instance.get("serviceAccounts") or []}
+
+
+def _firewall_rules(rules: list[dict[str, Any]], instance: dict[str, Any], peers: list[dict[str, Any]]):
+    """The firewall ``rules`` of the instance's project for its traffic with ``peers``, as ``vpc.FirewallRule``s.
+
+    ``peers``: the other VMs of its network. As the Cloud firewall applies them
+    (cloud.google.com/firewall/docs/firewalls): a rule of the instance's network, enabled, whose targets are all
+    instances or include its tags (``targetTags``) or service account (``targetServiceAccounts``); an ingress
+    rule's sources are its ``sourceRanges`` and the VMs its ``sourceTags`` or ``sourceServiceAccounts`` name (none
+    of them: every address), an egress rule's destinations its ``destinationRanges`` (none: every address)."""
+    network = _network_name(instance)
+    applied = []
+    for rule in rules:
+        if rule.get("disabled") or _network_name(rule) != network:
+            continue
+        if rule.get("targetTags") and not set(rule["targetTags"]) & _tags(instance):
+            continue
+        accounts = set(rule.get("targetServiceAccounts") or [])
+        if accounts and not accounts & _service_accounts(instance):
+            continue
+        ingress = rule.get("direction", "INGRESS") == "INGRESS"
+        if ingress:
+            ranges, tags = list(rule.get("sourceRanges") or []), set(rule.get("sourceTags") or [])
+            accounts = set(rule.get("sourceServiceAccounts") or [])
+            remote = ranges + [
+                f"{peer['networkInterfaces'][0]['networkIP']}/32"
+                for peer in peers
+                if tags & _tags(peer) or accounts & _service_accounts(peer)
+            ]
+            if not (ranges or tags or accounts):
+                remote = ["0.0.0.0/0"]
+        else:
+            remote = list(rule.get("destinationRanges") or ["0.0.0.0/0"])
+        for kind, allow in (("allowed", True), ("denied", False)):
+            if rule.get(kind):
+                protocols = tuple((entry["IPProtocol"], tuple(entry.get("ports") or ())) for entry in rule[kind])
+                priority = int(rule.get("priority", 1000))
+                applied.append(vpc.FirewallRule(priority, allow, ingress, tuple(remote), protocols))
+    return applied
+
+
 def _is_tpu(instance: dict[str, Any]) -> bool:
     return instance["machineType"].rsplit("/", 1)[-1] in TPU_MACHINE_TYPES
 
@@ -428,6 +508,13 @@ class ComputeEmulator:
 
     Usable as a context manager or via :meth:`start` / :meth:`stop`. All public methods are
     thread-safe.
+
+    :param local_slice_vms: None (the default): a slice's MIG makes its topology's VM count, as Compute does. A
+        number N: a declared local stand-in difference, for CPU cost — a local slice is N local VMs standing for
+        the topology's VM count. The MIG's insert is checked as Compute checks it (``targetSize`` the topology's VM
+        count from the accelerator table, or 0), but the MIG makes only N VMs (at most the topology's count),
+        worker ids 0..N-1, and reports N as its ``targetSize`` and in its statuses, so that a client reads the
+        slice as whole once they run; a reservation counts the N VMs made.
     """
 
     def __init__(
@@ -437,7 +524,11 @@ class ComputeEmulator:
         instance_ip: str = "127.0.0.1",
         max_run_duration_scale: float = 1.0,
         fleet: LocalFleet | None = None,
+        local_slice_vms: int | None = None,
     ):
+        if local_slice_vms is not None and local_slice_vms < 1:
+            raise ValueError(f"local_slice_vms must be at least 1 (or None), not {local_slice_vms}")
+        self.local_slice_vms = local_slice_vms
         self._port = port
         self._instance_ip = instance_ip
         self.fleet = fleet
@@ -911,6 +1002,28 @@ class ComputeEmulator:
                 else:
                     self._remove_instance(key)
         self._advance_groups(now)
+        self._sync_firewalls()
+
+    def _sync_firewalls(self) -> None:
+        """Each local VM's firewall with the other VMs of its network, as its rules make it now (lock held).
+
+        Done at each ``_advance`` (every request, and every operation started: an inserted instance has its
+        firewall before it boots); the fleet loads a VM's ruleset only when it changed. Rules apply to running VMs
+        as they change, as on Google Cloud."""
+        set_firewall = getattr(self.fleet, "set_firewall", None)  # None: no fleet, or one with no network (a double)
+        if set_firewall is None:
+            return
+        networks: dict[tuple[str, str], list[tuple[tuple[str, str, str], dict[str, Any]]]] = {}
+        for key, instance in self._instances.items():
+            networks.setdefault((key[0], _network_name(instance)), []).append((key, instance))
+        for (project, network), members in networks.items():
+            rules = [rule for (owner, _), rule in self._firewalls.items() if owner == project]
+            if network == "default":
+                rules += DEFAULT_NETWORK_RULES
+            for key, instance in members:
+                peers = [peer for other, peer in members if other != key]
+                addresses = [peer["networkInterfaces"][0]["networkIP"] for peer in peers]
+                set_firewall(key, vpc.firewall_ruleset(addresses, _firewall_rules(rules, instance, peers)))
 
     def _fail_pending_insert(self, instance: dict[str, Any]) -> None:
         """End the unfinished insert of ``instance``, deleted before it was created, with an error.
@@ -1758,7 +1871,10 @@ class ComputeEmulator:
             path = _resource_path(project, zone, "instanceGroupManagers", name)
             if (project, zone, name) in self._groups:
                 raise _already_exists(path)
-            names = _member_names(body["baseInstanceName"], int(body["targetSize"]))
+            size = int(body["targetSize"])
+            if topology and size and self.local_slice_vms is not None:  # the local stand-in's N VMs (see __init__)
+                size = min(size, self.local_slice_vms)
+            names = _member_names(body["baseInstanceName"], size)
             # Each VM of a slice learns its worker id from its metadata. Which key Google sets on a MIG's TPU VMs is
             # not documented: JAX reads `agent-worker-number` (Cloud TPU API VMs); a public report of MIG-made TPU7x
             # VMs shows `worker-id` (issue 31's research, §1.3). This emulator sets `worker-id` only, the key seen
@@ -1778,6 +1894,7 @@ class ComputeEmulator:
                 "creationTimestamp": _timestamp(time.time()),
                 "fingerprint": secrets.token_urlsafe(8),
             }
+            group["targetSize"] = size
             managed = _ManagedGroup(
                 group,
                 template,
@@ -2202,11 +2319,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8930)
     parser.add_argument("--operation-seconds", type=float, default=0.2)
     parser.add_argument("--instance-ip", default="127.0.0.1")
+    parser.add_argument(
+        "--local-slice-vms", type=int, default=None, metavar="N",
+        help="a slice's MIG makes N VMs standing for its topology's VM count (a local stand-in difference: CPU cost)",
+    )
     args = parser.parse_args(argv)
     stop_requested = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop_requested.set())
-    with ComputeEmulator(args.port, args.operation_seconds, args.instance_ip) as emulator:
+    with ComputeEmulator(
+        args.port, args.operation_seconds, args.instance_ip, local_slice_vms=args.local_slice_vms
+    ) as emulator:
         print(f"compute emulator listening on {emulator.url}", flush=True)
         stop_requested.wait()
 

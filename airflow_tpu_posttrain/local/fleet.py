@@ -1,7 +1,8 @@
 """The local machines behind the Compute emulator's instances: one :class:`LocalVm` per inserted instance.
 
 The emulator tells the fleet what Compute Engine would do to the machine: an address when the instance is
-inserted, a boot when it turns RUNNING (reading its ``ssh-keys``, ``enable-oslogin`` and ``enable-guest-attributes``
+inserted, its firewall with the other VMs from then on (the VPC's rules, ``vpc.firewall_ruleset``), a boot when it
+turns RUNNING (reading its ``ssh-keys``, ``enable-oslogin`` and ``enable-guest-attributes``
 metadata), the
 end of everything when it is deleted or stops. The fleet never outlives what it was told: a deleted instance's
 processes and disk are gone, as on Google Cloud.
@@ -63,6 +64,7 @@ class LocalFleet:
         self.port = port
         self._addresses: dict[InstanceKey, str] = {}
         self._vms: dict[InstanceKey, LocalVm] = {}
+        self._firewalls: dict[InstanceKey, str] = {}  # the firewall ruleset each address's namespace holds
         self._endings: list[tuple[str, threading.Thread]] = []  # (VM name, the thread ending it)
         self.end_errors: dict[str, str] = {}
         """VM name -> what its end raised (its processes outlived the kill, its disk could not be deleted)."""
@@ -76,6 +78,17 @@ class LocalFleet:
         with self._lock:
             self._addresses[key] = address
         return address
+
+    def set_firewall(self, key: InstanceKey, ruleset: str) -> None:
+        """The firewall of the instance's machine with the other VMs (``vpc.firewall_ruleset``), from its insert on.
+
+        Loaded only when it changed; nothing for an instance without an address (deleted meanwhile)."""
+        with self._lock:
+            address = self._addresses.get(key)
+            if address is None or self._firewalls.get(key) == ruleset:
+                return
+            if vpc.apply_firewall(address, ruleset):
+                self._firewalls[key] = ruleset
 
     def boot(
         self,
@@ -112,6 +125,7 @@ class LocalFleet:
                 hosts=self.vm_hosts,
                 ca_bundle=self.vm_ca_bundle,
                 egress=egress,
+                domain=f"{key[1]}.c.{key[0]}.internal",
             )
             self._vms[key] = vm
         vm.boot()
@@ -121,6 +135,7 @@ class LocalFleet:
         with self._lock:
             address = self._addresses.pop(key, None)
             vm = self._vms.pop(key, None)
+            self._firewalls.pop(key, None)
             if vm is None:
                 if address is not None:  # never booted: its address is free again
                     vpc.release_vm_address(address)

@@ -15,6 +15,10 @@ and the Hub's files. In ``local_dir``, kept: the tiny model
 and the client key; the package cache the VMs install MaxText from (standing in for a package mirror) is this
 machine's (``package_cache``).
 Stacks with different ``vm_dir`` can run side by side.
+
+A slice twin (a multi-host slice on CPU) is made in ``LOCAL_SLICE_ZONE`` on the reservation
+``LOCAL_SLICE_RESERVATION``, its region networked as the local entries' is; the emulator makes each slice of
+``LOCAL_SLICE_VMS`` local VMs, standing for the topology's VM count (a declared stand-in difference: CPU cost).
 """
 
 from __future__ import annotations
@@ -37,12 +41,22 @@ from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
+from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, SLICE_MACHINE_TYPE
 from airflow_tpu_posttrain.recipes.install import install_script
 from airflow_tpu_posttrain.recipes.models import LOCAL_HUB_SOURCES, MODELS, TINY_CHATS_REPO, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
 LOCAL_PROJECT = "local-project"
 LOCAL_REGION = "local-cpu1"  # the region of the local entries' zones (dags/models.yaml)
+# A slice twin's zone: a multi-host slice is ct6e-standard-4t VMs, which Compute (and its emulator) sells only in
+# v6e zones; and the reservation its VMs are bound to (bulk mode takes reservation-bound or flex-start VMs only),
+# which holds a whole v6e-16 (4 VMs) though the local slice makes LOCAL_SLICE_VMS of them.
+LOCAL_SLICE_ZONE = "us-east5-b"
+LOCAL_SLICE_REGION = LOCAL_SLICE_ZONE.rsplit("-", 1)[0]
+LOCAL_SLICE_RESERVATION = "local-slice-reservation"
+LOCAL_SLICE_RESERVATION_VMS = ACCELERATORS["v6e-16"].vms
+# A local slice is this many local VMs standing for its topology's VM count (a declared stand-in difference: CPU cost).
+LOCAL_SLICE_VMS = 2
 # The service account the local runs call Google's APIs as (its key in the Google connection and gcloud's
 # configuration), with the roles README's Google Cloud section grants.
 LOCAL_RUNNER = f"posttrain-runner@{LOCAL_PROJECT}.iam.gserviceaccount.com"
@@ -173,7 +187,9 @@ class LocalStack:
             package_cache=package_cache(),
             compile_cache=compile_cache(self.local_dir),
         )
-        self.compute = ComputeEmulator(operation_seconds=operation_seconds, fleet=self.fleet)
+        self.compute = ComputeEmulator(
+            operation_seconds=operation_seconds, fleet=self.fleet, local_slice_vms=LOCAL_SLICE_VMS
+        )
         self.gcs = GcsServer(
             self.vm_dir / "gcs",
             buckets=(LOCAL_BUCKET,),
@@ -222,9 +238,14 @@ class LocalStack:
         )
         self.google_key_file.chmod(0o600)
         # What README asks of a network whose VMs have no external IP (network_path internal or iap), done for the
-        # local entries' region: Private Google Access on its subnetwork and a Cloud NAT.
-        self.compute.add_subnetwork("default", LOCAL_REGION, private_google_access=True)
-        self.compute.add_router("posttrain-nat", LOCAL_REGION)
+        # local entries' region and the slice twins': Private Google Access on its subnetwork and a Cloud NAT.
+        for region in (LOCAL_REGION, LOCAL_SLICE_REGION):
+            self.compute.add_subnetwork("default", region, private_google_access=True)
+            self.compute.add_router("posttrain-nat", region)
+        self.compute.add_reservation(
+            LOCAL_SLICE_RESERVATION, LOCAL_SLICE_ZONE, LOCAL_SLICE_RESERVATION_VMS, machine_type=SLICE_MACHINE_TYPE,
+            project=LOCAL_PROJECT,
+        )
         self.hub.start()
         # The tiny models, gated as Gemma and Llama are, each under the repo id its model reads: the twins' under
         # the tutorials' ids (MaxText's converters look those up by model name).

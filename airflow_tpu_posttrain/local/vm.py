@@ -1,9 +1,10 @@
 """One local stand-in for a fresh Compute Engine VM: its own sshd, host keys, accounts, disk and processes.
 
-``LocalVm`` runs ``/usr/sbin/sshd`` on its VPC address inside a network, mount and pid namespace of its own
-(its network: ``local/vpc.py``). Its disk ``disk_dir`` holds ``etc/`` (its /etc/ssh: fresh host keys, sshd_config, the ssh-keys
-metadata, and a copy of this file as ``vm_agent.py``, its init and keys command, run by the image's
-/usr/bin/python3 with the stdlib only), ``home/``, ``tmp/``, ``var-tmp/``, ``root/`` (its /home, /tmp,
+``LocalVm`` runs ``/usr/sbin/sshd`` on its VPC address inside a network, mount, pid and UTS namespace of its own
+(its network: ``local/vpc.py``). Its host name is its instance name, which resolves to its VPC address (its
+/etc/hosts), as a Compute Engine VM's does. Its disk ``disk_dir`` holds ``etc/`` (its /etc/ssh: fresh host keys,
+sshd_config, the ssh-keys metadata, and a copy of this file as ``vm_agent.py``, its init and keys command, run by
+the image's /usr/bin/python3 with the stdlib only), ``home/``, ``tmp/``, ``var-tmp/``, ``root/`` (its /home, /tmp,
 /var/tmp, /root) and ``console.log``. The rest of this machine (OS, /usr, the repository) is the shared
 boot image. ``destroy()`` kills every process of the VM (detached jobs die with the pid namespace).
 """
@@ -150,9 +151,9 @@ def oslogin_keys(url: str, user: str, now: datetime) -> list[str]:
     return keys
 
 
-def _init(mounts: list[list[str]], sshd_argv: list[str]) -> int:
-    """PID 1 of the VM: make its mounts, start sshd, reap orphans (a zombie looks alive) until sshd exits."""
-    for argv in mounts:
+def _init(setup: list[list[str]], sshd_argv: list[str]) -> int:
+    """PID 1 of the VM: its set-up (host name, mounts), then sshd; it reaps orphans (a zombie looks alive)."""
+    for argv in setup:
         subprocess.run(argv, check=True)
     sshd = subprocess.Popen(sshd_argv)
     while True:
@@ -281,10 +282,13 @@ class LocalVm:
         hosts: dict[str, str] | None = None,
         ca_bundle: Path | None = None,
         egress: Egress | None = None,
+        domain: str | None = None,
     ) -> None:
         from airflow_tpu_posttrain.local import vpc
 
         self.name = name
+        # Its internal DNS name's domain (``ZONE.c.PROJECT.internal``): /etc/hosts names it ``name.domain`` too.
+        self.domain = domain
         # What its network interface lets it reach (local/vpc.py), as Google's network would; None: the internet.
         self.egress = egress or vpc.Egress.INTERNET
         # Set in every session (sshd's SetEnv), as an image's /etc/environment would: the storage clients'
@@ -471,9 +475,20 @@ class LocalVm:
         if self.ca_bundle is not None:
             shutil.copy(self.ca_bundle, self._etc / Path(VM_CA_BUNDLE).name)
         extra = "".join(f"{address} {host}\n" for host, address in sorted(self.hosts.items()))
-        (self.disk_dir / "hosts").write_text(Path("/etc/hosts").read_text() + extra)
+        (self.disk_dir / "hosts").write_text(self._own_hosts_line() + Path("/etc/hosts").read_text() + extra)
         shutil.copy(__file__, self._etc / "vm_agent.py")
         self._write_config()
+
+    def _own_hosts_line(self) -> str:
+        """Its own name at its VPC address, first (it wins over this machine's lines for its own name).
+
+        On Compute Engine the guest environment writes ``IP NAME.ZONE.c.PROJECT.internal NAME  # Added by Google``
+        into /etc/hosts, the instance's internal DNS name being its host name
+        (cloud.google.com/compute/docs/instances/custom-hostname-vm, cloud.google.com/compute/docs/internal-dns).
+        Programs that bind or announce "this host's address" (gloo in JAX's CPU collectives) then get the VM's
+        internal IP, not a loopback one as this machine's name has."""
+        names = f"{self.name}.{self.domain} {self.name}" if self.domain else self.name
+        return f"{self.address} {names}  # Added by Google\n"
 
     def _write_config(self) -> None:
         env = {name: os.environ[name] for name in _VM_ENV if name in os.environ}
@@ -534,13 +549,14 @@ class LocalVm:
     def _start(self) -> bool:
         """Start ``unshare`` and learn its mount namespace; False if destroy() came first."""
         PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-        (self._etc / "mounts.json").write_text(json.dumps(self._mounts()))
+        # The init's set-up: its host name (in its own UTS namespace), then its mounts.
+        (self._etc / "mounts.json").write_text(json.dumps([["hostname", self.name], *self._mounts()]))
         from airflow_tpu_posttrain.local import vpc
 
         vpc.connect_vm(self.address, self.egress)
         argv = [
             "nsenter", f"--net=/run/netns/{vpc.namespace_of(self.address)}",
-            "unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--mount-proc",
+            "unshare", "--mount", "--pid", "--uts", "--fork", "--propagation", "private", "--mount-proc",
             IMAGE_PYTHON, "-I", str(self._etc / "vm_agent.py"), "init", str(self._etc / "mounts.json"),
             SSHD, "-D", "-e", "-f", f"{VM_SSH_DIR}/sshd_config",
         ]  # fmt: skip
@@ -602,7 +618,7 @@ def _main(argv: list[str]) -> int:
         print("\n".join(oslogin_keys(argv[1], argv[2], datetime.now(UTC))))
         return 0
     raise SystemExit(
-        "usage: vm_agent.py init MOUNTS_JSON_FILE SSHD_ARGV... | keys KEYS_FILE USER | oslogin-keys URL USER"
+        "usage: vm_agent.py init SETUP_JSON_FILE SSHD_ARGV... | keys KEYS_FILE USER | oslogin-keys URL USER"
     )
 
 

@@ -19,21 +19,32 @@ neither it reaches only the VPC and its metadata server. What it may not reach h
 a connection fails at once with "Network is unreachable" where Google's network drops the packets and the
 client times out — the same failure, sooner. The choice is made at boot: a NAT or Private Google Access changed
 while a VM runs applies to the VMs booted after it.
+
+Between VMs, the VPC's firewall rules decide, as Google's do (cloud.google.com/firewall/docs/firewalls: "implied
+deny ingress", "implied allow egress", rules in priority order, a deny over an allow of the same priority,
+stateful): each VM's namespace holds an nftables table (:func:`firewall_ruleset`, applied by
+:func:`apply_firewall`) that filters what it receives from, and sends to, the other VMs' addresses. Its rules are
+the Compute emulator's, kept current as rules and instances come and go. A VM of another VPC network is not
+reached at all (no route between networks without peering). Traffic with this machine's end of the VPC (the
+metadata server, Airflow's SSH, the IAP stand-in) is not filtered here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import fcntl
+import ipaddress
 import random
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 BRIDGE = "tpuvpc0"
 VPC_PREFIX = "10.77"
+VPC_RANGE = f"{VPC_PREFIX}.0.0/16"
 GATEWAY = f"{VPC_PREFIX}.0.1"
 GOOGLE_APIS_RANGE = "10.199.0.0/16"
 INTERNET_RANGE = "10.203.0.0/16"
@@ -43,6 +54,10 @@ MTU = 1400  # below this machine's own uplink's, so a masqueraded connection nev
 _NAMESPACE_PREFIX = "tpuvm-"
 _SETUP_LOCK = Path("/run/tpu-posttrain-vpc.lock")
 _NFT_TABLE = "tpu_posttrain_vpc"
+_FIREWALL_TABLE = "tpu_posttrain_firewall"  # in each VM's namespace
+# IP protocol numbers of the names a firewall rule's IPProtocol may take (the v1 reference, Firewall.allowed[]).
+_PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "icmp": 1, "esp": 50, "ah": 51, "sctp": 132, "ipip": 4}
+_PORT_PROTOCOLS = (6, 17, 132)  # those whose rules may name ports
 
 
 class Egress(enum.Enum):
@@ -151,6 +166,118 @@ def connect_vm(address: str, egress: Egress) -> None:
     elif egress is Egress.INTERNET:
         commands.append(f"route add default via {GATEWAY}")
     _checked(_ip("-n", namespace, "-batch", "-", stdin="\n".join(commands) + "\n"), f"configuring {address}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FirewallRule:
+    """One VPC firewall rule as it applies to a VM's traffic with the other VMs of its network.
+
+    ``remote``: the other side's CIDRs (an ingress rule's sources, an egress rule's destinations);
+    ``protocols``: its allowed or denied entries, ``(IPProtocol, ports)`` (ports like ``22`` or ``1000-2000``; none:
+    every port)."""
+
+    priority: int
+    allow: bool
+    ingress: bool
+    remote: tuple[str, ...]
+    protocols: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _address_match(direction: str, cidrs: Iterable[str]) -> str | None:
+    """The nft match of ``cidrs`` ("" for any address; None when none is an IPv4 range: the rule matches nothing)."""
+    networks = [network for cidr in cidrs if (network := ipaddress.ip_network(cidr, strict=False)).version == 4]
+    collapsed = list(ipaddress.collapse_addresses(networks))
+    if not collapsed:
+        return None
+    if collapsed == [ipaddress.ip_network("0.0.0.0/0")]:
+        return ""
+    return f"ip {direction} {{ {', '.join(map(str, collapsed))} }} "
+
+
+def _protocol_matches(protocols: Iterable[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """One nft match per allowed or denied entry ("" for ``all``); an entry of an unknown protocol matches nothing."""
+    matches = []
+    for protocol, ports in protocols:
+        name = protocol.lower()
+        if name == "all":
+            matches.append("")
+            continue
+        number = int(name) if name.isdigit() else _PROTOCOL_NUMBERS.get(name)
+        if number is None:
+            continue
+        if ports and number in _PORT_PROTOCOLS:
+            spans = sorted((int(low), int(high or low)) for low, _, high in (port.partition("-") for port in ports))
+            merged: list[list[int]] = []
+            for low, high in spans:  # nft refuses overlapping elements in one set
+                if merged and low <= merged[-1][1] + 1:
+                    merged[-1][1] = max(merged[-1][1], high)
+                else:
+                    merged.append([low, high])
+            listed = ", ".join(f"{low}-{high}" if high > low else str(low) for low, high in merged)
+            matches.append(f"meta l4proto {number} th dport {{ {listed} }} ")
+        else:
+            matches.append(f"meta l4proto {number} ")
+    return matches
+
+
+def firewall_ruleset(peers: Iterable[str], rules: Sequence[FirewallRule]) -> str:
+    """The nft script of a VM's firewall with the other VMs: ``peers``, the addresses of its network's VMs.
+
+    Cloud VPC firewall semantics (cloud.google.com/firewall/docs/firewalls): the rules in priority order, a deny
+    before an allow of the same priority, the first that matches decides; none: the implied deny ingress and
+    allow egress. Stateful: a connection's replies pass. A VM of another network never reaches this one. Only
+    traffic with the VPC's other addresses is filtered (not this machine's end, ``GATEWAY``, nor loopback)."""
+    members = sorted(set(peers), key=ipaddress.ip_address)
+    elements = f" elements = {{ {', '.join(members)} }}" if members else ""
+    chains = {True: [], False: []}  # ingress, egress
+    for rule in sorted(rules, key=lambda rule: (rule.priority, rule.allow)):
+        remote = _address_match("saddr" if rule.ingress else "daddr", rule.remote)
+        if remote is None:
+            continue
+        verdict = "accept" if rule.allow else "drop"
+        chains[rule.ingress] += [f"    {remote}{match}{verdict}" for match in _protocol_matches(rule.protocols)]
+    lines = [
+        f"table inet {_FIREWALL_TABLE}",
+        f"delete table inet {_FIREWALL_TABLE}",  # the new script replaces the old one in one transaction
+        f"table inet {_FIREWALL_TABLE} {{",
+        f"  set peers {{ type ipv4_addr;{elements} }}",
+        "  chain ingress {",
+        "    type filter hook input priority filter; policy accept;",
+        '    iifname "lo" accept',
+        "    meta nfproto ipv6 drop",  # the VPC is IPv4 only: no VM reaches another by a link-local address
+        f"    ip saddr != {VPC_RANGE} accept",
+        f"    ip saddr {GATEWAY} accept",
+        "    ct state established,related accept",
+        "    ip saddr != @peers drop",
+        *chains[True],
+        "    drop",  # the implied deny ingress
+        "  }",
+        "  chain egress {",
+        "    type filter hook output priority filter; policy accept;",  # the implied allow egress
+        '    oifname "lo" accept',
+        f"    ip daddr != {VPC_RANGE} accept",
+        f"    ip daddr {GATEWAY} accept",
+        "    ct state established,related accept",
+        *chains[False],
+        "  }",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def apply_firewall(address: str, ruleset: str) -> bool:
+    """Load ``ruleset`` (:func:`firewall_ruleset`) into the namespace of ``address``; False if it is gone."""
+    namespace = Path("/run/netns") / namespace_of(address)
+    if not namespace.exists():
+        return False
+    result = subprocess.run(
+        ["nsenter", f"--net={namespace}", "nft", "-f", "-"], input=ruleset, capture_output=True, text=True,
+        check=False,
+    )
+    if result.returncode and not namespace.exists():  # released meanwhile
+        return False
+    _checked(result, f"the firewall of {address}")
+    return True
 
 
 def service_address(service_range: str, port: int) -> str:

@@ -447,6 +447,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         peers = [
             {
                 "worker_id": int(worker["worker_id"]),
+                "name": worker["name"],
                 "remote_host": worker["ssh_address"],
                 "login": self.ssh_login or worker.get("ssh_login"),
                 "host_keys": worker["host_keys"],

@@ -56,6 +56,17 @@ class Lost:
         return f"VM {self.name} {what} (preempted, a host error or deleted{ran})"
 
 
+class LostSlice(Lost):
+    """A multi-host slice that lost a VM: what its group says (a slice is trained on whole or not at all)."""
+
+    def __init__(self, name: str, zone: str | None, detail: str) -> None:
+        super().__init__(name, zone, None)
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"Slice {self.name} in {self.zone} lost a VM ({self.detail})"
+
+
 def create_task_id(task: Any) -> str | None:
     """The create task a step's ``vm`` is wired to (``vm=create.output``).
 
@@ -109,25 +120,40 @@ class VmRecoveryMixin:
     def vm_lost(self, context: Context) -> Lost | None:
         """The loss, when Compute says the VM is gone; None while it lives (or when no create task is named)."""
         record = self._vm_record(context)
-        if not record or not record.get("name") or record.get("slice"):
-            return None  # a slice's VMs are watched by its job (SliceJobTrigger): a lost worker fails the job
+        if not record or not record.get("name"):
+            return None
+        if record.get("slice"):
+            return self._slice_lost(context, record)
         zone, instance = self._find_vm(context)
         if instance is not None and instance.get("status") not in DEAD_STATES:
             return None
         return Lost(record["name"], zone, instance)
+
+    def _slice_lost(self, context: Context, record: dict) -> LostSlice | None:
+        """The loss, when the slice's group says a VM of it is gone or stopped (or the group itself is gone)."""
+        from airflow_tpu_posttrain.recipes import slices
+
+        hook, project = self._compute(context)
+        group = hook.get_instance_group(project, record["zone"], record["slice"]["group"])
+        if group is None:
+            return LostSlice(record["name"], record["zone"], "its instance group no longer exists")
+        state = slices.slice_state(group)
+        if state.state in (slices.WHOLE, slices.CREATING):
+            return None
+        return LostSlice(record["name"], record["zone"], state.detail or state.state)
 
     def vm_watch(self, context: Context) -> dict | None:
         """What the job trigger needs to ask Compute whether the VM is gone (None: no create task to ask about)."""
         if not self._creator(context):
             return None
         record = self._recovered(context) or self._vm_record(context)
-        if not record or not record.get("zone") or record.get("slice"):
+        if not record or not record.get("zone"):
             return None
         creator = self._create_task(context)
         return {
             "project": (self._vm_record(context) or {}).get("project") or creator.project,
             "zone": record["zone"],
-            "name": record["name"],
+            "name": record["vms"][0]["name"] if record.get("vms") else record["name"],  # a slice's worker 0
             "gcp_conn_id": creator.gcp_conn_id,
             "api_endpoint": creator.api_endpoint,
             "impersonation_chain": creator.impersonation_chain,
@@ -136,7 +162,7 @@ class VmRecoveryMixin:
     # -- using the VM a recovery made ----------------------------------------------------------------
     def _recovered(self, context: Context) -> dict | None:
         vm = context["ti"].xcom_pull(task_ids=self.task_id, key=RECOVERED_VM)
-        return vm if vm and vm.get("host_keys") else None
+        return vm if vm and (vm.get("host_keys") or vm.get("vms")) else None
 
     def adopt_recovered_vm(self, context: Context) -> None:
         """After a recovery (in this try), the steps' templates still name the lost VM: use the new one."""
@@ -187,6 +213,9 @@ class VmRecoveryMixin:
 
     @staticmethod
     def _point_at(task: Any, vm: dict) -> None:
+        if vm.get("vms"):  # a slice made again: every VM of it, and worker 0's connection
+            task.vm = vm
+            vm = vm["vms"][0]
         task.remote_host = vm["ssh_address"]
         task.host_keys = vm["host_keys"]
         task.ssh_login = vm.get("ssh_login") or task.ssh_login
@@ -265,7 +294,7 @@ class VmRecoveryMixin:
                 trigger=deferred.trigger, method_name="recovery_complete", timeout=deferred.timeout
             ) from None
         if phase == "create":
-            vm = {key: result.get(key) for key in VM_FIELDS}
+            vm = result if result.get("vms") else {key: result.get(key) for key in VM_FIELDS}
             context["ti"].xcom_push(key=RECOVERED_VM, value=vm)
             self.log.info("Recovered VM %s is ready in %s; installing MaxText on it", vm["name"], vm["zone"])
             return self._delegate(context, "install", "execute", None)

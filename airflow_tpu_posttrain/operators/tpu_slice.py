@@ -93,6 +93,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         *ComputeOperator.connection_template_fields,
     )
     ui_color = "#d5e8f7"
+    record_xcom_key = "return_value"  # a recovery (run inside the training task) records under its own key
     oslogin_user = None  # the template's ssh-keys let the connection in (``VmLoginMixin``)
 
     def __init__(
@@ -197,7 +198,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
             "slice": {"group": names.group, "template": names.template, "policy": names.policy},
             **more,
         }
-        context["ti"].xcom_push(key="return_value", value=record)
+        context["ti"].xcom_push(key=self.record_xcom_key, value=record)
         return record
 
     def execute(self, context: Context) -> None:

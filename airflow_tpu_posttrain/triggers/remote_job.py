@@ -141,12 +141,14 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
                 raise _VmGone(f"{VM_LOST}: {lost}") from None
             raise
 
-    async def _vm_lost(self) -> str | None:
-        """What Compute says of the VM when it is gone (absent, or in a stopped state).
+    async def _vm_lost(self, name: str | None = None) -> str | None:
+        """What Compute says of the VM (or of the VM ``name`` in the same zone) when it is gone.
 
-        None while it lives or when Compute cannot be asked (the SSH reconnects go on)."""
+        Gone: absent, or in a stopped state. None while it lives or when Compute cannot be asked (the SSH
+        reconnects go on)."""
         if not self.vm:
             return None
+        name = name or self.vm["name"]
         from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
         from airflow_tpu_posttrain.recipes.compute import DEAD_STATES
 
@@ -156,14 +158,14 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
             impersonation_chain=self.vm.get("impersonation_chain"),
         )
         try:
-            instance = await hook.get_instance(self.vm["project"], self.vm["zone"], self.vm["name"])
+            instance = await hook.get_instance(self.vm["project"], self.vm["zone"], name)
         except Exception as err:  # noqa: BLE001 - an unanswered question keeps the reconnects going
-            self.log.warning("Could not ask Compute about %s: %s", self.vm["name"], err)
+            self.log.warning("Could not ask Compute about %s: %s", name, err)
             return None
         if instance is None:
-            return f"{self.vm['name']} no longer exists in {self.vm['zone']}"
+            return f"{name} no longer exists in {self.vm['zone']}"
         if instance.get("status") in DEAD_STATES:
-            return f"{self.vm['name']} is {instance['status']} in {self.vm['zone']}"
+            return f"{name} is {instance['status']} in {self.vm['zone']}"
         return None
 
     async def _read_log_chunk(self, conn: SSHClientConnection) -> tuple[str, int]:

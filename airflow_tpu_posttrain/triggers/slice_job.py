@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.hooks.vm import VmHookAsync
 from airflow_tpu_posttrain.recipes import remote_job
-from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
+from airflow_tpu_posttrain.triggers.remote_job import VM_LOST, MaxTextJobTrigger, _VmGone
 
 if TYPE_CHECKING:
     from airflow.triggers.base import TriggerEvent
@@ -27,8 +27,9 @@ class SliceJobTrigger(MaxTextJobTrigger):
     carries ``workers``: ``{worker id: {"exit_code", "tail"}}`` (the end of each worker's log) and
     ``failed_worker``.
 
-    :param peers: the other workers: ``[{"worker_id", "remote_host", "login", "host_keys"}]``; each is asked over
-        a connection of its own, pinned to its host keys.
+    :param peers: the other workers: ``[{"worker_id", "name", "remote_host", "login", "host_keys"}]``; each is
+        asked over a connection of its own, pinned to its host keys. When one cannot be reached and Compute says
+        its VM (``name``, in ``vm``'s zone) is gone, the watch ends at once with the error ``VM_LOST``.
     """
 
     def __init__(self, *args: Any, peers: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
@@ -57,11 +58,17 @@ class SliceJobTrigger(MaxTextJobTrigger):
         )
 
     async def _on_peer(self, peer: dict[str, Any], command: str) -> str:
-        conn = await self._peer_hook(peer).get_conn()
         try:
-            _, stdout, _ = await self._run_command(conn, command)
-        finally:
-            await self._close(conn)
+            conn = await self._peer_hook(peer).get_conn()
+            try:
+                _, stdout, _ = await self._run_command(conn, command)
+            finally:
+                await self._close(conn)
+        except Exception:
+            lost = await self._vm_lost(peer.get("name")) if peer.get("name") else None
+            if lost:
+                raise _VmGone(f"{VM_LOST}: worker {peer['worker_id']}: {lost}") from None
+            raise
         return stdout
 
     async def _check_completion(self, conn: SSHClientConnection) -> int | None:

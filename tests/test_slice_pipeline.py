@@ -1,0 +1,181 @@
+"""The SFT twin on a local multi-host slice, end to end in real Airflow (dag.test) against the local stack.
+
+A v6e-16 slice (its create and teardown exactly the cloud entry's) whose VMs are 2 local machines standing for its 4
+(the emulator's ``local_slice_vms``, docs/local-stand-ins.md): the same MaxText command on both, each one JAX
+process, joined through MaxText's CPU path (``jax.distributed``). Slow: real MaxText on CPU, twice at once."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import threading
+import time
+
+from conftest import REPO, storage_objects
+from test_pipeline_local import SFT_TWIN, WORKDIR, assert_succeeded, before_vm_end, run_pipeline, states, xcom
+
+from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
+
+SLICE_DAG = f"posttrain_sft__{SFT_TWIN}__slice"
+STEPS = 5  # the local entries' SFT steps
+# Each process holds its own rows of the global batch without packing: the rows one process with both would hold.
+SAME_BATCHES = "packing=false"
+LOSS_TOLERANCE = 2e-3  # bfloat16 activations: the same batch on 2 devices of 2 processes or on 1 sums in another order
+_LOSS = re.compile(r"completed step: (\d+), .*? loss: ([0-9.]+)")
+_COMPLETED = re.compile(rb"completed step: (\d+),")
+_RESTORED = re.compile(rb"Restored params from step: (\d+)")
+
+
+def _single_process_losses(tmp_path) -> dict[int, float]:
+    """The twin's SFT steps in ONE process on this machine, with the slice's global batch (2 rows per step).
+
+    Built by the same builders from the same tiny model, on the same MaxText release's venv (local/stack.py's
+    ``maxtext-venv-0.2.2``): converted here, then trained with ``per_device_batch_size=2``."""
+    from airflow_tpu_posttrain.recipes import maxtext
+    from airflow_tpu_posttrain.recipes.accelerators import accelerator
+    from airflow_tpu_posttrain.recipes.layout import RunLayout
+    from airflow_tpu_posttrain.recipes.models import local_profile, model_profile
+    from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
+
+    local = REPO / ".local"
+    model = local_profile(model_profile(SFT_TWIN), str(local / "tiny"))
+    spec = maxtext.RunSpec(
+        model=model,
+        accelerator=accelerator("cpu"),
+        runtime=cpu_runtime(str(local / "vm-launchers"), str(local / f"maxtext-venv-{model.maxtext_version}")),
+        layout=RunLayout(SFT_TWIN, "single-process", str(tmp_path)),
+    )
+    # The local Hub holds the twin under the tutorial's repo id; here the converter reads the same files from disk.
+    convert = maxtext.to_maxtext(spec).script().replace("\nexec ", "\nexec env HF_HUB_OFFLINE=1 ", 1)
+    convert = convert.rstrip("\n") + f" --hf_model_path={local / 'tiny' / 'tiny-gemma3'}\n"
+    train = maxtext.train_sft(spec, steps=STEPS, per_device_batch_size=2, overrides=[SAME_BATCHES])
+    train_script = train.script().replace(spec.layout.base_model_files_dir, str(local / "tiny" / "tiny-gemma3"))
+    said = ""
+    for script in (convert, train_script):
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        said = done.stdout + done.stderr
+        assert done.returncode == 0, said[-3000:]
+    return {int(step): float(loss) for step, loss in _LOSS.findall(said)}
+
+
+def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
+    """Made together, trained by one JAX process per VM, published, deleted whole.
+
+    The loss of each step is a single process's on the same batches."""
+    with before_vm_end(stack, lambda vm: None) as ends:
+        dr = run_pipeline(SLICE_DAG, {"storage_uri": str(stack.published_dir), "overrides": SAME_BATCHES})
+        logs = "".join(capfd.readouterr())
+        assert_succeeded(dr, logs)
+        made = xcom(dr, "create_tpu_vm")
+        ends.wait_gone([vm["name"] for vm in made["vms"]] + [xcom(dr, "create_cpu_vm")["name"]])
+    assert made["accelerator_type"] == "v6e-16" and made["machine_type"] == "ct6e-standard-4t"
+    assert [vm["worker_id"] for vm in made["vms"]] == [0, 1]
+    # One program over both VMs: MaxText's mesh spans the two processes' devices, gloo joined worker 0 to its peer.
+    assert "Num_devices: 2" in logs and "Rank 0 is connected to 1 peer ranks" in logs
+    trained = xcom(dr, "train")
+    assert trained["metrics"]["steps_completed"] == STEPS
+    run = trained["run_name"]
+    objects = storage_objects(LOCAL_CHECKPOINT_STORAGE)
+    # Each process wrote its part of the final checkpoint to the shared storage; process 0 committed it.
+    assert f"post-train/{run}/checkpoints/{STEPS}/commit_success.txt" in objects
+    for process in (0, 1):
+        assert any(f"checkpoints/{STEPS}/model_params/ocdbt.process_{process}/" in o for o in objects), process
+    assert f"exports/{run}/model.safetensors" in objects
+    deleted = xcom(dr, "delete_tpu_vm")
+    assert (deleted["deleted"], deleted["vms"]) == (True, 2)
+    assert stack.compute.instances() == []
+
+    on_slice = dict(trained["metrics"]["loss_curve"])
+    alone = _single_process_losses(tmp_path)
+    assert sorted(on_slice) == sorted(alone) == list(range(1, STEPS + 1)), (on_slice, alone)
+    assert all(abs(on_slice[step] - alone[step]) <= LOSS_TOLERANCE for step in alone), (on_slice, alone)
+
+
+class _SliceBreaker(threading.Thread):
+    """Preempts worker 1 of the slice once worker 0's train job has logged step ``at_step``."""
+
+    def __init__(self, stack, at_step: int) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.at_step = stack, at_step
+        self.stop = threading.Event()
+        self.lost: str | None = None
+        self.logs: dict[str, bytes] = {}  # "lost" (worker 0's log then) / "recovered" (the new worker 0's)
+        self.error: BaseException | None = None
+
+    def _train_log(self, vm) -> bytes:
+        with contextlib.suppress(Exception):  # not booted yet, or ending
+            for job in vm.guest_path(f"{WORKDIR}/jobs").glob("train-*"):
+                if job.is_dir():
+                    return (job / "stdout.log").read_bytes()
+        return b""
+
+    def _workers(self) -> dict[str, object]:
+        """The slice's local VMs by instance name, worker 0's first (the group names them base-001, base-002)."""
+        return {vm.name: vm for vm in sorted(self.stack.vms(), key=lambda vm: vm.name) if vm.name.startswith("tpu-")}
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(0.1):
+                workers = self._workers()
+                if self.lost is None:
+                    for vm in list(workers.values())[:1]:
+                        log = self._train_log(vm)
+                        if any(int(s) >= self.at_step for s in _COMPLETED.findall(log)):
+                            self.logs["lost"] = log
+                            victim = list(workers)[1]
+                            [instance] = [i for i in self.stack.compute.instances() if i["name"] == victim]
+                            self.stack.compute.preempt(instance["zone"].rsplit("/", 1)[-1], victim)
+                            self.lost = victim
+                else:
+                    for vm in list(workers.values())[:1]:
+                        log = self._train_log(vm)
+                        if _RESTORED.search(log):
+                            self.logs["recovered"] = log
+        except BaseException as err:  # reported by the test
+            self.error = err
+
+
+def test_a_slice_that_loses_a_vm_mid_training_is_made_again_and_resumes(stack, capfd, tmp_path, fault_matrix):
+    breaker = _SliceBreaker(stack, at_step=3)
+    groups_before = sum(
+        1 for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
+    )
+    capfd.readouterr()
+    breaker.start()
+    try:
+        dr = run_pipeline(SLICE_DAG, {"force": True})
+    finally:
+        breaker.stop.set()
+        breaker.join(10)
+    logs = "".join(capfd.readouterr())
+    (tmp_path / "run.log").write_text(logs)
+    assert breaker.error is None, breaker.error
+    assert breaker.lost, "no VM of the slice was lost (training ended first?)"
+    assert_succeeded(dr, logs)
+    [train] = [ti for ti in dr.get_task_instances() if ti.task_id == "train"]
+    assert train.try_number == 1, "the recovery is part of the try the loss interrupted"
+    assert re.search(r"Recovery 1/\d+: Slice tpu-\S+ in us-east5-b lost a VM", logs), logs[-5000:]
+    # The slice was made again whole: a second group inserted under the same name, MaxText on both new VMs.
+    groups = [
+        r["body"] for r in stack.compute.requests
+        if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
+    ][groups_before:]
+    assert len(groups) == 2 and groups[0]["name"] == groups[1]["name"]
+    # Training resumed from a checkpoint the broken slice committed to storage.
+    lost_steps = [int(s) for s in _COMPLETED.findall(breaker.logs["lost"])]
+    restored = [int(s) for s in _RESTORED.findall(breaker.logs.get("recovered", b""))]
+    assert restored and 2 <= restored[0] <= max(lost_steps), (restored, lost_steps)
+    metrics = xcom(dr, "train")["metrics"]
+    assert metrics["resumed_from_step"] == restored[0] and metrics["steps_completed"] == STEPS
+    # Nothing of either slice is left: no VM, group, template or workload policy.
+    deadline = time.monotonic() + 120
+    while stack.compute.instances() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert stack.compute.instances() == []
+    assert states(dr)["delete_tpu_vm"] == "success"
+    fault_matrix.record(
+        "Slice: one VM of a v6e-16 slice preempted mid-training -> the slice is made again, training resumes",
+        True, dr.state, True,
+        f"resumed from step {restored[0]} of {max(lost_steps)} done; {len(groups)} groups made, none left",
+    )
