@@ -20,7 +20,7 @@ from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 SLICE_DAG = f"posttrain_sft__{SFT_TWIN}__slice"
 STEPS = 5  # the local entries' SFT steps
 # Each process holds its own rows of the global batch without packing: the rows one process with both would hold.
-SAME_BATCHES = "packing=false"
+SAME_BATCHES = "packing=false"  # a MaxText override (the overrides Param is a list of them)
 LOSS_TOLERANCE = 2e-3  # bfloat16 activations: the same batch on 2 devices of 2 processes or on 1 sums in another order
 _LOSS = re.compile(r"completed step: (\d+), .*? loss: ([0-9.]+)")
 _COMPLETED = re.compile(rb"completed step: (\d+),")
@@ -64,7 +64,7 @@ def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
 
     The loss of each step is a single process's on the same batches."""
     with before_vm_end(stack, lambda vm: None) as ends:
-        dr = run_pipeline(SLICE_DAG, {"storage_uri": str(stack.published_dir), "overrides": SAME_BATCHES})
+        dr = run_pipeline(SLICE_DAG, {"storage_uri": str(stack.published_dir), "overrides": [SAME_BATCHES]})
         logs = "".join(capfd.readouterr())
         assert_succeeded(dr, logs)
         made = xcom(dr, "create_tpu_vm")
