@@ -235,3 +235,27 @@ def test_stacks_started_at_once_share_one_matching_certificate_and_key(tmp_path)
     cert, key, bundle = google_storage_tls(tls_dir)
     ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)  # raises on a mismatch
     ssl.create_default_context(cafile=str(bundle))
+
+
+def test_a_half_written_checkpoint_step_is_dropped_before_a_resume_and_committed_ones_kept(env):
+    """Orbax on GCS writes a step in place and its commit marker last.
+
+    A trainer killed while saving step 4 leaves ``checkpoints/4/...`` without the marker, and the resumed trainer
+    would stop on it (FileExistsError)."""
+    from google.cloud import storage as gcs_client
+
+    bucket = gcs_client.Client().bucket(BUCKET)
+    run = "post-train/run-2/checkpoints"
+    for name in ("2/commit_success.txt", "2/model_params/d/0", "4/model_params/d/0", "4/_CHECKPOINT_METADATA"):
+        bucket.blob(f"{run}/{name}").upload_from_string(b"x")
+    bucket.blob("post-train/run-2/checkpoints-elsewhere/4/x").upload_from_string(b"x")
+    command = storage.drop_uncommitted_command(f"gs://{BUCKET}/{run}", TOOL)
+    dropped = _bash(command, env)
+    assert dropped.returncode == 0, dropped.stderr
+    assert b"dropped the uncommitted checkpoint step(s) 4" in dropped.stdout
+    assert sorted(_objects("post-train/run-2/")) == [
+        "post-train/run-2/checkpoints-elsewhere/4/x", f"{run}/2/commit_success.txt", f"{run}/2/model_params/d/0",
+    ]
+    again = _bash(command, env)  # nothing left to drop: a no-op, as on the slice's other workers
+    assert again.returncode == 0 and again.stdout == b""
+    assert storage.drop_uncommitted_command("/dev/shm/run/checkpoints") is None  # a directory: orbax renames

@@ -6,7 +6,6 @@ process, joined through MaxText's CPU path (``jax.distributed``). Slow: real Max
 
 from __future__ import annotations
 
-import contextlib
 import re
 import subprocess
 import threading
@@ -93,7 +92,10 @@ def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
 
 
 class _SliceBreaker(threading.Thread):
-    """Preempts worker 1 of the slice once worker 0's train job has logged step ``at_step``."""
+    """Preempts worker 1 of the slice once worker 0's train job has logged step ``at_step``.
+
+    Worker ids are the instances' ``worker-id`` metadata (not their names' order). It looks twice a second, at
+    worker 0's log only: the VMs' processes share this machine's two CPUs with it."""
 
     def __init__(self, stack, at_step: int) -> None:
         super().__init__(daemon=True)
@@ -102,36 +104,45 @@ class _SliceBreaker(threading.Thread):
         self.lost: str | None = None
         self.logs: dict[str, bytes] = {}  # "lost" (worker 0's log then) / "recovered" (the new worker 0's)
         self.error: BaseException | None = None
+        self._roots: dict[str, object] = {}  # VM name -> its root as this machine reads it
 
-    def _train_log(self, vm) -> bytes:
-        with contextlib.suppress(Exception):  # not booted yet, or ending
-            for job in vm.guest_path(f"{WORKDIR}/jobs").glob("train-*"):
+    def _workers(self) -> dict[int, dict]:
+        """The slice's live instances by worker id."""
+        workers = {}
+        for instance in self.stack.compute.instances():
+            items = {m["key"]: m.get("value") for m in (instance.get("metadata") or {}).get("items", [])}
+            if instance["name"].startswith("tpu-") and items.get("worker-id") is not None:
+                workers[int(items["worker-id"])] = instance
+        return workers
+
+    def _train_log(self, name: str) -> bytes:
+        try:
+            if name not in self._roots:
+                [vm] = [vm for vm in self.stack.vms() if vm.name == name]
+                self._roots[name] = vm.guest_path("/")
+            for job in (self._roots[name] / WORKDIR.lstrip("/") / "jobs").glob("train-*"):
                 if job.is_dir():
                     return (job / "stdout.log").read_bytes()
+        except (OSError, ValueError, RuntimeError):  # not booted yet, or ended: looked up again next time
+            self._roots.pop(name, None)
         return b""
-
-    def _workers(self) -> dict[str, object]:
-        """The slice's local VMs by instance name, worker 0's first (the group names them base-001, base-002)."""
-        return {vm.name: vm for vm in sorted(self.stack.vms(), key=lambda vm: vm.name) if vm.name.startswith("tpu-")}
 
     def run(self) -> None:
         try:
-            while not self.stop.wait(0.1):
+            while not self.stop.wait(0.5):
                 workers = self._workers()
-                if self.lost is None:
-                    for vm in list(workers.values())[:1]:
-                        log = self._train_log(vm)
-                        if any(int(s) >= self.at_step for s in _COMPLETED.findall(log)):
-                            self.logs["lost"] = log
-                            victim = list(workers)[1]
-                            [instance] = [i for i in self.stack.compute.instances() if i["name"] == victim]
-                            self.stack.compute.preempt(instance["zone"].rsplit("/", 1)[-1], victim)
-                            self.lost = victim
-                else:
-                    for vm in list(workers.values())[:1]:
-                        log = self._train_log(vm)
-                        if _RESTORED.search(log):
-                            self.logs["recovered"] = log
+                if 0 not in workers:
+                    continue
+                log = self._train_log(workers[0]["name"])
+                if self.lost is None and 1 in workers:
+                    if any(int(s) >= self.at_step for s in _COMPLETED.findall(log)):
+                        self.logs["lost"] = log
+                        victim = workers[1]
+                        self.stack.compute.preempt(victim["zone"].rsplit("/", 1)[-1], victim["name"])
+                        self.lost = victim["name"]
+                        self._roots.clear()  # the slice made again has new VMs under the same names
+                elif self.lost is not None and _RESTORED.search(log):
+                    self.logs["recovered"] = log
         except BaseException as err:  # reported by the test
             self.error = err
 

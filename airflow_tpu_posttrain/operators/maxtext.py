@@ -431,6 +431,7 @@ class SftTrainOperator(_TrainOperator):
                 **self.provenance(spec, None if dataset.train_files else dataset.hf_path),
             },
             prefetch=maxtext.fetch_base_model_files(spec, self._source_revision()),
+            before_step=storage.drop_uncommitted_command(spec.layout.checkpoints_dir, self.storage_tool),
         )
 
 

@@ -60,6 +60,7 @@ class Job:
         prefetch: str | None = None,
         claim: tuple[str, str] | None = None,
         done_check: str | None = None,
+        before_step: str | None = None,
     ):
         self.script = script
         self.done_marker = done_marker
@@ -69,6 +70,7 @@ class Job:
         self.token_file = token_file  # publish_model.py reads the token from the file HF_TOKEN_FILE names
         self.prefetch = prefetch  # run with HF_TOKEN before the step, which then runs without it
         self.claim = claim  # (take, release-on-failure): one run at a time writes done_marker's output
+        self.before_step = before_step  # run just before the step, without the token (a resumed trainer's clean-up)
 
 
 class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
@@ -315,6 +317,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             done_marker=job.done_marker,
             storage_tool=self.storage_tool if job.done_marker and storage.is_gcs(job.done_marker) else None,
             claim=job.claim,
+            before_step=job.before_step,
         )
         return script, token_file
 

@@ -178,6 +178,8 @@ class VmRecoveryMixin:
         host keys. Returns the adopted VM (then MaxText must be made sure of on it: the recovery that made it
         may have failed before its install ended), or None when the recorded VM is still the one."""
         record = self._vm_record(context)
+        if record and record.get("slice"):
+            return self._changed_slice(context, record)
         if not record or not record.get("host_keys"):
             return None
         zone, instance = self._find_vm(context)
@@ -206,8 +208,21 @@ class VmRecoveryMixin:
         self._point_at(self, vm)
         return vm
 
+    def _changed_slice(self, context: Context, record: dict) -> dict | None:
+        """The slice's record when an earlier try's recovery made it again (its worker 0 has new host keys)."""
+        hook, project = self._compute(context)
+        worker = record["vms"][0]
+        if hook.get_host_keys(project, record["zone"], worker["name"]) in (None, {}, worker["host_keys"]):
+            return None
+        self.log.info("Slice %s was made again by an earlier recovery: reading its VMs", record["name"])
+        return record
+
     def train_on_adopted_vm(self, context: Context, vm: dict) -> Any:
-        """Install MaxText on an adopted VM (a no-op where the recovery's install finished), then start."""
+        """Install MaxText on an adopted VM (a no-op where the recovery's install finished), then start.
+
+        A slice made again is read through its create (which reuses a whole slice) first."""
+        if vm.get("slice"):
+            return self._delegate(context, "create", "execute", None)
         context["ti"].xcom_push(key=RECOVERED_VM, value={key: vm.get(key) for key in VM_FIELDS})
         return self._delegate(context, "install", "execute", None)
 
@@ -247,7 +262,7 @@ class VmRecoveryMixin:
             done + 1,
             limit,
             lost,
-            creator.zones,
+            getattr(creator, "zones", None) or [creator.zone],  # a slice's create has its one zone
             creator.provisioning_model,
             self.checkpoint_storage,
         )

@@ -115,6 +115,7 @@ def wrapper_script(
     storage_tool: storage.GcsTool | None = None,
     claim: tuple[str, str] | None = None,
     claim_poll_s: float = CLAIM_POLL_S,
+    before_step: str | None = None,
 ) -> str:
     """The script the detached job runs: the token, the step, then the metric lines and the marker.
 
@@ -128,7 +129,8 @@ def wrapper_script(
     ``claim`` (with ``done_marker``): a :func:`storage.claim_command` taken before the step, and its
     :func:`storage.release_command`, run if the step fails. Runs writing the same output (two runs converting
     one model) then do it once: while another run holds the claim the job waits, and ends without running the
-    step once that run's marker is there."""
+    step once that run's marker is there. ``before_step``: a command run just before the step, without the
+    token."""
     lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
     if claim and done_marker:
         lines += [
@@ -155,6 +157,8 @@ def wrapper_script(
         ]
     elif token_file:
         lines.append(f"rm -f {shlex.quote(token_file)}")
+    if before_step:
+        lines.append(before_step)
     if claim and done_marker:
         lines.append(f'bash {shlex.quote(step_script)} || {{ failed=$?; {claim[1]} || true; exit "$failed"; }}')
     else:

@@ -123,6 +123,18 @@ def committed_checkpoint(params_uri: str) -> str:
     return params_uri
 
 
+def drop_uncommitted_command(checkpoints_uri: str, tool: GcsTool | None = None) -> str | None:
+    """Delete the steps orbax never committed under a run's ``gs://`` checkpoint directory (``gcs_tool``).
+
+    Run before a trainer resumes: a step half-written by a trainer killed while saving (see
+    :func:`committed_checkpoint`) would stop it with ``FileExistsError`` when it saves that step again. None
+    for a directory, where orbax renames a finished step into place and a half-written one has a temporary
+    name."""
+    if not is_gcs(checkpoints_uri):
+        return None
+    return _tool(checkpoints_uri, tool).command("drop-uncommitted", checkpoints_uri)
+
+
 def metrics_uri(done_marker: str) -> str:
     """Where a step keeps its metric lines, next to its done marker.
 

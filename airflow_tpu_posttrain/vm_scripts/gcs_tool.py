@@ -25,6 +25,8 @@ exits 2 with the error on stderr, so "not there" is never mistaken for "could no
                           precondition: of claims racing, one wins); exits 0 if OWNER holds it now (made, already
                           OWNER's, or taken over from a holder silent for STALE_S seconds), 3 if another does
     release URI OWNER     delete the claim object URI if OWNER holds it
+    drop-uncommitted URI  delete every step directory under the checkpoint directory URI (``URI/<step>/``) that
+                          has no ``commit_success.txt``: what a trainer killed while saving left
 """
 
 from __future__ import annotations
@@ -167,6 +169,37 @@ def release(uri: str, owner: str) -> None:
         pass
 
 
+COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" where storage has no atomic rename
+
+
+def drop_uncommitted(uri: str) -> list[str]:
+    """Delete the checkpoint steps under ``uri`` that orbax never committed; their numbers.
+
+    On storage without rename orbax writes a step in place and its commit marker last, and a trainer that saves
+    a step already there stops with ``FileExistsError``: a step half-written by a trainer that was killed (its
+    VM lost) would stop the resumed training when it reaches that step again."""
+    from google.api_core.exceptions import NotFound
+
+    bucket_name, name = split(uri)
+    prefix = f"{name}/"
+    steps: dict[str, list] = {}
+    for blob in _client().list_blobs(bucket_name, prefix=prefix, retry=_retry()):
+        step = blob.name[len(prefix):].split("/", 1)[0]
+        if step.isdigit():
+            steps.setdefault(step, []).append(blob)
+    dropped = []
+    for step, blobs in sorted(steps.items(), key=lambda item: int(item[0])):
+        if any(blob.name == f"{prefix}{step}/{COMMIT_MARKER}" for blob in blobs):
+            continue
+        for blob in blobs:
+            try:
+                blob.delete(retry=_retry())
+            except NotFound:  # another worker of the slice dropped it first
+                pass
+        dropped.append(step)
+    return dropped
+
+
 def _md5(path: Path) -> str:
     digest = hashlib.md5()  # noqa: S324 - GCS's own content hash, not for security
     with path.open("rb") as handle:
@@ -220,7 +253,7 @@ def sync(source: str, destination: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gcs_tool", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in ("exists", "cat", "write"):
+    for command in ("exists", "cat", "write", "drop-uncommitted"):
         commands.add_parser(command).add_argument("uri")
     for command in ("sync", "move"):
         two_uris = commands.add_parser(command)
@@ -241,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if claim(args.uri, args.owner, args.stale_s) else EXIT_HELD
         if args.command == "release":
             release(args.uri, args.owner)
+            return 0
+        if args.command == "drop-uncommitted":
+            dropped = drop_uncommitted(args.uri)
+            if dropped:
+                print(f"gcs_tool: dropped the uncommitted checkpoint step(s) {', '.join(dropped)} of {args.uri}")
             return 0
         if args.command == "cat":
             cat(args.uri)
