@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
-import time
 
 from conftest import REPO, storage_objects
-from test_pipeline_local import SFT_TWIN, WORKDIR, assert_succeeded, before_vm_end, run_pipeline, states, xcom
+from test_pipeline_local import SFT_TWIN, assert_succeeded, before_vm_end, run_pipeline, xcom
 
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
@@ -89,104 +87,3 @@ def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
     alone = _single_process_losses(tmp_path)
     assert sorted(on_slice) == sorted(alone) == list(range(1, STEPS + 1)), (on_slice, alone)
     assert all(abs(on_slice[step] - alone[step]) <= LOSS_TOLERANCE for step in alone), (on_slice, alone)
-
-
-class _SliceBreaker(threading.Thread):
-    """Preempts worker 1 of the slice once worker 0's train job has logged step ``at_step``.
-
-    Worker ids are the instances' ``worker-id`` metadata (not their names' order). It looks twice a second, at
-    worker 0's log only: the VMs' processes share this machine's two CPUs with it."""
-
-    def __init__(self, stack, at_step: int) -> None:
-        super().__init__(daemon=True)
-        self.stack, self.at_step = stack, at_step
-        self.stop = threading.Event()
-        self.lost: str | None = None
-        self.logs: dict[str, bytes] = {}  # "lost" (worker 0's log then) / "recovered" (the new worker 0's)
-        self.error: BaseException | None = None
-        self._roots: dict[str, object] = {}  # VM name -> its root as this machine reads it
-
-    def _workers(self) -> dict[int, dict]:
-        """The slice's live instances by worker id."""
-        workers = {}
-        for instance in self.stack.compute.instances():
-            items = {m["key"]: m.get("value") for m in (instance.get("metadata") or {}).get("items", [])}
-            if instance["name"].startswith("tpu-") and items.get("worker-id") is not None:
-                workers[int(items["worker-id"])] = instance
-        return workers
-
-    def _train_log(self, name: str) -> bytes:
-        try:
-            if name not in self._roots:
-                [vm] = [vm for vm in self.stack.vms() if vm.name == name]
-                self._roots[name] = vm.guest_path("/")
-            for job in (self._roots[name] / WORKDIR.lstrip("/") / "jobs").glob("train-*"):
-                if job.is_dir():
-                    return (job / "stdout.log").read_bytes()
-        except (OSError, ValueError, RuntimeError):  # not booted yet, or ended: looked up again next time
-            self._roots.pop(name, None)
-        return b""
-
-    def run(self) -> None:
-        try:
-            while not self.stop.wait(0.5):
-                workers = self._workers()
-                if 0 not in workers:
-                    continue
-                log = self._train_log(workers[0]["name"])
-                if self.lost is None and 1 in workers:
-                    if any(int(s) >= self.at_step for s in _COMPLETED.findall(log)):
-                        self.logs["lost"] = log
-                        victim = workers[1]
-                        self.stack.compute.preempt(victim["zone"].rsplit("/", 1)[-1], victim["name"])
-                        self.lost = victim["name"]
-                        self._roots.clear()  # the slice made again has new VMs under the same names
-                elif self.lost is not None and _RESTORED.search(log):
-                    self.logs["recovered"] = log
-        except BaseException as err:  # reported by the test
-            self.error = err
-
-
-def test_a_slice_that_loses_a_vm_mid_training_is_made_again_and_resumes(stack, capfd, tmp_path, fault_matrix):
-    breaker = _SliceBreaker(stack, at_step=3)
-    groups_before = sum(
-        1 for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
-    )
-    capfd.readouterr()
-    breaker.start()
-    try:
-        dr = run_pipeline(SLICE_DAG, {"force": True})
-    finally:
-        breaker.stop.set()
-        breaker.join(10)
-    logs = "".join(capfd.readouterr())
-    (tmp_path / "run.log").write_text(logs)
-    assert breaker.error is None, breaker.error
-    assert breaker.lost, "no VM of the slice was lost (training ended first?)"
-    assert_succeeded(dr, logs)
-    [train] = [ti for ti in dr.get_task_instances() if ti.task_id == "train"]
-    assert train.try_number == 1, "the recovery is part of the try the loss interrupted"
-    assert re.search(r"Recovery 1/\d+: Slice tpu-\S+ in us-east5-b lost a VM", logs), logs[-5000:]
-    # The slice was made again whole: a second group inserted under the same name, MaxText on both new VMs.
-    groups = [
-        r["body"] for r in stack.compute.requests
-        if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
-    ][groups_before:]
-    assert len(groups) == 2 and groups[0]["name"] == groups[1]["name"]
-    # Training resumed from a checkpoint the broken slice committed to storage.
-    lost_steps = [int(s) for s in _COMPLETED.findall(breaker.logs["lost"])]
-    restored = [int(s) for s in _RESTORED.findall(breaker.logs.get("recovered", b""))]
-    assert restored and 2 <= restored[0] <= max(lost_steps), (restored, lost_steps)
-    metrics = xcom(dr, "train")["metrics"]
-    assert metrics["resumed_from_step"] == restored[0] and metrics["steps_completed"] == STEPS
-    # Nothing of either slice is left: no VM, group, template or workload policy.
-    deadline = time.monotonic() + 120
-    while stack.compute.instances() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert stack.compute.instances() == []
-    assert states(dr)["delete_tpu_vm"] == "success"
-    fault_matrix.record(
-        "Slice: one VM of a v6e-16 slice preempted mid-training -> the slice is made again, training resumes",
-        True, dr.state, True,
-        f"resumed from step {restored[0]} of {max(lost_steps)} done; {len(groups)} groups made, none left",
-    )
