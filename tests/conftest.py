@@ -101,6 +101,22 @@ def emulator_credentials(emulator, account: str = "", roles: tuple[str, ...] = (
     )
 
 
+def connect_to(emu, monkeypatch, client_key) -> None:
+    """Point the default Google connection and ``tpu_vm_ssh`` at ``emu``.
+
+    Google: Compute and OS Login, with a key of the account tests run as; SSH as README makes it (login, key)."""
+    key = emu.service_account_key(RUNNER_ACCOUNT, *RUNNER_ROLES, project=PROJECT)
+    extra = {
+        "keyfile_dict": json.dumps(key), "project": PROJECT, "compute_api_endpoint": emu.url,
+        "oslogin_api_endpoint": emu.url,
+    }
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
+    )
+    ssh = {"conn_type": "ssh", "login": SSH_LOGIN, "extra": {"key_file": str(client_key)}}
+    monkeypatch.setenv("AIRFLOW_CONN_TPU_VM_SSH", json.dumps(ssh))
+
+
 @pytest.fixture
 def emulator(monkeypatch, tmp_path, client_key):
     """A Compute emulator whose instances are local machines (fleet.py), and the connections to use it.
@@ -115,17 +131,7 @@ def emulator(monkeypatch, tmp_path, client_key):
         for zone in ("us-east5-a", "us-east5-b"):  # the reservations the tests' DAGs name
             for reservation in ("my-reservation", "r"):
                 emu.add_reservation(reservation, zone, vm_count=8)
-        # The emulator serves the OS Login API too. The connection holds a key of the account tests run as.
-        key = emu.service_account_key(RUNNER_ACCOUNT, *RUNNER_ROLES, project=PROJECT)
-        extra = {
-            "keyfile_dict": json.dumps(key), "project": PROJECT, "compute_api_endpoint": emu.url,
-            "oslogin_api_endpoint": emu.url,
-        }
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
-        )
-        ssh = {"conn_type": "ssh", "login": SSH_LOGIN, "extra": {"key_file": str(client_key)}}
-        monkeypatch.setenv("AIRFLOW_CONN_TPU_VM_SSH", json.dumps(ssh))
+        connect_to(emu, monkeypatch, client_key)
         yield emu
 
 

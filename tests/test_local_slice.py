@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import PROJECT, REPO, RUNNER_ACCOUNT, RUNNER_ROLES, SSH_LOGIN, compute_clients
+from conftest import PROJECT, REPO, compute_clients, connect_to
 from google.api_core import exceptions
 from google.cloud import compute_v1
 from test_compute_emulator_slices import (
@@ -90,16 +90,7 @@ def local_slices(monkeypatch, tmp_path, client_key):
     fleet = LocalFleet(tmp_path / "disks", boot_delay=0.5, shared_paths=shared)
     with ComputeEmulator(operation_seconds=0.2, fleet=fleet, local_slice_vms=SLICE_VMS) as emu:
         emu.add_reservation("slice-reservation", ZONE, SLICE_VMS, machine_type="ct6e-standard-4t")
-        key = emu.service_account_key(RUNNER_ACCOUNT, *RUNNER_ROLES, project=PROJECT)
-        extra = {
-            "keyfile_dict": json.dumps(key), "project": PROJECT, "compute_api_endpoint": emu.url,
-            "oslogin_api_endpoint": emu.url,
-        }
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({"conn_type": "google_cloud_platform", "extra": extra})
-        )
-        ssh = {"conn_type": "ssh", "login": SSH_LOGIN, "extra": {"key_file": str(client_key)}}
-        monkeypatch.setenv("AIRFLOW_CONN_TPU_VM_SSH", json.dumps(ssh))
+        connect_to(emu, monkeypatch, client_key)
         yield emu
 
 
