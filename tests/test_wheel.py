@@ -95,7 +95,12 @@ def test_the_wheel_alone_runs_a_users_own_model(wheel_venv, tmp_path):
     assert Path(found["package"]).is_relative_to(wheel_venv)  # the wheel's copy, not this checkout
     assert found["user"] == {"dags": ["posttrain_sft__qwen3-8b", "tpu_vm_reaper"], "errors": {}}
     assert found["examples"] == {
-        "dags": ["posttrain_rl__llama3.1-8b-Instruct", "posttrain_sft__gemma3-4b", "tpu_vm_reaper"],
+        "dags": [
+            "posttrain_rl__llama3.1-8b-Instruct",
+            "posttrain_sft__gemma3-4b",
+            "posttrain_sft__gemma3-4b__slice",
+            "tpu_vm_reaper",
+        ],
         "errors": {},
     }
 
