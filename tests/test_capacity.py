@@ -43,14 +43,17 @@ def _client(emulator):
     )
 
 
-def hold_place(emulator, name: str, reservation: str = "my-reservation") -> None:
-    """Another run's TPU VM of the same capacity group (as its create would have made it), RUNNING."""
+def hold_place(emulator, name: str, reservation: str = "my-reservation", group: str | None = None) -> None:
+    """Another run's TPU VM of the same capacity group (as its create would have made it), RUNNING.
+
+    ``group``: the capacity group's label value, when it is not that of ``reservation``'s VMs."""
     from google.cloud import compute_v1
 
     from airflow_tpu_posttrain.recipes.compute import TpuVmSpec, instance_body
 
     spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation=reservation)
-    labels = {capacity.GROUP_LABEL: capacity.group_label(PROJECT, reservation, spec.zones, spec.machine_type)}
+    group = group or capacity.group_label(PROJECT, reservation, spec.zones, spec.machine_type)
+    labels = {capacity.GROUP_LABEL: group}
     metadata = {"airflow-dag-id": "posttrain_rl__other", "airflow-run-id": "scheduled__other"}
     body = instance_body(spec, name, "us-east5-b", labels, metadata)
     resource = compute_v1.Instance.from_json(json.dumps(body))
@@ -130,6 +133,19 @@ def test_pure_ordering_keeps_the_first_created():
     assert capacity.group_label("p", None, ["z1"], "e2-standard-2", "tpu") != capacity.group_label(
         "p", None, ["z1"], "e2-standard-2", "cpu"
     )
+
+
+def test_a_slice_holds_one_place_however_many_vms_it_has():
+    def vm(name, stamp, group=None):
+        items = [{"key": "created-by", "value": f"projects/p/zones/z/instanceGroupManagers/{group}"}] if group else []
+        return {"name": name, "status": "RUNNING", "creationTimestamp": stamp, "metadata": {"items": items}}
+
+    slice_vms = [vm(f"tpu-run-a-00{i}", f"2026-11-01T01:00:0{i}-07:00", "tpu-run-a") for i in (4, 1, 3, 2)]
+    group = [*slice_vms, vm("tpu-run-b", "2026-11-01T01:00:02-07:00")]
+    held = capacity.holders(group)
+    assert [place["name"] for place in held] == ["tpu-run-a", "tpu-run-b"]  # the slice from its first VM on
+    assert not capacity.over_cap("tpu-run-b", group, 2) and capacity.over_cap("tpu-run-b", group, 1)
+    assert capacity.describe(group, 2).startswith("2 of 2 in use by ")
 
 
 def test_create_waits_for_capacity_holding_no_vm(emulator, run_dag, capfd, fault_matrix):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
+import time
 
 from conftest import REPO, storage_objects
-from test_pipeline_local import SFT_TWIN, assert_succeeded, before_vm_end, run_pipeline, xcom
+from test_pipeline_local import SFT_TWIN, WORKDIR, assert_succeeded, before_vm_end, run_pipeline, states, xcom
 
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_CHECKPOINT_STORAGE
 
@@ -21,7 +23,6 @@ SAME_BATCHES = "packing=false"  # a MaxText override (the overrides Param is a l
 LOSS_TOLERANCE = 2e-3  # bfloat16 activations: the same batch on 2 devices of 2 processes or on 1 sums in another order
 _LOSS = re.compile(r"completed step: (\d+), .*? loss: ([0-9.]+)")
 _COMPLETED = re.compile(rb"completed step: (\d+),")
-_RESTORED = re.compile(rb"Restored params from step: (\d+)")
 
 
 def _single_process_losses(tmp_path) -> dict[int, float]:
@@ -87,3 +88,118 @@ def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
     alone = _single_process_losses(tmp_path)
     assert sorted(on_slice) == sorted(alone) == list(range(1, STEPS + 1)), (on_slice, alone)
     assert all(abs(on_slice[step] - alone[step]) <= LOSS_TOLERANCE for step in alone), (on_slice, alone)
+
+
+_COMMITTED = re.compile(r"^post-train/[^/]+/checkpoints/(\d+)/commit_success\.txt$")
+
+
+def _committed_steps(skip: set[str]) -> list[int]:
+    """The training steps whose checkpoint orbax committed to the local storage (objects in ``skip`` left out)."""
+    return [
+        int(m.group(1)) for o in storage_objects(LOCAL_CHECKPOINT_STORAGE) if o not in skip and (m := _COMMITTED.match(o))
+    ]
+
+
+class _SliceBreaker(threading.Thread):
+    """Preempts worker 1 of the slice once worker 0 has logged step ``at_step`` and a checkpoint is committed.
+
+    The committed training checkpoint in storage is what the resume must start from. Worker ids are the instances' ``worker-id`` metadata (not their names' order). It looks twice a second, at
+    worker 0's log only: the VMs' processes share this machine's two CPUs with it."""
+
+    def __init__(self, stack, at_step: int) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.at_step = stack, at_step
+        self.stop = threading.Event()
+        self.lost: str | None = None
+        self.committed_at_loss = 0  # the newest committed training checkpoint when the VM was lost
+        self._earlier = set(storage_objects(LOCAL_CHECKPOINT_STORAGE))  # earlier runs' objects
+        self.log_at_loss = b""  # worker 0's training log when the VM was lost
+        self.error: BaseException | None = None
+        self._roots: dict[str, object] = {}  # VM name -> its root as this machine reads it
+
+    def _workers(self) -> dict[int, dict]:
+        """The slice's live instances by worker id."""
+        workers = {}
+        for instance in self.stack.compute.instances():
+            items = {m["key"]: m.get("value") for m in (instance.get("metadata") or {}).get("items", [])}
+            if instance["name"].startswith("tpu-") and items.get("worker-id") is not None:
+                workers[int(items["worker-id"])] = instance
+        return workers
+
+    def _train_log(self, name: str) -> bytes:
+        try:
+            if name not in self._roots:
+                [vm] = [vm for vm in self.stack.vms() if vm.name == name]
+                self._roots[name] = vm.guest_path("/")
+            for job in (self._roots[name] / WORKDIR.lstrip("/") / "jobs").glob("train-*"):
+                if job.is_dir():
+                    return (job / "stdout.log").read_bytes()
+        except (OSError, ValueError, RuntimeError):  # not booted yet, or ended: looked up again next time
+            self._roots.pop(name, None)
+        return b""
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(0.5):
+                workers = self._workers()
+                if 0 not in workers:
+                    continue
+                log = self._train_log(workers[0]["name"])
+                if 1 in workers:
+                    committed = any(int(s) >= self.at_step for s in _COMPLETED.findall(log)) and _committed_steps(
+                        self._earlier
+                    )
+                    if committed:
+                        self.committed_at_loss = max(committed)
+                        self.log_at_loss = log
+                        victim = workers[1]
+                        self.stack.compute.preempt(victim["zone"].rsplit("/", 1)[-1], victim["name"])
+                        self.lost = victim["name"]
+                        return
+        except BaseException as err:  # reported by the test
+            self.error = err
+
+
+def test_a_slice_that_loses_a_vm_mid_training_is_made_again_and_resumes(stack, capfd, tmp_path, fault_matrix):
+    breaker = _SliceBreaker(stack, at_step=3)
+    groups_before = sum(
+        1 for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
+    )
+    capfd.readouterr()
+    breaker.start()
+    try:
+        dr = run_pipeline(SLICE_DAG, {"force": True})
+    finally:
+        breaker.stop.set()
+        breaker.join(10)
+    logs = "".join(capfd.readouterr())
+    (tmp_path / "run.log").write_text(logs)
+    assert breaker.error is None, breaker.error
+    assert breaker.lost, "no VM of the slice was lost (training ended first?)"
+    assert_succeeded(dr, logs)
+    [train] = [ti for ti in dr.get_task_instances() if ti.task_id == "train"]
+    assert train.try_number == 1, "the recovery is part of the try the loss interrupted"
+    assert re.search(r"Recovery 1/\d+: Slice tpu-\S+ in us-east5-b lost a VM", logs), logs[-5000:]
+    # The slice was made again whole: a second group inserted under the same name, MaxText on both new VMs.
+    groups = [
+        r["body"] for r in stack.compute.requests
+        if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
+    ][groups_before:]
+    assert len(groups) == 2 and groups[0]["name"] == groups[1]["name"]
+    # Training resumed from a checkpoint the broken slice committed to storage.
+    lost_steps = [int(s) for s in _COMPLETED.findall(breaker.log_at_loss)]
+    metrics = xcom(dr, "train")["metrics"]
+    restored = metrics["resumed_from_step"]  # MaxText's "Restored params from step" of the slice made again
+    assert breaker.committed_at_loss <= restored <= max(lost_steps), (restored, breaker.committed_at_loss, lost_steps)
+    assert metrics["steps_completed"] == STEPS
+    # Nothing of either slice is left: no VM, group, template or workload policy.
+    deadline = time.monotonic() + 120
+    while stack.compute.instances() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert stack.compute.instances() == []
+    assert states(dr)["delete_tpu_vm"] == "success"
+    fault_matrix.record(
+        "Slice: one VM of a v6e-16 slice preempted mid-training -> the slice is made again, training resumes",
+        True, dr.state, True,
+        f"resumed from step {restored} of {max(lost_steps)} done; {len(groups)} groups made, none left",
+    )

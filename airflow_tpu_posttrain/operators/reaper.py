@@ -144,7 +144,7 @@ class TpuVmReaperOperator(ComputeOperator):
                 counts["kept"] += 1
                 self.log.info("keep   %s in %s: %s", name, zone, decision.reason)
                 continue
-            group = reaper.group_of(instance)  # a VM of a slice goes with its whole group
+            group = compute.slice_group_of(instance)  # a VM of a slice goes with its whole group
             if self.dry_run:
                 what = f"{name} with its slice {group}" if group else name
                 self.log.info("WOULD delete %s in %s: %s (dry run)", what, zone, decision.reason)

@@ -22,7 +22,7 @@ from airflow_tpu_posttrain.operators.compute_base import (
     vm_expires_at,
 )
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
-from airflow_tpu_posttrain.recipes import compute, cost, slices
+from airflow_tpu_posttrain.recipes import capacity, compute, cost, slices
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -58,8 +58,11 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
     :param ssh_conn_id: the SSH connection the steps use; its login and public key go into the template's
         ``ssh-keys`` metadata, so every VM of the slice takes it.
     :param ready_timeout: how long the RUNNING VMs may take to publish their host keys and answer on SSH.
-    :param max_wait_for_capacity: how long the group may wait for the whole slice's capacity (a timedelta or
-        seconds); then the slice is deleted and the task fails.
+    :param max_tpu_vms: how many places of this capacity group (the reservation, else the zone and the machine
+        series) the pipelines' TPU VMs and slices may hold at once, counted from Compute across DAGs: a slice
+        holds one place, however many VMs it has. The create waits in the triggerer for a place; None: no cap.
+    :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` and for the whole slice's
+        capacity, in all (a timedelta or seconds); then the slice is deleted and the task fails.
     :param tags: network tags of every VM.
     :param boot_disk_size_gb: each VM's boot disk.
     :param image_project: the boot image's project.
@@ -108,6 +111,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         network_path: str = "external",
         ssh_conn_id: str = "tpu_vm_ssh",
         ready_timeout: timedelta = timedelta(minutes=10),
+        max_tpu_vms: int | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(hours=1),
         tags: Sequence[str] | None = None,
         boot_disk_size_gb: int = 200,
@@ -131,6 +135,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         self.network_path = network_path
         self.ssh_conn_id = ssh_conn_id
         self.ready_timeout = ready_timeout
+        self.max_tpu_vms = max_tpu_vms
         self.max_wait_for_capacity = max_wait_for_capacity
         self.tags = tags
         self.boot_disk_size_gb = boot_disk_size_gb
@@ -213,6 +218,8 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         labels = compute.ownership_labels(
             context["dag"].dag_id, context["run_id"], self.task_id, vm_expires_at(spec), deployment_id()
         )
+        group = capacity.group_label(spec.project_id, spec.reservation, spec.zones, spec.machine_type, self.name_prefix)
+        labels[capacity.GROUP_LABEL] = group
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
         ssh_keys, _, login = self._authorize_key(spec, vm_expires_at(spec))
         bodies = slices.slice_bodies(spec, name, self.zone, labels, metadata, ssh_keys)
@@ -227,6 +234,8 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                 bodies={"policy": bodies.policy, "template": bodies.template, "group": bodies.group},
                 network_path=self.network_path,
                 ssh_port=self._ssh_port(),
+                group=group,
+                cap=self.max_tpu_vms,
                 capacity_wait=float(seconds(self.max_wait_for_capacity) or 0),
                 ready_timeout=self.ready_timeout.total_seconds(),
                 state={"requested_at": requested_at, "ssh_login": login},
@@ -265,6 +274,12 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
 
     def _failure(self, name: str, event: dict[str, Any]) -> Exception:
         reason, detail = event["reason"], event["detail"]
+        if reason == "no-place":
+            return CapacityTimeoutError(
+                f"No place for slice {name} under max_tpu_vms={self.max_tpu_vms} within "
+                f"{seconds(self.max_wait_for_capacity)} s: {detail}. Nothing was created. Raise max_tpu_vms or "
+                "max_wait_for_capacity, or trigger the run later."
+            )
         if reason == "no-capacity":
             return CapacityTimeoutError(
                 f"No capacity for slice {name} ({self.accelerator_type}) within "

@@ -87,7 +87,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     :param ready_timeout: how long a RUNNING VM may take to publish its host keys and answer on its SSH port.
     :param max_tpu_vms: how many of the pipeline's VMs of this capacity group (the reservation, else the zones and
         machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
-        deployments; the create waits in the triggerer, holding no VM, until one ends. None: no cap.
+        deployments (a multi-host slice counts once); the create waits in the triggerer, holding no VM, until
+        one ends. None: no cap.
     :param prices: USD per hour by machine type and provisioning model, for the log line that says what a VM
         deleted for being over the cap had cost (``recipes.cost.price_table``); None: the defaults.
     :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` or in a fully used

@@ -148,7 +148,7 @@ STEPS = (
         },
         slice=False,
     ),
-    # A multi-host slice's VMs, made together (requested at once: no just-in-time request, no VM cap yet).
+    # A multi-host slice's VMs, made together (requested at once: no just-in-time request); one place of the cap.
     Step(
         "create_tpu_vm",
         TpuSliceCreateOperator,
@@ -157,6 +157,7 @@ STEPS = (
             "accelerator_type": "{{ params.accelerator_type }}",
             "provisioning_model": "{{ params.provisioning_model }}",
             "reservation": "{{ params.reservation }}",
+            "max_tpu_vms": cfg.max_tpu_vms,
             "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
             **{key: value for key, value in _creating_vm(cfg).items() if key in SLICE_CREATE_ARGUMENTS},
             "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg),

@@ -159,7 +159,7 @@ class PipelineConfig:
         default=1,
         metadata=_doc(
             "How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the "
-            "zones), counted from Compute across DAGs; null: no cap."
+            "zones), counted from Compute across DAGs; a multi-host slice counts once; null: no cap."
         ),
     )
     max_wait_for_capacity_minutes: int = field(

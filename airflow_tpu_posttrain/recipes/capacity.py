@@ -2,8 +2,10 @@
 
 Pure. A capacity group is what the VMs compete for: a reservation (in a project), or, without one, the set of
 zones they are created in. Every TPU VM carries its group's label, so the live VMs of a group are counted from
-Compute by that label — across DAGs, schedulers and Airflow deployments. Two creates racing for the last place
-both insert; the later by creation time (then name) sees itself over the cap, deletes its VM and waits again.
+Compute by that label — across DAGs, schedulers and Airflow deployments. A multi-host slice holds one place,
+however many VMs it has: its VMs are counted together, by the managed instance group that made them. Two
+creates racing for the last place both insert; the later by creation time (then name) sees itself over the
+cap, deletes its VM (or its slice) and waits again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from airflow_tpu_posttrain.recipes.compute import CAPACITY_GROUP_LABEL, LIVE_STATES
+from airflow_tpu_posttrain.recipes.compute import CAPACITY_GROUP_LABEL, LIVE_STATES, slice_group_of
 
 GROUP_LABEL = CAPACITY_GROUP_LABEL
 # A VM that holds (or is about to hold) capacity: the live states, PENDING (queued for capacity) included.
@@ -46,12 +48,20 @@ def reservation_names(reservation: str) -> list[str]:
 
 
 def holders(instances: Iterable[dict]) -> list[dict]:
-    """The group's instances that hold capacity, first created first (ties broken by name).
+    """The places the group's instances hold, first created first (ties broken by name).
 
-    By instant, not by text: Compute writes ``creationTimestamp`` with a US-Pacific offset, so in the hour the
-    clocks go back an earlier VM's text (``01:50-07:00``) sorts after a later one's (``01:10-08:00``)."""
-    live = [i for i in instances if i.get("status") in HOLDING_STATES]
-    return sorted(live, key=lambda i: (_created(i), i.get("name", "")))
+    A place is a VM, or a multi-host slice: its live VMs as one, named as its group (which is the run's VM
+    name), created when its first VM was. By instant, not by text: Compute writes ``creationTimestamp`` with a
+    US-Pacific offset, so in the hour the clocks go back an earlier VM's text (``01:50-07:00``) sorts after a
+    later one's (``01:10-08:00``)."""
+    places: dict[str, dict] = {}
+    for instance in instances:
+        if instance.get("status") not in HOLDING_STATES:
+            continue
+        name = slice_group_of(instance) or instance.get("name", "")
+        if name not in places or _created(instance) < _created(places[name]):
+            places[name] = {**instance, "name": name}
+    return sorted(places.values(), key=lambda i: (_created(i), i.get("name", "")))
 
 
 def _created(instance: dict) -> datetime:
@@ -61,7 +71,7 @@ def _created(instance: dict) -> datetime:
 
 
 def over_cap(name: str, instances: Iterable[dict], cap: int) -> bool:
-    """Whether ``name`` is not among the ``cap`` first-created holders (it lost the race and must yield)."""
+    """Whether ``name`` (a VM, or a slice's group) is not among the ``cap`` first-created places (it must yield)."""
     names = [i.get("name") for i in holders(instances)]
     return name in names and names.index(name) >= cap
 

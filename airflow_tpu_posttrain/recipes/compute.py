@@ -106,6 +106,16 @@ PIPELINE_LABELS = frozenset(
 MAX_LABELS = 64
 
 
+def slice_group_of(instance: dict) -> str | None:
+    """The managed instance group that made the instance (its ``created-by`` metadata), else None.
+
+    A VM of a multi-host slice goes with its whole group: the group's delete ends every VM of it, and the
+    slice holds one place under the capacity cap."""
+    items = (instance.get("metadata") or {}).get("items") or []
+    created_by = next((item.get("value") or "" for item in items if item.get("key") == "created-by"), "")
+    return created_by.rsplit("/", 1)[-1] if "/instanceGroupManagers/" in created_by else None
+
+
 def ownership_labels(
     dag_id: str, run_id: str, task_id: str, expires_at: int, deployment: str
 ) -> dict[str, str]:

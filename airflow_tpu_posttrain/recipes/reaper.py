@@ -77,14 +77,6 @@ def decide(instance: dict, run_state: str | None, now: datetime, grace_s: int, d
     return Decision(True, f"its DAG run is {run_state}")
 
 
-def group_of(instance: dict) -> str | None:
-    """The managed instance group that made the instance (its ``created-by`` metadata), else None.
-
-    A VM of a multi-host slice goes with its whole group: the group's delete ends every VM of it."""
-    created_by = _metadata(instance).get("created-by", "")
-    return created_by.rsplit("/", 1)[-1] if "/instanceGroupManagers/" in created_by else None
-
-
 def _decide_leftover(
     resource: dict, owner: str | None, what: str, owner_exists: bool | None, now: datetime, grace_s: int
 ) -> Decision:

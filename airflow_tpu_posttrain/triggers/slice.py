@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import TriggerEvent
 
-from airflow_tpu_posttrain.recipes import access, slices
+from airflow_tpu_posttrain.recipes import access, capacity, slices
 from airflow_tpu_posttrain.triggers.compute import (
     _billed,
     _OperationsTrigger,
@@ -82,23 +82,27 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     """Create a run's multi-host slice and wait until every VM of it can be reached over SSH: all, or nothing.
 
     In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
-    the workload policy, the instance template and the group are inserted (each insert's 409 is "there
+    without one, a place under ``cap`` in the capacity group is waited for (the slice holds one place); the
+    workload policy, the instance template and the group are inserted (each insert's 409 is "there
     already"); the group is polled while it creates its VMs (bulk mode: all at once or none) or waits for
-    capacity, up to ``capacity_wait`` seconds; then every VM must publish its host keys and answer on
+    capacity, up to ``capacity_wait`` seconds; a slice that finds itself over ``cap`` once whole (another run
+    took the last place first) is deleted whole and waits again; then every VM must publish its host keys and answer on
     ``ssh_port`` within ``ready_timeout``. A slice that cannot be completed (no capacity in time, a VM lost, a
     VM that never answers, an insert refused) is deleted whole, the group with its VMs, then the template and
     the policy, before the event: a partial slice is never handed on.
 
     Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "worker_id", "instance",
     "host_keys"}] by worker id, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
-    "not-ready" | "refused", "detail", "state"}``.
+    "not-ready" | "refused" | "no-place", "detail", "state"}``.
 
     :param project_id: the slice's project.
     :param zone: the slice's zone.
     :param bodies: ``{"policy", "template", "group"}``: the REST bodies of ``slices.slice_bodies``.
     :param network_path: how Airflow reaches the VMs: ``internal`` or ``external`` (``access.ssh_address``).
     :param ssh_port: the port every VM's sshd must answer on.
-    :param capacity_wait: seconds the group may wait for the slice's capacity.
+    :param group: the capacity group's label value (on every VM of the slice).
+    :param cap: ``max_tpu_vms`` of the group, a slice counting once; None: no cap.
+    :param capacity_wait: seconds to wait for a place under ``cap`` and for the slice's capacity, in all.
     :param ready_timeout: seconds the RUNNING VMs have to publish their host keys and answer on ``ssh_port``.
     """
 
@@ -111,6 +115,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         ssh_port: int,
         capacity_wait: float,
         ready_timeout: float,
+        group: str | None = None,
+        cap: int | None = None,
         **common: Any,
     ) -> None:
         super().__init__(project_id, **common)
@@ -118,6 +124,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         self.bodies = bodies
         self.network_path = network_path
         self.ssh_port = ssh_port
+        self.group = group
+        self.cap = cap
         self.capacity_wait = capacity_wait
         self.ready_timeout = ready_timeout
 
@@ -130,6 +138,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             "ssh_port": self.ssh_port,
             "capacity_wait": self.capacity_wait,
             "ready_timeout": self.ready_timeout,
+            "group": self.group,
+            "cap": self.cap,
         }
 
     @property
@@ -150,11 +160,23 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             earlier = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
             if earlier and slices.slice_state(earlier).state == slices.BROKEN:
                 self.log.info("Slice %s of an earlier try is broken: deleting it whole first", self._group)
-                _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
-                if left:
-                    raise _SliceFailed("broken", f"the earlier try's broken slice could not be deleted: {left}")
-            await self._insert(hook)
-            vms = await self._ready(hook, await self._whole(hook))
+                await self._delete_whole(hook, "the earlier try's broken slice could not be deleted")
+                earlier = None
+            deadline = time.monotonic() + self.capacity_wait
+            while True:
+                if not earlier:
+                    await self._wait_for_place(hook, deadline)
+                await self._insert(hook)
+                members = await self._whole(hook, deadline)
+                if not await self._over_cap(hook):
+                    break
+                self.log.info(
+                    "Slice %s is over the cap (another run's VM or slice took the last place first): deleting it "
+                    "whole and waiting for a place again", self._group,
+                )
+                await self._delete_whole(hook, "the slice over the cap could not be deleted")
+                earlier = None
+            vms = await self._ready(hook, members)
         except _SliceFailed as failed:
             self.log.warning("Slice %s cannot be completed (%s): deleting it whole", self._group, failed.detail)
             _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
@@ -162,6 +184,43 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             yield self._event({"status": "failed", "reason": failed.reason, "detail": detail})
             return
         yield self._event({"status": "ready", "zone": self.zone, "vms": vms})
+
+    async def _delete_whole(self, hook: TpuVmAsyncHook, failure: str) -> None:
+        _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
+        if left:
+            raise _SliceFailed("broken", f"{failure}: {left}")
+
+    async def _capacity_group(self, hook: TpuVmAsyncHook) -> list[dict]:
+        """The instances of the capacity group in the slice's zone (a group's reservation is zonal)."""
+        label_filter = f"labels.{capacity.GROUP_LABEL} = {self.group}"
+        return await self._poll(lambda: hook.list_instances(self.project_id, self.zone, label_filter))
+
+    async def _places(self, hook: TpuVmAsyncHook) -> list[dict]:
+        """The places of the capacity group held by others (VMs, and slices as one each)."""
+        return [place for place in capacity.holders(await self._capacity_group(hook)) if place["name"] != self._group]
+
+    async def _wait_for_place(self, hook: TpuVmAsyncHook, deadline: float) -> None:
+        """Until fewer than ``cap`` places of the group are held by others; nothing is created meanwhile."""
+        if self.cap is None:
+            return
+        said = ""
+        while True:
+            others = await self._places(hook)
+            if len(others) < self.cap:
+                return
+            in_use = capacity.describe(others, self.cap)
+            if time.monotonic() > deadline:
+                raise _SliceFailed("no-place", in_use)
+            if in_use != said:
+                self.log.info("Waiting for a place under max_tpu_vms for slice %s: %s", self._group, in_use)
+                said = in_use
+            await asyncio.sleep(self.poll_interval)
+
+    async def _over_cap(self, hook: TpuVmAsyncHook) -> bool:
+        """Whether the whole slice lost the race for the group's last place (an earlier-made place holds it)."""
+        if self.cap is None:
+            return False
+        return capacity.over_cap(self._group, await self._capacity_group(hook), self.cap)
 
     async def _insert(self, hook: TpuVmAsyncHook) -> None:
         """The policy, the template, the group, each waited for; one Compute refuses fails the slice."""
@@ -182,9 +241,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                 if errors:
                     raise _SliceFailed("refused", "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors))
 
-    async def _whole(self, hook: TpuVmAsyncHook) -> list[dict]:
-        """Wait for the group's VMs, all RUNNING; its managed instances."""
-        deadline = time.monotonic() + self.capacity_wait
+    async def _whole(self, hook: TpuVmAsyncHook, deadline: float) -> list[dict]:
+        """Wait for the group's VMs, all RUNNING (capacity waited for until ``deadline``); its managed instances."""
         logged = ""
         while True:
             group = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
