@@ -119,7 +119,7 @@ def test_preempted_training_vm_is_created_again_and_training_resumes(stack, capf
     assert base and evaluation["base"] == {"eval_loss": float(base[1])}, evaluation
     assert re.search(rb"Completed eval after train step %d, loss=" % restored[0], recovered)
     assert not re.search(rb"Completed eval after train step 0,", recovered)
-    assert "The log shows 'Completed eval after train step 0,': keeping the base model's evaluation at gs://" in logs
+    assert "Done: keeping the base model's evaluation at gs://" in logs
     assert f"The base model's evaluation {evaluation['base']}, kept at gs://" in logs
     assert [step for step, _ in metrics["eval_losses"]] == [restored[0], STEPS]
     verdict = [ti for ti in dag_run.get_task_instances() if ti.task_id == "quality_gate"][0].xcom_pull(

@@ -232,21 +232,27 @@ def test_a_job_silent_past_its_stall_timeout_is_stopped_and_a_chatty_one_is_not(
         assert chatty["done"] and chatty["exit_code"] == 0, chatty
 
 
-def test_the_watch_runs_a_command_once_when_the_log_shows_its_marker(stack):
+def test_the_watch_acts_once_on_a_logged_marker_however_far_behind_its_forwarding_of_the_log_is(stack):
     """How the base model's evaluation is kept while training runs (operators/evaluation.py).
 
-    The marker straddles two log chunks (32 bytes each, one read per poll) and is logged twice: the command runs
-    once."""
+    The job logs 160 kB of start-up (as MaxText's config dump) before the marker, twice, then waits for the watch's
+    command to have run: the watch forwards the log 32 bytes a poll (it would take an hour to reach the marker),
+    yet the command runs within seconds of the marker, and once, given the log's metric lines (the job fails when
+    it waited in vain)."""
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths, build_posix_wrapper_command
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
+    from airflow_tpu_posttrain.recipes.remote_job import when_logged_command
     from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
 
     marker = "eval metrics after step: 0,"  # MaxText 0.2.2's; 0.2.5 writes the other one watched for
     job = RemoteJobPaths(job_id="marked", remote_os="posix", base_dir=f"{DEFAULT_WORKDIR}/jobs")
-    script = f"{{ echo warming up; sleep 2; echo '{marker} loss=6.297'; sleep 2; echo '{marker} loss=6.297'; sleep 8; }}"
-    counter = f"{DEFAULT_WORKDIR}/marked.count"
+    kept = f"{DEFAULT_WORKDIR}/marked.kept"
+    script = (
+        f"( seq 1 5000 | sed 's/$/ Config param warming_up: 1/'; sleep 2; printf '{marker} loss=6.297\\n%.0s' 1 2; "
+        f"for _ in $(seq 1 100); do [ -s {kept} ] && exit 0; sleep 0.2; done; exit 7 )"
+    )
     with vm_of_its_own(stack, "marker-vm") as machine:
         with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
             vm.run(build_posix_wrapper_command(script, job))
@@ -254,13 +260,18 @@ def test_the_watch_runs_a_command_once_when_the_log_shows_its_marker(stack):
             ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
             job_id=job.job_id, job_dir=job.job_dir, log_file=job.log_file, exit_code_file=job.exit_code_file,
             remote_os="posix", poll_interval=1, log_chunk_size=32,
-            on_output={"markers": ["Completed eval after train step 0,", marker], "command": f"echo kept >> {counter}", "description": "counting"},
+            on_output={
+                "command": when_logged_command(
+                    job.log_file, ["Completed eval after train step 0,", marker], f"cat >> {kept}"
+                ),
+                "description": "keeping",
+            },
         )
         _, kwargs = trigger.serialize()  # rebuilt, as the triggerer does
         event = asyncio.run(asyncio.wait_for(until_done(MaxTextJobTrigger(**kwargs)), timeout=120)).payload
         assert event["done"] and event["exit_code"] == 0, event
         with VmHook("local_vm", remote_host=machine.address, host_keys=machine.host_keys) as vm:
-            assert vm.run(f"cat {counter}").split() == ["kept"]
+            assert vm.run(f"cat {kept}").splitlines() == [f"{marker} loss=6.297"] * 2  # its metric lines, once
 
 
 def test_a_succeeded_jobs_report_comes_with_its_event_after_the_last_marker_was_acted_on(stack):
@@ -273,7 +284,7 @@ def test_a_succeeded_jobs_report_comes_with_its_event_after_the_last_marker_was_
 
     from airflow_tpu_posttrain.hooks.vm import VmHook
     from airflow_tpu_posttrain.operators.maxtext_job import DEFAULT_WORKDIR
-    from airflow_tpu_posttrain.recipes.remote_job import parse_report, report_command
+    from airflow_tpu_posttrain.recipes.remote_job import parse_report, report_command, when_logged_command
     from airflow_tpu_posttrain.triggers.remote_job import MaxTextJobTrigger
 
     marker = "eval metrics after step: 0,"
@@ -292,7 +303,10 @@ def test_a_succeeded_jobs_report_comes_with_its_event_after_the_last_marker_was_
             ssh_conn_id="local_vm", remote_host=machine.address, host_keys=machine.host_keys,
             job_id=job.job_id, job_dir=job.job_dir, log_file=job.log_file, exit_code_file=job.exit_code_file,
             remote_os="posix", poll_interval=1,
-            on_output={"markers": [marker], "command": f"echo '{marker} loss=6.3' > {kept}", "description": "keeping"},
+            on_output={
+                "command": when_logged_command(job.log_file, [marker], f"echo '{marker} loss=6.3' > {kept}"),
+                "description": "keeping",
+            },
             report_command=report,
         )
         _, kwargs = trigger.serialize()  # rebuilt, as the triggerer does

@@ -3,7 +3,9 @@
 The base model is evaluated once, before the first step, by the process that starts training from the
 converted checkpoint. A try that resumes from a checkpoint evaluates a trained model first, and a lost VM takes
 its log along; so as soon as the log shows the base model's evaluation, the job's watch keeps the log's metric
-lines beside the run's checkpoints (``base_evaluation.log``), once.
+lines beside the run's checkpoints (``base_evaluation.log``), once. The watch looks for it in the log on the VM at
+every poll, not in what it forwarded of the log so far: MaxText's verbose start can keep the forwarding minutes
+behind, and a VM lost meanwhile took the evaluation with it.
 """
 
 from __future__ import annotations
@@ -43,15 +45,14 @@ class EvaluationMixin:
         return f"{posixpath.dirname(spec.layout.checkpoints_dir)}/{BASE_EVALUATION_FILE}"
 
     def keep_base_evaluation(self, spec: maxtext.RunSpec, log_file: str) -> dict[str, str]:
-        """What the job's watch does when the log shows the base model's evaluation (``MaxTextJobTrigger``).
+        """What the job's watch runs at every poll until it acted (``MaxTextJobTrigger``'s ``on_output``).
 
-        Its command keeps the log's whole metric lines so far, unless an earlier process kept its own."""
+        Once the log shows the base model's evaluation, its command keeps the log's whole metric lines so far,
+        unless an earlier process kept its own."""
         uri = self.base_evaluation_uri(spec)
-        lines = remote_job.complete_metric_lines_command(log_file)
-        keep = f"{storage.exists_command(uri, self.storage_tool)} || {{ {lines} | {storage.write_command(uri, self.storage_tool)}; }}"
+        keep = f"{storage.exists_command(uri, self.storage_tool)} || {storage.write_command(uri, self.storage_tool)}"
         return {
-            "markers": list(BASE_EVALUATION_MARKERS[self.step_title]),
-            "command": keep,
+            "command": remote_job.when_logged_command(log_file, list(BASE_EVALUATION_MARKERS[self.step_title]), keep),
             "description": f"keeping the base model's evaluation at {uri}",
         }
 

@@ -600,7 +600,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         return ""
 
     def on_output(self, context: Context, paths: RemoteJobPaths) -> dict[str, str] | None:
-        """What the job's watch runs on the VM once the log shows a marker (``MaxTextJobTrigger``); None: nothing."""
+        """What the job's watch runs on the VM at every poll until it acted (``MaxTextJobTrigger``); None: nothing."""
         return None
 
     def results(

@@ -97,6 +97,22 @@ def complete_metric_lines_command(log_file: str) -> str:
     return f"{{ {{ {whole_lines}; }} | grep -aE {shlex.quote(LOG_FILTER)} || true; }}"
 
 
+ACTED = "[airflow-tpu-posttrain] acted"  # what a watch's on-output command prints once it acted (or had)
+
+
+def when_logged_command(log_file: str, markers: list[str], command: str) -> str:
+    """Runs ``command`` (given the log's whole metric lines on stdin) once they show one of ``markers``.
+
+    Prints ``ACTED`` when ``command`` succeeded; prints nothing while no marker is logged. Reads the log on the VM
+    itself, so it does not wait for a watch that forwards the log behind (chunk by chunk) to reach the marker."""
+    found = " ".join(f"-e {shlex.quote(marker)}" for marker in markers)
+    return (
+        f"lines=$({complete_metric_lines_command(log_file)}); "
+        f"if printf '%s\\n' \"$lines\" | grep -qaF {found}; then "
+        f"printf '%s\\n' \"$lines\" | {{ {command}; }} && echo {shlex.quote(ACTED)}; fi"
+    )
+
+
 CLAIM_WAIT_LINE = "[airflow-tpu-posttrain] another run is writing this output; waiting for it to finish"
 CLAIM_DONE_LINE = "[airflow-tpu-posttrain] the run holding the claim finished this output; nothing left to do"
 CLAIM_POLL_S = 15

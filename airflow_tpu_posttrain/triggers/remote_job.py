@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from asyncssh import SSHClientConnection
 
 VM_LOST = "VM lost"  # starts the error event's message when Compute says the VM is gone
-_MARKER_OVERLAP = 200  # characters of a chunk kept to find a marker that straddles two chunks
 
 
 class _VmGone(Exception):
@@ -43,8 +42,9 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         ``impersonation_chain``): when a reconnect fails, Compute is asked whether the VM is gone (preempted,
         TERMINATED, deleted); if so the wait ends at once with the error ``VM_LOST`` instead of riding out the
         remaining reconnect attempts.
-    :param on_output: ``{"markers", "command", "description"}``: once the log shows one of ``markers``, ``command``
-        runs on the VM, once per watch (the training keeps the base model's evaluation where a resumed try finds it).
+    :param on_output: ``{"command", "description"}``: ``command`` runs on the VM at every poll until it prints
+        ``remote_job.ACTED`` (``remote_job.when_logged_command``: once the log on the VM shows a marker; the
+        training keeps the base model's evaluation where a resumed try finds it).
     :param stall_timeout: seconds without a new byte in the job's log after which the job is taken for hung (a
         trainer whose storage is unreachable is silent for minutes): its processes are stopped and the watch ends
         with the exit code ``remote_job.JOB_STALLED``. 0 or None: never. The clock starts with the watch.
@@ -75,7 +75,6 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
         self.stall_timeout = stall_timeout
         self.on_output = on_output
         self.report_command = report_command
-        self._output_tail = ""  # the end of the last chunk: a marker may straddle two chunks
         self._progress: tuple[int, float] | None = None  # (log offset, when it last grew)
         self._stopped_stalled = False  # this watch began stopping the job for its silence
 
@@ -170,14 +169,12 @@ class MaxTextJobTrigger(SSHRemoteJobTrigger):
 
     async def _read_log_chunk(self, conn: SSHClientConnection) -> tuple[str, int]:
         chunk, offset = await super()._read_log_chunk(conn)
-        if self.on_output and chunk:
-            seen, self._output_tail = self._output_tail + chunk, chunk[-_MARKER_OVERLAP:]
-            shown = next((marker for marker in self.on_output["markers"] if marker in seen), None)
-            if shown is not None:
-                self.log.info("The log shows %r: %s", shown, self.on_output["description"])
-                _, _, stderr = await self._run_command(conn, self.on_output["command"])
-                if stderr.strip():
-                    self.log.warning("%s: %s", self.on_output["description"], stderr.strip())
+        if self.on_output:
+            _, stdout, stderr = await self._run_command(conn, self.on_output["command"])
+            if stderr.strip():
+                self.log.warning("%s: %s", self.on_output["description"], stderr.strip())
+            if remote_job.ACTED in stdout:
+                self.log.info("Done: %s", self.on_output["description"])
                 self.on_output = None  # once
         return chunk, offset
 
