@@ -224,7 +224,9 @@ class GcsServer:
             return json.load(answer)
 
     def _wait_until_serving(self, buckets: list[str]) -> None:
-        """Until the server answers, and serves each of ``buckets`` (``buckets.get``)."""
+        """Until the server answers, and serves each of ``buckets`` (``buckets.get`` and ``objects.list``).
+
+        Both: right after a restart, a bucket's ``get`` answered while its objects' list was still a 404 (CI)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self._process is None or self._process.poll() is not None:
@@ -233,6 +235,7 @@ class GcsServer:
                 self._request("GET", "/storage/v1/b")
                 for bucket in buckets:
                     self._request("GET", f"/storage/v1/b/{bucket}")
+                    self._request("GET", f"/storage/v1/b/{bucket}/o?maxResults=1")
                 return
             except (urllib.error.URLError, OSError):  # HTTPError (a 404 for a bucket not yet read) included
                 if time.monotonic() > deadline:
