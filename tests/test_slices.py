@@ -10,12 +10,13 @@ import json
 import re
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from conftest import PROJECT, RUNNER_ACCOUNT, RUNNER_ROLES
 
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
-from airflow_tpu_posttrain.recipes import compute, slices
+from airflow_tpu_posttrain.recipes import compute, remote_job, slices
 from airflow_tpu_posttrain.recipes.compute import TpuVmSpec
 
 ZONE, REGION = "us-east5-b", "us-east5"
@@ -241,3 +242,31 @@ def test_an_earlier_tries_broken_slice_is_deleted_and_made_again(hook, tmp_path)
     event = _event(_trigger(emulator))
     assert event["status"] == "ready", event
     assert slices.slice_state(hook.get_instance_group(PROJECT, ZONE, RUN_VM)).state == slices.WHOLE
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "says"),
+    [
+        (remote_job.JOB_STALLED, "no output from the job on the VM for 180 s"),
+        (remote_job.JOB_DIED, "died without an exit code"),
+        (134, "failed on worker 1 of the slice with exit code 134"),
+    ],
+)
+def test_a_failed_slice_job_shows_the_end_of_every_workers_log_however_it_ended(exit_code, says, capfd):
+    """A stalled worker 0 is often waiting on a peer: the peer's log says why."""
+    from airflow_tpu_posttrain.exceptions import RemoteJobError
+    from airflow_tpu_posttrain.operators.maxtext import SftTrainOperator
+
+    train = SftTrainOperator(task_id="train", model="tiny-gemma3-4b", stall_timeout_s=180)
+    event = {
+        "job_id": "train-a68ffc421f", "done": True, "exit_code": exit_code, "failed_worker": 0 if exit_code < 0 else 1,
+        "workers": {
+            "0": {"exit_code": exit_code if exit_code < 0 else None, "tail": "Started load checkpoint\n"},
+            "1": {"exit_code": None if exit_code < 0 else exit_code, "tail": "Restoring\nGloo context failed\n"},
+        },
+    }
+    with pytest.raises(RemoteJobError, match=says):
+        train.execute_complete({"ti": SimpleNamespace(xcom_pull=lambda **_: None)}, event)  # no recovery yet
+    shown = "".join(capfd.readouterr())
+    assert "[worker 0] Started load checkpoint" in shown
+    assert re.findall(r"\[worker 1\] [^\n\[]*\w", shown) == ["[worker 1] Restoring", "[worker 1] Gloo context failed"]

@@ -498,10 +498,12 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         for line in (event.get("log_chunk") or "").splitlines():
             self.log.info("[remote] %s", line)
         paths = RemoteJobPaths(job_id=event["job_id"], remote_os="posix", base_dir=self.jobs_dir)
-        job = self._job(self.resolved(context, self.run_spec(context)), context)
         if not event.get("done"):
+            job = self._job(self.resolved(context, self.run_spec(context)), context)
             return self._watch(context, job, paths, log_offset=event.get("log_offset", 0))
         exit_code = event.get("exit_code")
+        if event.get("workers"):
+            self._log_worker_tails(event)
         if exit_code == remote_job.JOB_DIED:
             raise RemoteJobError(
                 f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
@@ -521,30 +523,29 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
                 f"{self.step_title}: lost the job on the VM: {event.get('message', 'unknown error')}"
             )
         if event.get("workers"):
-            raise RemoteJobError(self._slice_failure(event, paths))
+            raise RemoteJobError(
+                f"{self.step_title} failed on worker {event['failed_worker']} of the slice with exit code "
+                f"{exit_code}; the other workers were stopped (log on each VM: {paths.log_file}). A retry starts "
+                "every worker again from the newest checkpoint"
+            )
         if exit_code != 0:
             raise RemoteJobError(
                 f"{self.step_title} failed on the VM with exit code {exit_code} (log: {paths.log_file})"
                 f"{self.failure_hint(context)}"
             )
+        job = self._job(self.resolved(context, self.run_spec(context)), context)
         report = event.get("report")
         if report is None:  # the watch could not read it
             with self._vm() as vm:
                 report = vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S)
         return self.finish(context, job, paths, remote_job.parse_report(report), reused=False)
 
-    def _slice_failure(self, event: dict[str, Any], paths: RemoteJobPaths) -> str:
-        """Why the slice's job failed: the worker that failed first, and the end of every worker's log."""
-        failed = event["failed_worker"]
+    def _log_worker_tails(self, event: dict[str, Any]) -> None:
+        """The end of every worker's log, however the slice's job ended (failed, died, stalled)."""
         for worker, said in sorted(event["workers"].items(), key=lambda item: int(item[0])):
             self.log.error("Worker %s (exit code %s), the end of its log:", worker, said["exit_code"])
             for line in said["tail"].splitlines():
                 self.log.error("[worker %s] %s", worker, line)
-        return (
-            f"{self.step_title} failed on worker {failed} of the slice with exit code {event['exit_code']}; the "
-            f"other workers were stopped (log on each VM: {paths.log_file}). A retry starts every worker again "
-            "from the newest checkpoint"
-        )
 
     def on_kill(self) -> None:
         """A kill of the running task stops the job's processes on the VM."""
