@@ -33,6 +33,8 @@ from test_tpu_vm_operators import task_states, xcom
 from airflow_tpu_posttrain.local import vpc
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
 from airflow_tpu_posttrain.local.fleet import LocalFleet
+from airflow_tpu_posttrain.local.stack import compile_cache
+from airflow_tpu_posttrain.local.vm import JAX_CACHE_DIR
 from airflow_tpu_posttrain.recipes import slices
 
 ZONE = "us-east5-b"
@@ -41,6 +43,7 @@ SLICE_VMS = 2  # a local v6e-16: 2 VMs standing for its 4
 MAXTEXT_VENV = REPO / ".local" / "maxtext-venv"
 COORDINATOR_PORT = 1234  # MaxText's, fixed (initialize_jax_for_cpu)
 DONE = compute_v1.Operation.Status.DONE
+WARM_ENTRY = "jit_init-0123456789abcdef-cache"  # an entry of the local VMs' shared compilation cache
 
 # Worker 0's listener: port 1234 and one the kernel picks (as gloo's are), each answering every connection with its
 # port. It prints the picked port first.
@@ -84,10 +87,14 @@ jax.distributed.shutdown()
 def local_slices(monkeypatch, tmp_path, client_key):
     """The ``emulator`` of conftest, with each slice ``SLICE_VMS`` local VMs (``local_slice_vms``).
 
+    Its fleet has a warm JAX compilation cache, holding ``WARM_ENTRY``, as the local stack's.
+
     On a reservation of 2: it holds the VMs made, not the topology's 4. The VMs see MaxText's CPU venv (a shared
     path: it is this machine's, wherever the checkout is)."""
     shared = (MAXTEXT_VENV,) if MAXTEXT_VENV.is_dir() else ()
-    fleet = LocalFleet(tmp_path / "disks", boot_delay=0.5, shared_paths=shared)
+    warm_cache = compile_cache(tmp_path)  # what the other local VMs compiled
+    (warm_cache / WARM_ENTRY).write_text("compiled by worker 0 of an earlier run\n")
+    fleet = LocalFleet(tmp_path / "disks", boot_delay=0.5, shared_paths=shared, compile_cache=warm_cache)
     with ComputeEmulator(operation_seconds=0.2, fleet=fleet, local_slice_vms=SLICE_VMS) as emu:
         emu.add_reservation("slice-reservation", ZONE, SLICE_VMS, machine_type="ct6e-standard-4t")
         connect_to(emu, monkeypatch, client_key)
@@ -168,6 +175,8 @@ def test_a_local_slice_is_checked_as_compute_checks_it_but_makes_its_n_vms():
 def test_the_vms_of_a_local_slice_reach_each_other_on_every_port_the_network_allows(local_slices, run_dag):
     """Worker 1 reaches worker 0's internal IP on 1234 and on a port the kernel picked (default-allow-internal).
 
+    Neither worker has the other local VMs' compilation cache: each starts with an empty ``~/jax_cache``.
+
     A deny rule of higher priority closes 1234 alone, and deleting it opens it again. Each VM's host name is its
     name, and resolves to its internal IP."""
     record = make_slice(run_dag, "local_slice_network")
@@ -176,6 +185,8 @@ def test_the_vms_of_a_local_slice_reach_each_other_on_every_port_the_network_all
     for vm in record["vms"]:
         with login(vm) as hook:
             assert hook.run(python(WHO_AM_I)).split() == [vm["name"], vm["internal_ip"]]
+            # A fresh VM's ~/jax_cache: both workers compile what they run, neither far ahead of the other.
+            assert hook.run(f"ls -A ~/{JAX_CACHE_DIR} 2>/dev/null || true").strip() == "", vm["name"]
     picked = start_listener(worker_0)
     address = worker_0["internal_ip"]
     gce = compute_clients(local_slices)

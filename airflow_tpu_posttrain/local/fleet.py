@@ -32,7 +32,12 @@ class LocalFleet:
     :param shared_paths: host directories every VM sees (checkpoint storage standing in for ``gs://``).
     :param package_cache: a host directory standing in for a package mirror (uv's cache on the VMs).
     :param compile_cache: a host directory every VM's logins have as JAX's compilation cache (``~/jax_cache``):
-        the VMs are one machine's CPU, so what one compiled another need not compile again.
+        the VMs are one machine's CPU, so what one compiled another need not compile again. Not a multi-host
+        slice's workers (``worker-id`` metadata): each starts with an empty one, as a fresh VM does. JAX writes
+        the cache from process 0 only and keys a process's own computations by its devices, so with a warm
+        shared cache worker 0 skips the compiles worker 1 must do, and reaches the first cross-process
+        collective that much sooner; on CPUs that collective's gloo rendezvous waits 30 s for the peer, fixed
+        in XLA (``GlooKeyValueStore``), and a loaded machine's worker 1 missed it (CI's slice fault run).
     :param boot_delay: seconds from RUNNING until the VM's sshd answers.
     :param vm_environment: environment of every VM's sessions (the image's settings: the local GCS server's URL
         for the storage clients); may be set after construction, before the first boot.
@@ -118,7 +123,7 @@ class LocalFleet:
                 boot_delay=self.boot_delay,
                 shared_paths=self.shared_paths,
                 package_cache=self.package_cache,
-                compile_cache=self.compile_cache,
+                compile_cache=None if "worker-id" in metadata else self.compile_cache,
                 oslogin_url=oslogin_url if oslogin else None,
                 oslogin_logins=tuple(oslogin_logins) if oslogin else (),
                 environment=self.vm_environment,
