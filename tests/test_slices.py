@@ -161,7 +161,11 @@ def test_a_vm_lost_from_the_slice_breaks_it(hook):
     assert re.fullmatch(r"3 of 4 VMs running \(1 (stopping|terminated)\); topology INCOMPLETE", broken.detail)
 
 
-def _trigger(emulator, spec: TpuVmSpec | None = None, capacity_wait: float = 30, ready_timeout: float = 30):
+# Four local VMs boot, publish host keys and answer SSH in seconds; a bound for a loaded 2-core CI machine.
+READY_TIMEOUT_S = 180
+
+
+def _trigger(emulator, spec: TpuVmSpec | None = None, capacity_wait: float = 30, ready_timeout: float = READY_TIMEOUT_S):
     from airflow_tpu_posttrain.triggers.slice import TpuSliceCreateTrigger
 
     bodies = slices.slice_bodies(spec or slice_spec(), RUN_VM, ZONE, LABELS, None, SSH_KEYS)
