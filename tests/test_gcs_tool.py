@@ -151,6 +151,29 @@ def test_a_restarted_server_serves_what_it_held_once_started(tmp_path, monkeypat
             assert [b.name for b in gcs_client.Client().list_blobs(BUCKET, prefix="kept/")] == ["kept/object"]
 
 
+
+def test_a_server_stopped_mid_upload_serves_its_finished_objects_again_and_not_the_cut_ones(tmp_path, monkeypatch):
+    """After a restart the bucket serves the objects whose upload completed, and not those a stop cut short.
+
+    A stop in the middle of an upload leaves what fake-gcs-server had written so far; on Cloud Storage an upload
+    that did not complete is no object. Unhandled, one such file made every list of its bucket fail after the
+    restart (a storage outage run in CI: its retry found storage still down)."""
+    from google.cloud import storage as gcs_client
+
+    server = GcsServer(tmp_path / "objects", buckets=(BUCKET,))
+    with server:
+        for name, value in client_environment(server.url).items():
+            monkeypatch.setenv(name, value)
+        gcs_client.Client().bucket(BUCKET).blob("run/checkpoints/3/commit_success.txt").upload_from_string(b"done")
+    step = tmp_path / "objects" / BUCKET / "run" / "checkpoints" / "4"
+    step.mkdir(parents=True)
+    (step / ".commit_success.txt1234567").write_bytes(b"cut")  # its temporary file, before the rename
+    (step / "_CHECKPOINT_METADATA").write_bytes(b"cut")  # renamed into place, its metadata not yet written
+    with server:
+        listed = [blob.name for blob in gcs_client.Client().list_blobs(BUCKET, prefix="run/")]
+    assert listed == ["run/checkpoints/3/commit_success.txt"]
+    assert sorted(path.name for path in step.iterdir()) == []
+
 def _claim(uri: str, owner: str, env: dict, stale_s: int = 3600) -> int:
     return _bash(storage.claim_command(uri, owner, stale_s, TOOL if storage.is_gcs(uri) else None), env).returncode
 

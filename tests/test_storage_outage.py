@@ -12,11 +12,14 @@ from __future__ import annotations
 import re
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from conftest import FOCUSED_RUN, log_excerpt, storage_has, storage_objects
 from test_maxtext_faults import _COMPLETED, JOBS, _dag, _fixed_run_id, _return_value, _tis, _vm_session
+
+from airflow_tpu_posttrain.local.gcs_server import START_TIMEOUT_S
 
 DAG_ID = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__storage-outage"
@@ -28,6 +31,9 @@ OUTAGE_AFTER_STEP = 3
 # silence here (MaxText's start before its config dump, quality gate off) measured 24 s, and a resumed try's 9 s:
 # 90 s leaves over 3x that. This run's steps outside the outage took as long in a full run (-n 2) as alone.
 STALL_TIMEOUT_S = 90
+# The retry starts once storage is back: the outage thread restarts the server within a second or two of the
+# trainer's end, and the local entries' 5-s retry delay left a loaded machine too little room for that.
+RETRY_DELAY = timedelta(seconds=20)
 
 pytestmark = pytest.mark.maxtext
 
@@ -40,6 +46,17 @@ def _committed_steps() -> list[int]:
 
     names = storage_objects(LOCAL_CHECKPOINT_STORAGE)
     return sorted({int(m[1]) for name in names if (m := re.search(r"/checkpoints/(\d+)/commit_success\.txt$", name))})
+
+
+def _describe(pid: int) -> str:
+    """A process as ``pid (state, process group pgid): argv`` (this machine's pids), for a failure message."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid} (gone)"
+    state, _, pgid = stat.rsplit(")", 1)[1].split()[:3]
+    return f"{pid} ({state}, process group {pgid}): {argv[:200]}"
 
 
 class _Outage(threading.Thread):
@@ -57,6 +74,7 @@ class _Outage(threading.Thread):
         self.up_at: float | None = None
         self.try1_steps: list[int] = []
         self.committed_at_restart: list[int] = []
+        self.outliving: list[str] = []  # the job's processes at the last look while storage was down
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -92,7 +110,9 @@ class _Outage(threading.Thread):
                     self.try1_steps = steps
             time.sleep(0.05)
         while not self.stop.is_set() and self.up_at is None:
-            if not _vm_session(vm, leader):
+            members = _vm_session(vm, leader)
+            self.outliving = [_describe(pid) for pid in members]
+            if not members:
                 self.stack.gcs.start()
                 self.up_at = time.monotonic()
                 self.committed_at_restart = _committed_steps()  # before the retry writes any
@@ -107,17 +127,18 @@ def test_storage_outage_mid_training_is_stopped_and_the_retry_resumes(stack, cap
     capfd.readouterr()
     outage.start()
     dag = _dag()
-    dag.get_task("train").stall_timeout_s = STALL_TIMEOUT_S  # dag.test() runs the tasks of this DAG object
+    train_task = dag.get_task("train")  # dag.test() runs the tasks of this DAG object
+    train_task.stall_timeout_s, train_task.retry_delay = STALL_TIMEOUT_S, RETRY_DELAY
     try:
         with _fixed_run_id(RUN_ID):
             dag_run = dag.test(run_conf={"steps": STEPS, **FOCUSED_RUN}, logical_date=LOGICAL_DATE)
     finally:
         outage.stop.set()
-        outage.join(30)
+        outage.join(2 * START_TIMEOUT_S + 10)  # a restart that does not serve is reported as itself
     logs = "".join(capfd.readouterr())
     assert outage.error is None, outage.error
     assert outage.down_at is not None, "training ended before the outage"
-    assert outage.up_at is not None, "the trainer's processes outlived the run"
+    assert outage.up_at is not None, f"the trainer's processes outlived the run: {outage.outliving}"
     tis = _tis(dag_run)
     assert dag_run.state == "success", {task_id: ti.state for task_id, ti in tis.items()}
     assert tis["train"].try_number == 2

@@ -24,9 +24,11 @@ through the Storage Control gRPC API, which the server lacks (gcsfs falls back w
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -145,6 +147,37 @@ def client_environment(url: str) -> dict[str, str]:
     }
 
 
+def drop_unfinished_uploads(root: Path) -> list[Path]:
+    """Deletes the files under ``root``'s buckets that a stop cut short of being objects; returns them.
+
+    fake-gcs-server writes an object's bytes to a temporary file, renames it into place, then writes its
+    metadata (an extended attribute ``user.metadata``, or a ``.metadata`` file beside it where the disk has
+    none), and it exits at once on SIGTERM. A stop in the middle of an upload (the storage outage tests) leaves
+    a file without metadata, and the restarted server then fails every list of that bucket. On Cloud Storage
+    an upload that did not complete is no object ("the object is not available until it is completely
+    uploaded", cloud.google.com/storage/docs/consistency), so such a file is dropped, as Cloud Storage would
+    never have shown it."""
+    dropped = []
+    for bucket in (path for path in root.iterdir() if path.is_dir()):
+        for directory, _, names in os.walk(bucket):
+            for name in names:
+                path = Path(directory) / name
+                if name.endswith(".metadata") or _has_metadata(path):
+                    continue
+                path.unlink()
+                dropped.append(path)
+    return dropped
+
+
+def _has_metadata(path: Path) -> bool:
+    try:
+        return "user.metadata" in os.listxattr(path)
+    except OSError as err:
+        if err.errno != errno.ENOTSUP:
+            raise
+        return path.with_name(path.name + ".metadata").exists()
+
+
 class GcsServer:
     """fake-gcs-server with its objects under ``root``; ``buckets`` are created at start.
 
@@ -188,6 +221,7 @@ class GcsServer:
 
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
+        drop_unfinished_uploads(self.root)
         if not self.port:  # a restart (fault tests) keeps the URL the clients were given
             # Among Google's APIs in the local VPC (local/vpc.py): a VM reaches it as its network allows.
             self.address = vpc.service_address(vpc.GOOGLE_APIS_RANGE, port=443)
