@@ -147,8 +147,8 @@ def client_environment(url: str) -> dict[str, str]:
     }
 
 
-def drop_unfinished_uploads(root: Path) -> list[Path]:
-    """Deletes the files under ``root``'s buckets that a stop cut short of being objects; returns them.
+def drop_unfinished_uploads(root: Path) -> None:
+    """Deletes the files under ``root``'s buckets that a stop cut short of being objects.
 
     fake-gcs-server writes an object's bytes to a temporary file, renames it into place, then writes its
     metadata (an extended attribute ``user.metadata``, or a ``.metadata`` file beside it where the disk has
@@ -157,7 +157,6 @@ def drop_unfinished_uploads(root: Path) -> list[Path]:
     an upload that did not complete is no object ("the object is not available until it is completely
     uploaded", cloud.google.com/storage/docs/consistency), so such a file is dropped, as Cloud Storage would
     never have shown it."""
-    dropped = []
     for bucket in (path for path in root.iterdir() if path.is_dir()):
         for directory, _, names in os.walk(bucket):
             for name in names:
@@ -165,8 +164,6 @@ def drop_unfinished_uploads(root: Path) -> list[Path]:
                 if name.endswith(".metadata") or _has_metadata(path):
                     continue
                 path.unlink()
-                dropped.append(path)
-    return dropped
 
 
 def _has_metadata(path: Path) -> bool:
