@@ -35,7 +35,7 @@ def get_provider_info() -> dict:
         "connection-types": [
             {
                 "hook-class-name": "airflow_tpu_posttrain.hooks.hub.HuggingFaceHubHook",
-                "connection-type": "huggingface",
+                "connection-type": "tpu_posttrain_huggingface",
                 "hook-name": "Hugging Face Hub",
                 # What the connection form shows (the hook's get_ui_field_behaviour, read without importing it)
                 "ui-field-behaviour": {
@@ -65,6 +65,24 @@ def get_provider_info() -> dict:
                 ],
             }
         ],
+        "config": {
+            "tpu_posttrain": {
+                "description": "The TPU post-training provider's settings (every option it reads).\n",
+                "options": {
+                    "deployment_id": {
+                        "description": (
+                            "This Airflow deployment's id in its VMs' names and labels: give each deployment that "
+                            "shares a Google Cloud project its own. Empty: one drawn at the first create and kept "
+                            "in the Variable ``airflow_tpu_posttrain.deployment_id``.\n"
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "prod",
+                        "default": "",
+                    }
+                },
+            }
+        },
         "extra-links": [
             "airflow_tpu_posttrain.operators.export.PublishedModelLink",
             "airflow_tpu_posttrain.links.VmConsoleLink",

@@ -94,7 +94,7 @@ connections = {
 }
 # An hf_default without a token would be kept as is once HF_TOKEN is set later, so create it only with one.
 if env("HF_TOKEN"):
-    connections["hf_default"] = {"conn_type": "generic", "password": env("HF_TOKEN")}
+    connections["hf_default"] = {"conn_type": "tpu_posttrain_huggingface", "password": env("HF_TOKEN")}
 else:
     print("airflow-init: HF_TOKEN is not set, so hf_default is neither created nor changed", file=sys.stderr)
 with open(sys.argv[1], "w") as file:

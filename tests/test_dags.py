@@ -106,6 +106,15 @@ def test_registry_refuses_a_split_layout_without_checkpoint_storage():
     assert seeds.dag_id == "posttrain_sft__gemma3-4b__seeds"
 
 
+def test_registry_names_no_pool_unless_told():
+    """No pool by default: Airflow never runs a task of a pool that does not exist, and says so only in a log."""
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+    assert PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds").tpu_pool is None
+    with pytest.raises(ValueError, match="tpu_pool='tpu vms'"):
+        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", tpu_pool="tpu vms")
+
+
 def test_registry_refuses_a_model_without_a_profile():
     """Refused when the DAG file is parsed: else both VMs of a split run would be made before a step fails."""
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
@@ -279,8 +288,11 @@ def test_retries_and_pools(dags, dag_id):
         if task.task_id != WATCHER:
             assert task.retries > 0, task.task_id
         # The TPU pool counts the TPU VM's steps only: a teardown never queues for a slot behind other runs, and a
-        # create waiting for a place under the VM cap holds no slot that the running VM's steps need.
-        assert (task.pool == POOL) == (task.task_id in on_tpu), task.task_id
+        # create waiting for a place under the VM cap holds no slot that the running VM's steps need. The cloud
+        # entries name no pool (a pool that does not exist would hold every run in "scheduled"); the local ones
+        # name tpu_vms, which the local stack makes.
+        pool = POOL if dag_id not in CLOUD_DAGS else "default_pool"
+        assert task.pool == (pool if task.task_id in on_tpu else "default_pool"), task.task_id
     if getattr(dag.get_task(CREATE), "max_tpu_vms", None) is not None:
         assert dag.get_task(CREATE).execution_timeout > dag.params["max_wait_for_capacity"] * timedelta(minutes=1)
     assert dag.get_task(DELETE).retries >= 3
@@ -335,15 +347,20 @@ def test_the_seed_models_dag_survives_a_cleared_step_and_has_no_run_timeout(dags
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_schedule_catchup_and_concurrency(dags, dag_id):
+    """The example registry starts no run by itself: its cloud entries name a reservation and a bucket to edit."""
     dag = dags[dag_id]
-    if dag_id in CLOUD_DAGS and dag_id != SFT_SLICE:  # the slice's entry: manual runs
-        assert dag.schedule == "@weekly"
-        assert dag.timetable.expression == "0 0 * * 0"
-        assert dag.start_date is not None
-    else:
-        assert dag.schedule is None
+    assert dag.schedule is None
     assert dag.catchup is False
     assert dag.max_active_runs == 1
+
+
+def test_a_scheduled_entry_gets_its_cron_and_a_start_date():
+    from airflow_tpu_posttrain.pipelines.posttrain import build_dag
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+    dag = build_dag(PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", schedule="@weekly"))
+    assert dag.schedule == "@weekly" and dag.timetable.expression == "0 0 * * 0"
+    assert dag.start_date is not None and dag.catchup is False
 
 
 # -- bad input fails without retries (AirflowFailException) ------------------------------------------------

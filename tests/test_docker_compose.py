@@ -153,7 +153,7 @@ def test_init_creates_db_pool_and_connections(config: dict[str, Any]) -> None:
     for conn_id, conn_type in [
         ("google_cloud_default", "google_cloud_platform"),
         ("tpu_vm_ssh", "ssh"),
-        ("hf_default", "generic"),
+        ("hf_default", "tpu_posttrain_huggingface"),
     ]:
         assert re.search(rf'"{conn_id}"[^{{]*{{\s*"conn_type": "{conn_type}"', script), conn_id
     assert '"password": env("HF_TOKEN")' in script

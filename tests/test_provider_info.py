@@ -77,11 +77,11 @@ def test_the_hub_connection_type_labels_its_fields_and_gives_the_client(monkeypa
     manager = ProvidersManager()
     [declared] = get_provider_info()["connection-types"]
     assert declared["hook-class-name"] == "airflow_tpu_posttrain.hooks.hub.HuggingFaceHubHook"
-    behaviour = manager.field_behaviours["huggingface"]  # what the UI's form takes
+    behaviour = manager.field_behaviours["tpu_posttrain_huggingface"]  # what the UI's form takes
     assert behaviour["relabeling"] == {"password": "Token", "host": "Hub endpoint"}
     declared_behaviour = {k.replace("-", "_"): v for k, v in declared["ui-field-behaviour"].items()}
     assert declared_behaviour == HuggingFaceHubHook.get_ui_field_behaviour()  # one behaviour, said twice
-    connection = {"conn_type": "huggingface", "host": "http://127.0.0.1:9", "password": "hf-test-not-a-token"}
+    connection = {"conn_type": "tpu_posttrain_huggingface", "host": "http://127.0.0.1:9", "password": "hf-test-not-a-token"}
     monkeypatch.setenv("AIRFLOW_CONN_MY_HUB", json.dumps(connection))
     api = HuggingFaceHubHook("my_hub").get_conn()
     assert (api.endpoint, api.token) == ("http://127.0.0.1:9", "hf-test-not-a-token")
@@ -135,3 +135,46 @@ def test_no_module_imports_itself_round_a_cycle():
             visit(module)
     assert len(graph) > 40, sorted(graph)  # the walk found the package's modules
     assert not cycles, "import cycles, each module importing the next:\n" + "\n".join(cycles)
+
+
+def test_every_option_the_package_reads_is_declared_in_the_provider_config():
+    """Airflow lists a provider's declared options (``airflow config list``); an undeclared one is invisible."""
+    import ast
+
+    package_dir = Path(airflow_tpu_posttrain.__file__).parent
+    read = set()
+    for path in package_dir.rglob("*.py"):
+        if "local" in path.relative_to(package_dir).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "conf"):
+                section, option = (arg.value for arg in node.args[:2])
+                read.add((section, option))
+    declared = {
+        (section, option)
+        for section, body in get_provider_info()["config"].items()
+        for option in body["options"]
+    }
+    assert read and read <= declared, read - declared
+    from airflow.providers_manager import ProvidersManager
+
+    [ours] = [config for name, config in ProvidersManager().provider_configs if name == "airflow-tpu-posttrain"]
+    assert {(section, option) for section, body in ours.items() for option in body["options"]} == declared
+
+
+def test_every_public_operator_comes_from_the_operators_package():
+    """What a DAG author wires by hand: every operator class of the operators' modules, by its name."""
+    import airflow_tpu_posttrain.operators as operators
+
+    defined = {
+        name
+        for module in pkgutil.iter_modules(operators.__path__)
+        for name, cls in inspect.getmembers(importlib.import_module(f"{operators.__name__}.{module.name}"), inspect.isclass)
+        if issubclass(cls, BaseOperator) and cls.__module__.startswith(operators.__name__)
+        and not name.startswith("_") and not inspect.isabstract(cls)
+    }
+    shared_bases = {"ComputeOperator", "MaxTextJobOperator"}  # the bases the operators share, not steps themselves
+    assert set(operators.__all__) == defined - shared_bases
+    for name in operators.__all__:
+        assert getattr(operators, name).__name__ == name

@@ -45,8 +45,8 @@ def dags(tmp_path_factory):
         mp.setenv("TPU_POSTTRAIN_LOCAL_DIR", str(tmp_path_factory.mktemp("local")))
         mp.delenv("TPU_POSTTRAIN_VM_DIR", raising=False)
         # The Hub connections the exports read their endpoint from: huggingface.co's, and the local Hub's.
-        mp.setenv("AIRFLOW_CONN_HF_DEFAULT", '{"conn_type": "huggingface"}')
-        mp.setenv("AIRFLOW_CONN_LOCAL_HUB", '{"conn_type": "huggingface", "host": "http://127.0.0.1:8"}')
+        mp.setenv("AIRFLOW_CONN_HF_DEFAULT", '{"conn_type": "tpu_posttrain_huggingface"}')
+        mp.setenv("AIRFLOW_CONN_LOCAL_HUB", '{"conn_type": "tpu_posttrain_huggingface", "host": "http://127.0.0.1:8"}')
         bag = DagBag(dag_folder=str(DAGS_DIR))
         assert not bag.import_errors, bag.import_errors
         yield bag.dags

@@ -14,6 +14,8 @@ from typing import Any
 
 from airflow.providers.google.common.hooks.base_google import GoogleBaseAsyncHook, GoogleBaseHook
 
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID
+
 # Errors a retry can fix: rate limits and server-side hiccups.
 _TRANSIENT_NAMES = (
     "TooManyRequests",
@@ -41,7 +43,7 @@ class TpuVmHook(GoogleBaseHook):
     """Create, inspect and delete TPU VM instances, firewall rules and their operations."""
 
     conn_name_attr = "gcp_conn_id"
-    default_conn_name = "google_cloud_default"
+    default_conn_name = GCP_CONN_ID
     conn_type = "google_cloud_platform"
     hook_name = "Google Cloud (TPU VMs)"
 

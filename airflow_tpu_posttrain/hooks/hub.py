@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
+from airflow_tpu_posttrain.defaults import HF_CONN_ID
+
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
@@ -14,15 +16,16 @@ if TYPE_CHECKING:
 class HuggingFaceHubHook(BaseHook):
     """``huggingface_hub``'s client with the connection's token (its password) and endpoint (its host).
 
-    Connection type ``huggingface``: the form shows the two fields, labelled. A connection of another type with
-    the same two fields (``generic``) works too.
+    Connection type ``tpu_posttrain_huggingface``: the form shows the two fields, labelled. The type's name is
+    this provider's own, so no other provider (Apache's Hugging Face provider registers ``huggingface``) can
+    take it. A connection of another type with the same two fields (``generic``, ``huggingface``) works too.
 
     :param hf_conn_id: the connection; None: anonymous, against huggingface.co.
     """
 
     conn_name_attr = "hf_conn_id"
-    default_conn_name = "huggingface_default"
-    conn_type = "huggingface"
+    default_conn_name = HF_CONN_ID
+    conn_type = "tpu_posttrain_huggingface"
     hook_name = "Hugging Face Hub"
 
     @classmethod

@@ -14,12 +14,14 @@ from typing import Any
 from airflow.providers.google.cloud.hooks.os_login import OSLoginHook
 from airflow.providers.google.common.hooks.base_google import GoogleBaseAsyncHook
 
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID
+
 
 class OsLoginKeyHook(OSLoginHook):
     """Import SSH public keys into an OS Login profile and answer its POSIX login."""
 
     def __init__(
-        self, gcp_conn_id: str = "google_cloud_default", api_endpoint: str | None = None, **kwargs: Any
+        self, gcp_conn_id: str = GCP_CONN_ID, api_endpoint: str | None = None, **kwargs: Any
     ):
         super().__init__(gcp_conn_id=gcp_conn_id, **kwargs)
         self._api_endpoint = api_endpoint

@@ -301,7 +301,7 @@ class LocalStack:
                 "oslogin_api_endpoint": self.compute.url,  # the emulator also serves OS Login
             },
         }
-        hub = {"conn_type": "huggingface", "host": self.hub.url, "password": self.hf_token}
+        hub = {"conn_type": "tpu_posttrain_huggingface", "host": self.hub.url, "password": self.hf_token}
         # As README's "Running on Google Cloud" makes tpu_vm_ssh: a login and a key; no host, no host key.
         vm = {"conn_type": "ssh", "login": LOCAL_LOGIN, "extra": {"key_file": str(self.client_key)}}
         return {

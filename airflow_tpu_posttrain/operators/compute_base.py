@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID
 from airflow_tpu_posttrain.exceptions import InvalidInputError
 from airflow_tpu_posttrain.recipes import compute
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -136,7 +137,7 @@ class ComputeOperator(BaseOperator):
         self,
         *,
         project_id: str | None = None,
-        gcp_conn_id: str = "google_cloud_default",
+        gcp_conn_id: str = GCP_CONN_ID,
         api_endpoint: str | None = None,
         impersonation_chain: str | list[str] | None = None,
         poll_interval: float = 10.0,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_tpu_posttrain.defaults import HF_CONN_ID
 from airflow_tpu_posttrain.exceptions import HubAccessError, InvalidInputError
 from airflow_tpu_posttrain.recipes import validation
 from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
@@ -29,12 +30,12 @@ def published_inputs_variable(dag_id: str) -> str:
 
 def record_published(context: Context, inputs: dict[str, Any]) -> None:
     """After a publish: ``inputs`` are what the DAG's newest published model was trained from."""
-    from datetime import UTC, datetime
+    from datetime import datetime, timezone
 
     from airflow.sdk import Variable
 
     dag_run = context["dag_run"]
-    record = {"inputs": inputs, "run_id": dag_run.run_id, "published_at": datetime.now(UTC).isoformat()}
+    record = {"inputs": inputs, "run_id": dag_run.run_id, "published_at": datetime.now(timezone.utc).isoformat()}
     Variable.set(
         published_inputs_variable(dag_run.dag_id),
         record,
@@ -61,7 +62,8 @@ class InputsCheckOperator(BaseOperator):
     :param maxtext_version: the run's MaxText release (blank: the model's).
     :param settings: the run's recipe settings and publish targets (rendered Params, e.g. steps, hub_repo_id),
         compared as given (blank = None).
-    :param hf_conn_id: connection whose password is the Hugging Face token and whose host, if set, the Hub.
+    :param hf_conn_id: connection whose password is the Hugging Face token and whose host, if set, the Hub
+        (default ``hf_default``, as the registry's; None: anonymous).
     :param hub_repo_id: the Hub repo the export will publish to (blank: none); the token must be able to
         create and write it, checked here rather than after the training.
     :param force: train even when nothing changed.
@@ -78,7 +80,7 @@ class InputsCheckOperator(BaseOperator):
         dataset: str | None = None,
         maxtext_version: str | None = None,
         settings: Mapping[str, Any] | None = None,
-        hf_conn_id: str | None = None,
+        hf_conn_id: str | None = HF_CONN_ID,
         hub_repo_id: str | None = None,
         force: bool | str = False,
         **kwargs: Any,

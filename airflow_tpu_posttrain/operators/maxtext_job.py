@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_tpu_posttrain.defaults import HF_CONN_ID, SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
@@ -105,7 +106,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         and trained checkpoints (the split layout); empty: everything under ``root_dir`` (the tutorials').
     :param workdir: the jobs' scripts, logs and launchers on the VM.
     :param hf_conn_id: connection whose password is the Hugging Face token (and whose host, if set, the Hub
-        endpoint); needed to read gated models and to publish.
+        endpoint; default ``hf_default``, as the registry's; None: anonymous); needed to read gated models and to
+        publish.
     :param poll_interval: seconds between the trigger's polls of the job.
     :param max_reconnect_attempts: consecutive SSH failures the trigger rides out (with backoff).
     :param stall_timeout_s: seconds without output from the job after which it is taken for hung (a trainer whose
@@ -133,7 +135,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         self,
         *,
         model: str,
-        ssh_conn_id: str = "tpu_vm_ssh",
+        ssh_conn_id: str = SSH_CONN_ID,
         vm: Any = None,
         remote_host: str | None = None,
         ssh_login: str | None = None,
@@ -148,7 +150,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         root_dir: str | None = None,
         checkpoint_storage: str | None = None,
         workdir: str = DEFAULT_WORKDIR,
-        hf_conn_id: str | None = None,
+        hf_conn_id: str | None = HF_CONN_ID,
         poll_interval: int = 10,
         log_chunk_size: int = 65536,
         command_timeout: float = 30.0,

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from airflow_tpu_posttrain.defaults import SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     InvalidInputError,
@@ -109,7 +110,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         network: str = "default",
         subnetwork: str | None = None,
         network_path: str = "external",
-        ssh_conn_id: str = "tpu_vm_ssh",
+        ssh_conn_id: str = SSH_CONN_ID,
         ready_timeout: timedelta = timedelta(minutes=10),
         max_tpu_vms: int | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(hours=1),

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from airflow_tpu_posttrain.defaults import SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     CapacityUnavailableError,
@@ -147,7 +148,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         subnetwork: str | None = None,
         network_path: str = "external",
         ssh_source_ranges: Sequence[str] | str | None = None,
-        ssh_conn_id: str = "tpu_vm_ssh",
+        ssh_conn_id: str = SSH_CONN_ID,
         ssh_key_mode: str = "metadata",
         oslogin_user: str | None = None,
         ready_timeout: timedelta = timedelta(minutes=10),

@@ -38,7 +38,6 @@ from airflow_tpu_posttrain.pipelines.params import trigger_form
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
 from airflow_tpu_posttrain.recipes import compute
 
-POOL = "tpu_vms"
 MAX_RETRY_DELAY = timedelta(minutes=20)
 FIVE_MINUTES = timedelta(minutes=5)  # the timeout of the tasks that use no VM
 WATCHER = "fail_run_if_a_step_failed"
@@ -88,7 +87,7 @@ class Step:
     """One task of the DAG: its operator and the operator's arguments for a registry entry.
 
     ``vm``: the VM the step runs on ("tpu" or "cpu"); the step gets that VM (its create's result) and the
-    connections to it, and a step on the TPU VM a slot of the ``tpu_vms`` pool. The seeds layout has no CPU
+    connections to it, and a step on the TPU VM a slot of the registry's ``tpu_pool``, if any. The seeds layout has no CPU
     VM: its "cpu" steps run on the TPU VM. ``layout``, ``recipe``: the step is only in that layout's or that
     recipe's DAGs.
     """
@@ -347,7 +346,7 @@ def _dag(cfg: PipelineConfig) -> DAG:
             "retry_delay": timedelta(seconds=cfg.retry_delay_s),
             "retry_exponential_backoff": True,
             "max_retry_delay": MAX_RETRY_DELAY,
-            # Later steps first. A deferred training that resumes needs a tpu_vms slot again; by the default
+            # Later steps first. A deferred training that resumes needs a tpu_pool slot again; by the default
             # rule ("downstream") another run's install outranks it, and its VM idled for that run's whole
             # training (tests/test_deployment.py).
             "weight_rule": "upstream",
@@ -482,6 +481,6 @@ def _on_vm(cfg: PipelineConfig, vm: str) -> dict[str, Any]:
         **(cfg.local or {}),
         "vm": Output(f"create_{vm}_vm"),
     }
-    if vm == "tpu":
-        arguments["pool"] = POOL
+    if vm == "tpu" and cfg.tpu_pool:
+        arguments["pool"] = cfg.tpu_pool
     return arguments

@@ -9,11 +9,12 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from airflow_tpu_posttrain import defaults
 from airflow_tpu_posttrain.recipes import access, compute, cost, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
@@ -21,7 +22,7 @@ from airflow_tpu_posttrain.recipes.models import define_models, model_definition
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
-START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
+START_DATE = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,14 @@ class PipelineConfig:
             "zones), counted from Compute across DAGs; a multi-host slice counts once; null: no cap."
         ),
     )
+    tpu_pool: str | None = field(
+        default=None,
+        metadata=_doc(
+            "The Airflow pool of the TPU VM's steps (install, train): worker slots, not VMs. Create it first "
+            "(`airflow pools set --include-deferred NAME SLOTS DESCRIPTION`): Airflow never runs a task of a pool "
+            "that does not exist. null: no pool (Airflow's `default_pool`); the TPU VMs are capped by `max_tpu_vms`."
+        ),
+    )
     max_wait_for_capacity_minutes: int = field(
         default=60, metadata=_doc("The trigger form's default wait for a place under the cap or for capacity.")
     )
@@ -176,9 +185,9 @@ class PipelineConfig:
     hub_repo_id: str | None = None
     storage_uri: str | None = None
     overrides: tuple[str, ...] = ()
-    gcp_conn_id: str = field(default="google_cloud_default", metadata=_doc("The Airflow connection Compute is called with."))
-    ssh_conn_id: str = field(default="tpu_vm_ssh", metadata=_doc("The Airflow SSH connection: the login and its private key."))
-    hf_conn_id: str = field(default="hf_default", metadata=_doc("The Airflow connection holding the Hugging Face token."))
+    gcp_conn_id: str = field(default=defaults.GCP_CONN_ID, metadata=_doc("The Airflow connection Compute is called with."))
+    ssh_conn_id: str = field(default=defaults.SSH_CONN_ID, metadata=_doc("The Airflow SSH connection: the login and its private key."))
+    hf_conn_id: str = field(default=defaults.HF_CONN_ID, metadata=_doc("The Airflow connection holding the Hugging Face token."))
     retries: int = field(default=2, metadata=_doc("Each step's retries."))
     retry_delay_s: int = field(
         default=60, metadata=_doc("The first retry's delay in seconds (then exponential backoff, at most 20 minutes).")
@@ -236,6 +245,8 @@ class PipelineConfig:
             problems.append(SpecError("zones", self.zones, "is empty", "give at least one zone, e.g. [us-east5-b]"))
         for zone in self.zones:
             check(validation.zone, "zones", zone)
+        if self.tpu_pool is not None:
+            check(validation.safe_name, "tpu_pool", self.tpu_pool)
         if self.retries < 0:
             problems.append(SpecError("retries", self.retries, "is negative", "give 0 or more"))
         if self.layout == "split":

@@ -10,6 +10,9 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # Characters that let a value escape a shell word or start a second command.
 _SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
@@ -269,7 +272,7 @@ def column_list(field: str, value: str) -> str:
     return value
 
 
-def blank_to_none[T](value: T) -> T | None:
+def blank_to_none(value: T) -> T | None:
     """None for a value left empty in the trigger form or REST conf.
 
     None, "" and "None" (a None rendered into a string template) all mean "absent" (the model's default);

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 MIN_DEFERRAL_SECONDS = 5.0
 
+T = TypeVar("T")
 
-async def not_before_settled[T](events: AsyncIterator[T], started: float) -> AsyncIterator[T]:
+
+async def not_before_settled(events: AsyncIterator[T], started: float) -> AsyncIterator[T]:
     """``events``, none earlier than ``MIN_DEFERRAL_SECONDS`` after ``started`` (a ``time.monotonic()``)."""
     async for event in events:
         await asyncio.sleep(max(0.0, started + MIN_DEFERRAL_SECONDS - time.monotonic()))

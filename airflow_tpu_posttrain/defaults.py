@@ -1,0 +1,10 @@
+"""The defaults an operator and the registry (``dags/models.yaml``) share: one source for both.
+
+A DAG wired by hand with the operators gets the same connections as the registry's DAGs unless it names others.
+"""
+
+from __future__ import annotations
+
+GCP_CONN_ID = "google_cloud_default"  # Compute, OS Login and IAP are called with it
+SSH_CONN_ID = "tpu_vm_ssh"  # the VMs' login and its private key
+HF_CONN_ID = "hf_default"  # the Hugging Face token (and, for a Hub of one's own, its endpoint)
