@@ -8,3 +8,9 @@ from __future__ import annotations
 GCP_CONN_ID = "google_cloud_default"  # Compute, OS Login and IAP are called with it
 SSH_CONN_ID = "tpu_vm_ssh"  # the VMs' login and its private key
 HF_CONN_ID = "hf_default"  # the Hugging Face token (and, for a Hub of one's own, its endpoint)
+
+MAX_TPU_VMS = 1  # TPU VMs alive at once per capacity group (the reservation, else the zones); a slice counts once
+MAX_WAIT_FOR_CAPACITY_MINUTES = 60  # for a place under MAX_TPU_VMS, or in a fully used reservation
+# A training silent this long is taken for hung: stopped, and the try fails (a retry resumes). Training only: an
+# install's upload or a large conversion is legitimately silent for long.
+TRAINING_STALL_TIMEOUT_S = 1800

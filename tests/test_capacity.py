@@ -285,7 +285,7 @@ for dag_id, cap, reservation in [("cap_probe", 1, "my-reservation"), ("resv_prob
             max_tpu_vms=cap, max_wait_for_capacity=600, poll_interval=1,
         )
         use = UseVm(
-            task_id="use_vm", vm=create.output, model="tiny-llama", runtime="cpu", maxtext_venv="/var/tmp/unused",
+            task_id="use_vm", vm=create.output, model="tiny-llama", maxtext_venv="/var/tmp/unused",
             poll_interval=1,
         )
         delete = TpuDeleteOperator(task_id="delete_tpu_vm", project_id="{project}", zones=["us-east5-b"],

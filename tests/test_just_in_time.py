@@ -32,7 +32,7 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 
     create = TpuVmCreateOperator(
         task_id="create_tpu_vm", zones=["us-east5-b"], reservation="my-reservation", poll_interval=0.2,
-        conversion_task_id="convert", conversion_accelerator_type="cpu", inputs=check_inputs(),
+        max_tpu_vms=None, conversion_task_id="convert", conversion_accelerator_type="cpu", inputs=check_inputs(),
         trigger_rule="all_done",
     )
     if {fails!r}:

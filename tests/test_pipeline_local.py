@@ -411,3 +411,31 @@ def test_tiny_sft_in_the_seeds_layout(stack, capfd):
     assert {"mt-format/0/items", checkpoint} <= under_root, sorted(under_root)[:20]
     assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []
 
+
+
+def test_the_sft_tutorial_wired_by_hand_runs_end_to_end(stack, capfd, monkeypatch):
+    """The wheel's example of the operators wired by hand (dags/sft_tutorial_by_hand.py), on the local stack.
+
+    As a user runs it: its default connections (google_cloud_default, tpu_vm_ssh, hf_default) made to reach the
+    stack, the tutorial model's local twin and the local zones in its trigger form. It trains, publishes to the
+    Hub and deletes its VM with no registry behind it."""
+    dags_folder = Path(os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+    shutil.copy(REPO / "dags" / "sft_tutorial_by_hand.py", dags_folder / "sft_tutorial_by_hand.py")
+    for default, local in (("GOOGLE_CLOUD_DEFAULT", "LOCAL_COMPUTE"), ("TPU_VM_SSH", "LOCAL_VM"), ("HF_DEFAULT", "LOCAL_HUB")):
+        monkeypatch.setenv(f"AIRFLOW_CONN_{default}", os.environ[f"AIRFLOW_CONN_{local}"])
+    conf = {
+        "model": SFT_TWIN, "zones": ["local-cpu1-a"], "accelerator_type": "cpu", "provisioning_model": "STANDARD",
+        "reservation": None, "hub_repo_id": "local/tiny-gemma3-4b-by-hand",
+    }
+    dr = run_pipeline("sft_tutorial_by_hand", conf)
+    assert_succeeded(dr, "".join(capfd.readouterr()))
+
+    trained = xcom(dr, "train")
+    assert trained["checkpoint"].endswith("/model_params") and trained["metrics"]["steps_completed"] > 0
+    hub = xcom(dr, "export_and_publish")["hub"]
+    assert hub["repo_id"] == conf["hub_repo_id"]
+    from huggingface_hub import HfApi
+
+    files = HfApi(endpoint=stack.hub.url, token=HF_TOKEN).list_repo_files(hub["repo_id"], revision=hub["revision"])
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files), files
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True and stack.compute.instances() == []

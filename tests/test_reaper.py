@@ -113,7 +113,9 @@ from airflow.sdk import DAG
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 with DAG("reaper_victim", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
-    TpuVmCreateOperator(task_id="create_tpu_vm", zones=["us-east5-b"], reservation="r", poll_interval=0.2)
+    TpuVmCreateOperator(
+        task_id="create_tpu_vm", zones=["us-east5-b"], reservation="r", poll_interval=0.2, max_tpu_vms=None
+    )
 """
 
 REAPER = """

@@ -95,14 +95,10 @@ def vm_of_its_own(stack, name: str, zone: str = VM_ZONE) -> Iterator[SimpleNames
 
 
 def step(stack, machine, operator_class, task_id):
-    from airflow_tpu_posttrain.pipelines.registry import local_settings
-
-    settings = local_settings(str(stack.local_dir), stack.python312)
     return operator_class(
         task_id=task_id, model="tiny-llama", ssh_conn_id="local_vm",
         remote_host=machine.address, host_keys=machine.host_keys, accelerator_type="cpu", poll_interval=1,
         hf_conn_id="local_hub",  # the tiny model is a gated repo on the local Hub (dags/models.yaml)
-        **settings,
     )
 
 

@@ -31,7 +31,7 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
     if "create" in {tasks!r}:
         create = TpuVmCreateOperator(
             task_id="create_tpu_vm", zones={zones!r}, reservation={reservation!r}, poll_interval=0.2,
-            ssh_source_ranges={ranges!r}, {create_kwargs}
+            ssh_source_ranges={ranges!r}, max_tpu_vms=None, {create_kwargs}
         )
     if "delete" in {tasks!r}:
         delete = TpuDeleteOperator(

@@ -27,10 +27,11 @@ from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
          render_template_as_native_obj=True):
     create = TpuVmCreateOperator(
-        task_id="create_tpu_vm", zones=["us-east5-b"], reservation="my-reservation", poll_interval=0.2
+        task_id="create_tpu_vm", zones=["us-east5-b"], reservation="my-reservation", poll_interval=0.2,
+        max_tpu_vms=None,
     )
     install = MaxTextInstallOperator(
-        task_id="install_maxtext", vm=create.output, model="tiny-llama", runtime="cpu", maxtext_venv="/var/tmp/venv",
+        task_id="install_maxtext", vm=create.output, model="tiny-llama", maxtext_venv="/var/tmp/venv",
         retries=0,
     )
     delete = TpuDeleteOperator(task_id="delete_tpu_vm", zones=["us-east5-b"], poll_interval=0.2)

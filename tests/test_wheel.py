@@ -99,6 +99,7 @@ def test_the_wheel_alone_runs_a_users_own_model(wheel_venv, tmp_path):
             "posttrain_rl__llama3.1-8b-Instruct",
             "posttrain_sft__gemma3-4b",
             "posttrain_sft__gemma3-4b__slice",
+            "sft_tutorial_by_hand",
             "tpu_vm_reaper",
         ],
         "errors": {},
@@ -158,21 +159,26 @@ def test_the_compatibility_table_says_what_is_required_and_tested():
     """docs/compatibility.md's rows against pyproject.toml's requirements, the lock file and the model profiles."""
     import tomllib
 
+    from test_composer_floor import COMPOSER_PYTHON, floor_requirements
+
     from airflow_tpu_posttrain.recipes.models import MODELS
 
-    rows = {}
+    rows, lowest = {}, {}
     for line in (REPO / "docs" / "compatibility.md").read_text().splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("component", "---"):
-            rows[cells[0]] = (cells[1], cells[2])
+        if line.startswith("| ") and len(cells) == 4 and cells[0] not in ("component", "---"):
+            rows[cells[0]] = (cells[1], cells[3])
+            lowest[cells[0]] = cells[2]
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     lock = dict(
         line.split("==", 1) for line in (REPO / "requirements" / "test.lock").read_text().splitlines() if "==" in line
     )
+    floors = dict(pinned.split("==") for pinned in floor_requirements())
     for requirement in project["dependencies"]:
         name, required = re.match(r"([A-Za-z0-9_.-]+)(.*)", requirement).groups()
         assert rows[name] == (required, lock[name.replace("_", "-").lower()]), name
-    assert rows["Python"][0] == project["requires-python"]
+        assert lowest[name] == floors[name], name  # what tests/test_composer_floor.py installs
+    assert rows["Python"][0] == project["requires-python"] and lowest["Python"] == COMPOSER_PYTHON
     assert rows["MaxText on the TPU VM: SFT of `gemma3-4b`"][0].startswith(MODELS["gemma3-4b"].maxtext_version)
     assert rows["MaxText on the TPU VM: GRPO of `llama3.1-8b-Instruct`"][0].startswith(
         MODELS["llama3.1-8b-Instruct"].maxtext_version

@@ -40,11 +40,17 @@ from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
-from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET, LOCAL_LAUNCHERS
+from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, SLICE_MACHINE_TYPE
 from airflow_tpu_posttrain.recipes.install import install_script
 from airflow_tpu_posttrain.recipes.models import LOCAL_HUB_SOURCES, MODELS, TINY_CHATS_REPO, model_profile
-from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
+from airflow_tpu_posttrain.recipes.runtime import (
+    LOCAL_DIR_VARIABLE,
+    LOCAL_LAUNCHERS,
+    LOCAL_MODELS,
+    LOCAL_PYTHON_VARIABLE,
+    cpu_runtime,
+)
 
 LOCAL_PROJECT = "local-project"
 LOCAL_REGION = "local-cpu1"  # the region of the local entries' zones (dags/models.yaml)
@@ -131,7 +137,7 @@ def prepare_vm_image(local_dir: Path, python312: str) -> None:
 
     Each venv is made by the same idempotent script the install step runs; installing it also fills the package
     cache the VMs install from (the twins' releases too: 0.2.2, 0.2.3). The tiny-llama release's venv builds the
-    tiny models and data. The launcher scripts go where the local settings name them (``launcher_source_dir``)."""
+    tiny models and data. The launcher scripts go under ``LOCAL_LAUNCHERS``, where the install step takes them from."""
     shutil.copytree(Path(__file__).with_name("vm_launchers"), local_dir / LOCAL_LAUNCHERS, dirs_exist_ok=True)
     cache = package_cache()
     venv = local_dir / "maxtext-venv"
@@ -145,7 +151,7 @@ def prepare_vm_image(local_dir: Path, python312: str) -> None:
         subprocess.run(["bash", "-c", script], check=True, env={**os.environ, "UV_CACHE_DIR": str(cache)})
     compile_package_bytecode(cache, python312)
     subprocess.run(
-        [str(venv / "bin" / "python"), str(TINY_MODEL_SCRIPT), "--out", str(local_dir / "tiny")],
+        [str(venv / "bin" / "python"), str(TINY_MODEL_SCRIPT), "--out", str(local_dir / LOCAL_MODELS)],
         check=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "TRANSFORMERS_VERBOSITY": "error"},
     )
@@ -250,7 +256,7 @@ class LocalStack:
         # The tiny models, gated as Gemma and Llama are, each under the repo id its model reads: the twins' under
         # the tutorials' ids (MaxText's converters look those up by model name).
         for repo, source in LOCAL_HUB_SOURCES.items():
-            self.hub.store.seed_repo(repo, self.local_dir / "tiny" / source, gated="manual")
+            self.hub.store.seed_repo(repo, self.local_dir / LOCAL_MODELS / source, gated="manual")
             for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted
                 self.hub.grant(token, repo)
         self.seed_tiny_chats()
@@ -264,7 +270,7 @@ class LocalStack:
         shutil.rmtree(chats, ignore_errors=True)
         chats.mkdir(parents=True)
         for name in ("sft.jsonl", "sft_eval.jsonl"):
-            shutil.copy(self.local_dir / "tiny" / "data" / name, chats / name)
+            shutil.copy(self.local_dir / LOCAL_MODELS / "data" / name, chats / name)
         return self.hub.datasets.seed_repo(TINY_CHATS_REPO, chats)
 
     @property
@@ -308,9 +314,9 @@ class LocalStack:
             "AIRFLOW_CONN_LOCAL_COMPUTE": json.dumps(compute),
             "AIRFLOW_CONN_LOCAL_VM": json.dumps(vm),
             "AIRFLOW_CONN_LOCAL_HUB": json.dumps(hub),
-            "TPU_POSTTRAIN_LOCAL_DIR": str(self.local_dir),
+            LOCAL_DIR_VARIABLE: str(self.local_dir),
             "TPU_POSTTRAIN_VM_DIR": str(self.vm_dir),
-            "TPU_POSTTRAIN_PYTHON312": self.python312,
+            LOCAL_PYTHON_VARIABLE: self.python312,
             # The iap network path's ProxyCommand: the stand-in gcloud, reading Compute where gcloud would.
             "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             # No gcloud account of its own: the pipeline runs the tunnel as the local_compute connection's.

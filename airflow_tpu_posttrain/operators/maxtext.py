@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_tpu_posttrain.defaults import TRAINING_STALL_TIMEOUT_S
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
 from airflow_tpu_posttrain.links import CheckpointLink
 from airflow_tpu_posttrain.operators import just_in_time
@@ -16,7 +17,7 @@ from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
 from airflow_tpu_posttrain.recipes.models import GSM8K_REPO, ModelProfile, SftDataset
-from airflow_tpu_posttrain.recipes.runtime import Step
+from airflow_tpu_posttrain.recipes.runtime import LOCAL_DIR_VARIABLE, LOCAL_LAUNCHERS, Step, local_stack_dir
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 # A conversion claim is a dead run's after this long when the convert step has no timeout of its own.
@@ -74,12 +75,14 @@ class MaxTextInstallOperator(MaxTextJobOperator):
     def prepare(self, vm: VmHook, spec: maxtext.RunSpec, job: Job) -> None:
         if not spec.runtime.is_cpu:
             return
-        if not self.launcher_source_dir:
+        stack_dir = local_stack_dir()
+        if not stack_dir:
             problem = SpecError(
-                "launcher_source_dir", None, "is required on the cpu runtime", "give the launchers' directory"
+                "model", self.model, "is a local model: it runs on the local stack's CPU VMs only",
+                f"run it with the local stack (README: ./scripts/demo), which sets {LOCAL_DIR_VARIABLE}",
             )
             raise InvalidInputError.of(self.task_id, problem)
-        for launcher in sorted(Path(self.launcher_source_dir).glob("*.py")):
+        for launcher in sorted(Path(stack_dir, LOCAL_LAUNCHERS).glob("*.py")):
             vm.put_bytes(f"{spec.runtime.launcher_dir}/{launcher.name}", launcher.read_bytes(), 0o644)
 
     def finish(
@@ -221,6 +224,8 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
     :param conversion: the convert task's record, wired as its XComArg (``convert.output``): its
         ``converted_params`` is the checkpoint training starts from.
     :param converted_params: that checkpoint, when it does not come from ``conversion``.
+    :param stall_timeout_s: seconds without output after which the training is taken for hung (default 1800, as
+        the registry's; 0: never).
     """
 
     template_fields: Sequence[str] = (
@@ -239,9 +244,10 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         conversion: Any = None,
         converted_params: str | None = None,
         max_recoveries: int | str = 3,
+        stall_timeout_s: int = TRAINING_STALL_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(stall_timeout_s=stall_timeout_s, **kwargs)
         self.overrides = overrides
         self.conversion = conversion
         self.converted_params = converted_params

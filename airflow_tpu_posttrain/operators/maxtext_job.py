@@ -34,7 +34,15 @@ from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, Accelerator, accelerator
 from airflow_tpu_posttrain.recipes.models import ModelProfile, local_profile, model_profile
-from airflow_tpu_posttrain.recipes.runtime import Runtime, cpu_runtime, tpu_runtime
+from airflow_tpu_posttrain.recipes.runtime import (
+    LOCAL_MODELS,
+    LOCAL_VENV,
+    Runtime,
+    cpu_runtime,
+    local_python,
+    local_stack_dir,
+    tpu_runtime,
+)
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 if TYPE_CHECKING:
@@ -95,12 +103,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
     :param host_keys: ``{key type: base64}`` the VM must present (default: the ones it published, from
         ``vm``); every connection, in the worker and in the triggerer, is pinned to them.
     :param accelerator_type: default: the VM's, from ``vm``.
-    :param runtime: ``tpu`` (the tutorials) or ``cpu`` (the local CPU "VM", see recipes/runtime.py).
-    :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home).
-    :param base_python: the interpreter uv builds the venv from (``3.12`` on TPU, a path on cpu).
-    :param model_source_dir: cpu runtime: where the local model and its data live on the VM.
-    :param launcher_source_dir: cpu runtime: the directory, on the worker, of the launcher scripts the install
-        step copies to the VM (recipes/runtime.py; the local settings name the local stack's copy).
+    :param maxtext_venv: MaxText's venv on the VM (default ``maxtext_venv`` in the SSH user's home; a local model's:
+        the local stack's).
     :param root_dir: where the run's files go on the VM (default ``/dev/shm/<model>``, as in the tutorials).
     :param checkpoint_storage: ``gs://bucket/prefix`` (or, locally, a directory every VM sees) for the converted
         and trained checkpoints (the split layout); empty: everything under ``root_dir`` (the tutorials').
@@ -142,11 +146,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         ssh_proxy_command: str | None = None,
         host_keys: dict[str, str] | str | None = None,
         accelerator_type: str | None = None,
-        runtime: str = "tpu",
         maxtext_venv: str | None = None,
-        base_python: str | None = None,
-        model_source_dir: str | None = None,
-        launcher_source_dir: str | None = None,
         root_dir: str | None = None,
         checkpoint_storage: str | None = None,
         workdir: str = DEFAULT_WORKDIR,
@@ -167,11 +167,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         self.host_keys = host_keys
         self.model = model
         self.accelerator_type = accelerator_type
-        self.runtime = runtime
         self.maxtext_venv = maxtext_venv
-        self.base_python = base_python
-        self.model_source_dir = model_source_dir
-        self.launcher_source_dir = launcher_source_dir
         self.root_dir = root_dir
         self.checkpoint_storage = checkpoint_storage
         self.workdir = workdir
@@ -247,21 +243,17 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
 
     # -- shared machinery ------------------------------------------------------------------------
     def _runtime(self) -> Runtime:
-        if self.runtime == "cpu":
-            if not self.maxtext_venv:
-                raise SpecError(
-                    "maxtext_venv", None, "is required on the cpu runtime", "give the venv's path"
-                )
-            return cpu_runtime(
-                f"{self.workdir}/launchers", self.maxtext_venv, self.base_python or "python3.12"
-            )
-        validation.one_of("runtime", self.runtime, ("tpu", "cpu"))
+        """A cloud model's: the TPU VM's (the tutorials'); a local model's: the local stack's CPU "VM"'s."""
+        if model_profile(self.model).is_local:
+            return cpu_runtime(f"{self.workdir}/launchers", self.maxtext_venv or LOCAL_VENV, local_python())
         return tpu_runtime(self.maxtext_venv or "maxtext_venv")
 
     def _profile(self) -> ModelProfile:
+        """The model; a local one reads its files where the local stack keeps them (when it runs)."""
         profile = model_profile(self.model)
-        if profile.is_local and self.model_source_dir:
-            return local_profile(profile, self.model_source_dir)
+        stack_dir = local_stack_dir()
+        if profile.is_local and stack_dir:
+            return local_profile(profile, f"{stack_dir}/{LOCAL_MODELS}")
         return profile
 
     def run_spec(self, context: Context, conversion_key: str = "") -> maxtext.RunSpec:

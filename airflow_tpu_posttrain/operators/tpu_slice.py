@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.defaults import SSH_CONN_ID
+from airflow_tpu_posttrain.defaults import MAX_TPU_VMS, MAX_WAIT_FOR_CAPACITY_MINUTES, SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     InvalidInputError,
@@ -112,8 +112,8 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         network_path: str = "external",
         ssh_conn_id: str = SSH_CONN_ID,
         ready_timeout: timedelta = timedelta(minutes=10),
-        max_tpu_vms: int | None = None,
-        max_wait_for_capacity: timedelta | int = timedelta(hours=1),
+        max_tpu_vms: int | None = MAX_TPU_VMS,
+        max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
         tags: Sequence[str] | None = None,
         boot_disk_size_gb: int = 200,
         image_project: str = compute.DEFAULT_IMAGE_PROJECT,

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.defaults import SSH_CONN_ID
+from airflow_tpu_posttrain.defaults import MAX_TPU_VMS, MAX_WAIT_FOR_CAPACITY_MINUTES, SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     CapacityUnavailableError,
@@ -89,7 +89,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     :param max_tpu_vms: how many of the pipeline's VMs of this capacity group (the reservation, else the zones and
         machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
         deployments (a multi-host slice counts once); the create waits in the triggerer, holding no VM, until
-        one ends. None: no cap.
+        one ends (default 1, as the registry's). None: no cap.
     :param prices: USD per hour by machine type and provisioning model, for the log line that says what a VM
         deleted for being over the cap had cost (``recipes.cost.price_table``); None: the defaults.
     :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` or in a fully used
@@ -152,9 +152,9 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         ssh_key_mode: str = "metadata",
         oslogin_user: str | None = None,
         ready_timeout: timedelta = timedelta(minutes=10),
-        max_tpu_vms: int | None = None,
+        max_tpu_vms: int | None = MAX_TPU_VMS,
         prices: Mapping[str, Mapping[str, float]] | None = None,
-        max_wait_for_capacity: timedelta | int = timedelta(hours=1),
+        max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
         tags: Sequence[str] | None = None,
         boot_disk_size_gb: int = 200,
         image_project: str = compute.DEFAULT_IMAGE_PROJECT,

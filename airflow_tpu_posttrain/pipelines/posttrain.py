@@ -169,6 +169,7 @@ STEPS = (
         TpuVmCreateOperator,
         lambda cfg: {
             "name_prefix": "cpu",
+            "max_tpu_vms": None,  # a CPU VM: not under the TPU cap
             "accelerator_type": cfg.cpu_accelerator_type,
             "provisioning_model": "STANDARD",
             "image_project": compute.CPU_IMAGE_PROJECT,

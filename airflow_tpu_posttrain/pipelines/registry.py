@@ -6,7 +6,6 @@ Kept apart from the DAG factory so a DAG file that only needs the registry (the 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime, timedelta, timezone
@@ -15,10 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from airflow_tpu_posttrain import defaults
-from airflow_tpu_posttrain.recipes import access, compute, cost, validation
+from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.models import define_models, model_definitions, model_profile
+from airflow_tpu_posttrain.recipes.runtime import LOCAL_VENV, local_stack_dir
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -157,7 +157,7 @@ class PipelineConfig:
         metadata=_doc("The VMs' service account (scope cloud-platform); grant it `checkpoint_storage` in IAM."),
     )
     max_tpu_vms: int | None = field(
-        default=1,
+        default=defaults.MAX_TPU_VMS,
         metadata=_doc(
             "How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the "
             "zones), counted from Compute across DAGs; a multi-host slice counts once; null: no cap."
@@ -172,7 +172,7 @@ class PipelineConfig:
         ),
     )
     max_wait_for_capacity_minutes: int = field(
-        default=60, metadata=_doc("The trigger form's default wait for a place under the cap or for capacity.")
+        default=defaults.MAX_WAIT_FOR_CAPACITY_MINUTES, metadata=_doc("The trigger form's default wait for a place under the cap or for capacity.")
     )
     maxtext_version: str | None = None
     dataset: str | None = None
@@ -196,10 +196,10 @@ class PipelineConfig:
         default=None, metadata=_doc("Seconds between the triggers' polls; null: each step's own (10 to 30 s).")
     )
     checkpoint_period: int = field(
-        default=200, metadata=_doc("SFT steps between checkpoints: at most what a retry or a VM recovery repeats.")
+        default=maxtext.DEFAULT_SFT_CHECKPOINT_PERIOD, metadata=_doc("SFT steps between checkpoints: at most what a retry or a VM recovery repeats.")
     )
     stall_timeout_s: int = field(
-        default=1800,
+        default=defaults.TRAINING_STALL_TIMEOUT_S,
         metadata=_doc(
             "A training silent this long (seconds) is taken for hung and stopped, failing the try (a retry "
             "resumes): longer than its quietest healthy stretch (compiling, a checkpoint save), far shorter than the "
@@ -210,7 +210,7 @@ class PipelineConfig:
     min_improvement_pct: float = gate.DEFAULT_MIN_IMPROVEMENT_PCT
     # Set by the loader, never by models.yaml (_LOADER_KEYS).
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
-    local: dict[str, str] | None = None  # cpu runtime settings for the local CPU "VM" (see local_settings)
+    local: dict[str, str] | None = None  # the local CPU "VM"'s operator arguments (see _local_entry_settings)
     tags: tuple[str, ...] = field(default=(), metadata=_doc("Extra DAG tags."))
     # USD per hour by machine type and provisioning model: recipes/cost.py's defaults with the registry's
     # top-level ``prices:`` laid over them (what the teardown and the reaper say each VM cost).
@@ -306,27 +306,7 @@ class PipelineConfig:
 LOCAL_BUCKET = "local-posttrain"
 LOCAL_CHECKPOINT_STORAGE = f"gs://{LOCAL_BUCKET}/airflow-tpu-posttrain"
 
-# The local VMs' MaxText venv: on each VM's own disk, installed there from the package cache (an absolute path
-# keeps it out of the environment archive, which for a CPU venv would cost more than installing it).
-LOCAL_VENV = "/var/tmp/maxtext-venv"
 
-
-# Where the local stack puts the cpu runtime's launcher scripts, under its local directory.
-LOCAL_LAUNCHERS = "vm-launchers"
-
-
-def local_settings(local_dir: str, python312: str) -> dict[str, str]:
-    """How the local CPU "VM" differs from a TPU VM.
-
-    The CPU runtime, its venv, the tiny model's directory, its launcher scripts. The jobs' files go where
-    production puts them (``/tmp``, ``/dev/shm``), on each VM's own disk."""
-    return {
-        "runtime": "cpu",
-        "maxtext_venv": LOCAL_VENV,
-        "base_python": python312,
-        "model_source_dir": f"{local_dir}/tiny",
-        "launcher_source_dir": f"{local_dir}/{LOCAL_LAUNCHERS}",
-    }
 
 
 class RegistryError(ValueError):
@@ -440,7 +420,9 @@ def _problems_of_typed_values(merged: dict[str, Any], mistyped: set[str | None])
 
 def _local_entry_settings(local_dir: str) -> dict[str, Any]:
     return {
-        "local": local_settings(local_dir, os.environ.get("TPU_POSTTRAIN_PYTHON312", "python3.12")),
+        # The rest of the cpu runtime comes from the local stack's environment (recipes/runtime.py). The jobs'
+        # files go where production puts them (/tmp, /dev/shm), on each VM's own disk.
+        "local": {"maxtext_venv": LOCAL_VENV},
         "timeouts": LOCAL_TIMEOUTS,
         "checkpoint_storage": LOCAL_CHECKPOINT_STORAGE,  # the local GCS server's bucket
         "cpu_accelerator_type": "cpu",
@@ -473,10 +455,10 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
         define_models(model_definitions(data.get("models"), problems))
     except SpecError as err:
         problems.append(f"models: {err}")
-    entries = _validated_entries(data, os.environ.get("TPU_POSTTRAIN_LOCAL_DIR"), problems)
+    entries = _validated_entries(data, local_stack_dir(), problems)
     if problems:
         raise RegistryError(path, problems)
-    local_dir = os.environ.get("TPU_POSTTRAIN_LOCAL_DIR")
+    local_dir = local_stack_dir()
     return [
         config
         for is_local, config in entries

@@ -76,7 +76,7 @@ class ModelProfile:
         default_factory=lambda: MappingProxyType({}),
         metadata={"doc": "MaxText keys that reshape `maxtext_model_name`, for a model MaxText has no config of its own for."},
     )
-    # The local CPU model: served by the local Hub, its datasets local files (``model_source_dir``).
+    # The local CPU model: served by the local Hub, its datasets local files (under the local stack's ``LOCAL_MODELS`` folder).
     is_local: bool = False
     # MaxText's own table of Hub ids (its converters' ``HF_IDS``) names ``hf_source`` for ``maxtext_model_name``:
     # the converters read it by name. Else the cpu runtime gives it as ``--hf_model_path``.

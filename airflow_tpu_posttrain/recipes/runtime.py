@@ -10,6 +10,7 @@ the CPU, MaxText's CPU settings, short sequences, and three steps started throug
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -20,6 +21,28 @@ from airflow_tpu_posttrain.recipes.models import ModelProfile, twin_key
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 DEFAULT_TPU_VENV = "maxtext_venv"  # the tutorials' name, relative to the SSH user's home
+
+# The local stack's environment (local/stack.py sets it for Airflow's processes, which also parse the local DAGs
+# only when it is set): the directory of its tiny models, their data and the CPU launchers, and the Python its
+# CPU "VMs" build MaxText's venv from. A local model runs on the cpu runtime, a cloud model on the tpu runtime:
+# nothing of the local run is an operator's argument.
+LOCAL_DIR_VARIABLE = "TPU_POSTTRAIN_LOCAL_DIR"
+LOCAL_PYTHON_VARIABLE = "TPU_POSTTRAIN_PYTHON312"
+LOCAL_LAUNCHERS = "vm-launchers"  # the launchers' folder under the local stack's directory
+LOCAL_MODELS = "tiny"  # the tiny models' and their data's folder under it
+# The local VMs' MaxText venv: on each VM's own disk, installed there from the package cache (an absolute path
+# keeps it out of the environment archive, which for a CPU venv would cost more than installing it).
+LOCAL_VENV = "/var/tmp/maxtext-venv"
+
+
+def local_stack_dir() -> str | None:
+    """The local stack's directory, from its environment; None outside the local stack."""
+    return os.environ.get(LOCAL_DIR_VARIABLE) or None
+
+
+def local_python() -> str:
+    """The interpreter the local CPU "VM" builds MaxText's venv from."""
+    return os.environ.get(LOCAL_PYTHON_VARIABLE) or "python3.12"
 _PYTHON = "python3"  # the venv's interpreter once the venv is activated, as in the tutorials
 
 

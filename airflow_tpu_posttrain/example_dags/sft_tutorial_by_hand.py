@@ -1,0 +1,1 @@
+../../dags/sft_tutorial_by_hand.py
