@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -30,12 +31,12 @@ def published_inputs_variable(dag_id: str) -> str:
 
 def record_published(context: Context, inputs: dict[str, Any]) -> None:
     """After a publish: ``inputs`` are what the DAG's newest published model was trained from."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from airflow.sdk import Variable
 
     dag_run = context["dag_run"]
-    record = {"inputs": inputs, "run_id": dag_run.run_id, "published_at": datetime.now(timezone.utc).isoformat()}
+    record = {"inputs": inputs, "run_id": dag_run.run_id, "published_at": datetime.now(UTC).isoformat()}
     Variable.set(
         published_inputs_variable(dag_run.dag_id),
         record,

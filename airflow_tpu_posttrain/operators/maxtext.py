@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -337,7 +337,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         spec = self.resolved(context, self.run_spec(context))
         return {
             "evaluation": self.evaluation(spec, metrics, paths.log_file, report["kept_base_evaluation"].stdout),
-            "finished_at": datetime.now(timezone.utc).isoformat(),
+            "finished_at": datetime.now(UTC).isoformat(),
             # What the training's cost counts: the VM it finished on and those lost before (recoveries).
             "vm": self.serving_vm(context),
             "lost_vms": self.lost_vms(context),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.operators.compute_base import ComputeOperator, deployment_id
@@ -127,7 +127,7 @@ class TpuVmReaperOperator(ComputeOperator):
                 counts["slice_parts_deleted"] += 1
 
     def execute(self, context: Context) -> dict:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         counts = {
             "seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "slices_deleted": 0,
             "slice_parts_deleted": 0, "dry_run": self.dry_run,

@@ -13,7 +13,7 @@ the tutorials' layout they were on the lost VM's disk, so the step fails with :c
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import TaskDeferred
@@ -46,7 +46,7 @@ class Lost:
         self.status = instance.get("status") if instance else None
         created = (instance or {}).get("creationTimestamp")
         self.ran_s = (
-            int((datetime.now(timezone.utc) - datetime.fromisoformat(created)).total_seconds()) if created else None
+            int((datetime.now(UTC) - datetime.fromisoformat(created)).total_seconds()) if created else None
         )
 
     def __str__(self) -> str:
@@ -278,7 +278,7 @@ class VmRecoveryMixin:
         return context["ti"].xcom_pull(task_ids=self.task_id, key=LOST_VMS) or []
 
     def _count_lost_vm(self, context: Context) -> None:
-        lost = {**self.serving_vm(context), "lost_at": datetime.now(timezone.utc).isoformat()}
+        lost = {**self.serving_vm(context), "lost_at": datetime.now(UTC).isoformat()}
         context["ti"].xcom_push(key=LOST_VMS, value=[*self.lost_vms(context), lost])
 
     def recovery_complete(self, context: Context, event: dict | None = None) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +22,7 @@ from airflow_tpu_posttrain.recipes.runtime import LOCAL_VENV, local_stack_dir
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
-START_DATE = datetime(2026, 1, 1, tzinfo=timezone.utc)
+START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import json
 import re
 import shlex
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -72,7 +72,7 @@ def public_key(field: str, value: str) -> str:
 
 def ssh_keys_metadata(user: str, key: str, expire_at: int) -> str:
     """The ``ssh-keys`` metadata line for ``user``'s public ``key``, expiring with the VM."""
-    expire_on = datetime.fromtimestamp(expire_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S+0000")
+    expire_on = datetime.fromtimestamp(expire_at, UTC).strftime("%Y-%m-%dT%H:%M:%S+0000")
     details = json.dumps({"userName": user, "expireOn": expire_on}, separators=(",", ":"))
     return f"{login('ssh login', user)}:{public_key('ssh public key', key)} google-ssh {details}"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from airflow_tpu_posttrain.recipes.compute import CAPACITY_GROUP_LABEL, LIVE_STATES, slice_group_of
 
@@ -67,7 +67,7 @@ def holders(instances: Iterable[dict]) -> list[dict]:
 def _created(instance: dict) -> datetime:
     """When the instance was created; one without a timestamp (not yet answered) counts as the newest."""
     stamp = instance.get("creationTimestamp")
-    return datetime.fromisoformat(stamp) if stamp else datetime.max.replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(stamp) if stamp else datetime.max.replace(tzinfo=UTC)
 
 
 def over_cap(name: str, instances: Iterable[dict], cap: int) -> bool:

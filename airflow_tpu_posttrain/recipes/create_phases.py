@@ -12,19 +12,10 @@ group's last place deletes ours (``YIELD``) and waits for room again.
 
 from __future__ import annotations
 
-import sys
+from enum import StrEnum
 from typing import NamedTuple
 
 from airflow_tpu_posttrain.recipes.compute import ErrorKind
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # Python 3.10: str() of a member is its value, as enum.StrEnum's
-    from enum import Enum
-
-    class StrEnum(str, Enum):
-        def __str__(self) -> str:
-            return str(self.value)
 
 
 class Phase(StrEnum):

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from airflow_tpu_posttrain.recipes import storage as checkpoint_storage
 from airflow_tpu_posttrain.recipes import validation
@@ -125,7 +125,7 @@ def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None) -> 
     slug = re.sub(r"[^a-z0-9]+", "-", dag_id.lower())[:_DAG_SLUG_MAX_LEN].strip("-") or "run"
     parts = [slug]
     if logical_date is not None:
-        utc = logical_date.astimezone(timezone.utc) if logical_date.tzinfo else logical_date
+        utc = logical_date.astimezone(UTC) if logical_date.tzinfo else logical_date
         parts.append(utc.strftime("%Y-%m-%d-%H-%M-%S"))
     parts.append(hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:_HASH_LEN])
     return "-".join(parts)

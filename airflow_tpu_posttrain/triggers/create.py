@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.triggers.base import TriggerEvent
@@ -382,7 +382,7 @@ class _CreateRun:
         )
         instance = await self.trigger._poll(lambda: self.hook.get_instance(self.project, zone, self.name))
         spent = (
-            cost.vm_cost(self.name, instance, datetime.now(timezone.utc).isoformat(), self.trigger.prices)
+            cost.vm_cost(self.name, instance, datetime.now(UTC).isoformat(), self.trigger.prices)
             if instance
             else None
         )
