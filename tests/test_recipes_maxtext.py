@@ -664,7 +664,7 @@ def test_install_reruns_are_noops(tmp_path):
     recorded = calls.read_text().splitlines()
     assert recorded[0] == f"venv --python /usr/bin/python3.12 {venv}"
     assert recorded[1].endswith("maxtext[tpu]==0.2.5 google-tunix==0.1.7")
-    assert (venv / "overrides.txt").read_text() == "safetensors>=0.8.0\n"
+    assert (venv / "overrides.txt").read_text() == "safetensors>=0.8.0\njax<0.12.1\njaxlib<0.12.1\n"
 
     second = _bash(script, env)
     assert second.returncode == 0 and "Reusing the MaxText environment" in second.stdout

@@ -23,7 +23,10 @@ from airflow_tpu_posttrain.recipes.shell import remote_path
 
 MARKER_NAME = ".airflow-tpu-posttrain-install"
 # google-tunix 0.1.7 pins safetensors<0.8 while maxtext[tpu] 0.2.5 needs >=0.8; both work with 0.8.
-CPU_OVERRIDES = ("safetensors>=0.8.0",)
+# jax 0.12.1 (December 2026) removed jax.experimental.pallas.ops.gpu.attention, which MaxText 0.2.2 to 0.2.5 import
+# at start-up, and their requirements leave jax unbounded. (The TPU install resolves the lowest versions, as the
+# tutorials do, and is not affected.)
+CPU_OVERRIDES = ("safetensors>=0.8.0", "jax<0.12.1", "jaxlib<0.12.1")
 CPU_TUNIX = "google-tunix==0.1.7"
 _GCS_CLIENT = "google-cloud-storage>=2.18"  # what gcs_tool.py needs before MaxText's venv exists
 _ENSURE_UV = "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh"
