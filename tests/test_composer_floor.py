@@ -61,7 +61,7 @@ PARSE = textwrap.dedent(
     from airflow.providers_manager import ProvidersManager
 
     examples = Path(airflow_tpu_posttrain.__file__).with_name("example_dags")
-    bag = DagBag(dag_folder=str(examples), include_examples=False)
+    bag = DagBag(dag_folder=str(examples))
     provider = ProvidersManager().providers["airflow-tpu-posttrain"]
     print(json.dumps({
         "python": list(sys.version_info[:2]),
@@ -143,7 +143,10 @@ def test_the_wheel_installs_at_our_lowest_versions_and_its_example_dags_parse(fl
         name, version = requirement.split("==")
         assert Version(installed[canonicalize_name(name)]) == Version(version), requirement
 
-    env = _clean_env(AIRFLOW_HOME=str(tmp_path / "airflow-home"), PATH=f"{floor_venv / 'bin'}:{os.environ['PATH']}")
+    env = _clean_env(
+        AIRFLOW_HOME=str(tmp_path / "airflow-home"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        PATH=f"{floor_venv / 'bin'}:{os.environ['PATH']}",
+    )
     parsed = subprocess.run([str(floor_venv / "bin" / "python"), "-c", PARSE], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert parsed.returncode == 0, parsed.stderr[-3000:]

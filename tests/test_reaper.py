@@ -251,7 +251,8 @@ def test_reaper_deletes_the_vm_of_a_deleted_run(emulator, run_dag, capfd):
     assert _wait_until(lambda: emulator.instances() == [])
 
 
-FIREWALLED = CREATE_ONLY.replace('poll_interval=0.2)', 'poll_interval=0.2, ssh_source_ranges=["10.0.0.0/8"])')
+FIREWALLED = CREATE_ONLY.replace("max_tpu_vms=None", 'max_tpu_vms=None, ssh_source_ranges=["10.0.0.0/8"]')
+assert FIREWALLED != CREATE_ONLY
 
 
 def test_reaper_deletes_ssh_rules_whose_vm_is_gone_and_no_other(emulator, run_dag, capfd, fault_matrix):
