@@ -22,20 +22,7 @@ _MODULE_OF = {
     "TpuSliceDeleteOperator": "tpu_slice",
     "TpuVmCreateOperator": "tpu_vm",
 }
-__all__ = [
-    "GrpoTrainOperator",
-    "HfExportOperator",
-    "InputsCheckOperator",
-    "MaxTextConvertOperator",
-    "MaxTextInstallOperator",
-    "QualityGateOperator",
-    "SftTrainOperator",
-    "TpuDeleteOperator",
-    "TpuSliceCreateOperator",
-    "TpuSliceDeleteOperator",
-    "TpuVmCreateOperator",
-    "TpuVmReaperOperator",
-]
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
