@@ -98,3 +98,9 @@ class HubAccessError(AirflowFailException):
     """The Hugging Face token cannot read a run's input: no retry helps, so nothing is created.
 
     A gated repo without a grant, a private or missing repo."""
+
+
+class CloudResourceError(AirflowFailException):
+    """A bucket or reservation the run names does not exist, or Airflow's Google connection may not read it.
+
+    Found by the inputs check, before any VM: nothing is created, and no retry helps."""

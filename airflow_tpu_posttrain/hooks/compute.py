@@ -157,6 +157,21 @@ class TpuVmHook(GoogleBaseHook):
         return host_keys_from_guest_attributes(_message_to_dict(answer))
 
     @cached_property
+    def reservations(self) -> Any:
+        return self._client("ReservationsClient")
+
+    def get_reservation(self, project: str, zone: str, name: str) -> dict | None:
+        """The reservation as REST JSON, or None when it does not exist (403 is raised: not readable)."""
+        from google.api_core.exceptions import NotFound
+
+        try:
+            return _message_to_dict(
+                self.reservations.get(project=project, zone=zone, reservation=name, retry=self.retry)
+            )
+        except NotFound:
+            return None
+
+    @cached_property
     def networks(self) -> Any:
         return self._client("NetworksClient")
 

@@ -563,6 +563,7 @@ class ComputeEmulator:
             f"{global_}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
             f"{regional}/operations/(?P<name>[^/]+)": {"GET": (self._get_operation, "operation")},
             f"{regional}/operations/(?P<name>[^/]+)/wait": {"POST": (self._wait_operation, "operation")},
+            f"{zonal}/reservations/(?P<name>[^/]+)": {"GET": (self._get_reservation, "get")},
             f"{global_}/firewalls": {
                 "GET": (self._list_firewalls, "list"),
                 "POST": (self._insert_firewall, None),
@@ -760,7 +761,9 @@ class ComputeEmulator:
 
         Consumed by the live instances naming it, refused to the next one while they hold it all."""
         with self._lock:
-            self._reservations[(project, zone, name)] = {"count": vm_count, "machineType": machine_type}
+            self._reservations[(project, zone, name)] = {
+                "count": vm_count, "machineType": machine_type, "id": _numeric_id(), "created": time.time()
+            }
 
     def add_network(self, name: str, custom_mode: bool, project: str | None = None) -> None:
         """Add a VPC network (every project has the auto-mode ``default``); custom-mode ones need subnetworks."""
@@ -797,7 +800,7 @@ class ComputeEmulator:
             self._requests: list[dict[str, Any]] = []
             self._instances: dict[tuple[str, str, str], dict[str, Any]] = {}
             self._firewalls: dict[tuple[str, str], dict[str, Any]] = {}
-            # (project or None for every project, zone, name) -> {"count", "machineType"}
+            # (project or None for every project, zone, name) -> {"count", "machineType", "id", "created"}
             self._reservations: dict[tuple[str | None, str, str], dict[str, Any]] = {}
             # (project or None for every project, name) -> network fields
             self._networks: dict[tuple[str | None, str], dict[str, Any]] = {
@@ -1335,17 +1338,7 @@ class ComputeEmulator:
                     400,
                     "BAD REQUEST",
                 )
-            in_use = sum(
-                1
-                for (instance_project, instance_zone, _), instance in self._instances.items()
-                if (instance_project, instance_zone) == (project, zone)
-                and instance["status"] not in ("TERMINATED", "STOPPED", "SUSPENDED")
-                and name
-                in [
-                    _reservation_ref(v, project)[1]
-                    for v in instance.get("reservationAffinity", {}).get("values", [])
-                ]
-            )
+            in_use = self._reservation_in_use(project, zone, name)
             if in_use + adding > reservation["count"]:  # an instance already inserted is counted in in_use
                 return _OperationError(
                     "CONDITION_NOT_MET",
@@ -1354,6 +1347,45 @@ class ComputeEmulator:
                     "BAD REQUEST",
                 )
         return None
+
+    def _reservation_in_use(self, project: str, zone: str, name: str) -> int:
+        """How many live instances of ``project`` in ``zone`` consume the reservation ``name``."""
+        return sum(
+            1
+            for (instance_project, instance_zone, _), instance in self._instances.items()
+            if (instance_project, instance_zone) == (project, zone)
+            and instance["status"] not in ("TERMINATED", "STOPPED", "SUSPENDED")
+            and name
+            in [_reservation_ref(v, project)[1] for v in instance.get("reservationAffinity", {}).get("values", [])]
+        )
+
+    def _get_reservation(self, query: dict, body: dict, project: str, zone: str, name: str):
+        """``reservations.get``: a specific reservation as Compute v1 shows it, 404 where there is none.
+
+        Its count and use are strings (int64 in JSON); ``instanceProperties.machineType`` is a bare name, as
+        ``gcloud compute reservations create --machine-type`` sets it."""
+        with self._lock:
+            reservation = self._reservations.get((project, zone, name)) or self._reservations.get((None, zone, name))
+            path = _resource_path(project, zone, "reservations", name)
+            if reservation is None or name in self._faults.missing_reservations:
+                raise _not_found(path)
+            properties = {"machineType": reservation["machineType"]} if reservation["machineType"] else {}
+            return 200, {
+                "kind": "compute#reservation",
+                "id": reservation["id"],
+                "creationTimestamp": _timestamp(reservation["created"]),
+                "name": name,
+                "zone": f"{API_ROOT}/projects/{project}/zones/{zone}",
+                "selfLink": f"{API_ROOT}/{path}",
+                "specificReservation": {
+                    "instanceProperties": properties,
+                    "count": str(reservation["count"]),
+                    "inUseCount": str(self._reservation_in_use(project, zone, name)),
+                },
+                "specificReservationRequired": True,
+                "status": "READY",
+                "shareSettings": {"shareType": "LOCAL"},
+            }
 
     def _schedule_max_run_duration(self, key: tuple[str, str, str], instance: dict[str, Any]) -> None:
         """Arm the cloud-side backstop of ``scheduling.maxRunDuration``."""

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
-from airflow_tpu_posttrain.defaults import HF_CONN_ID
-from airflow_tpu_posttrain.exceptions import HubAccessError, InvalidInputError
-from airflow_tpu_posttrain.recipes import validation
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID, HF_CONN_ID
+from airflow_tpu_posttrain.exceptions import CloudResourceError, HubAccessError, InvalidInputError
+from airflow_tpu_posttrain.recipes import compute, storage, validation
+from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -47,10 +48,12 @@ def record_published(context: Context, inputs: dict[str, Any]) -> None:
 
 
 class InputsCheckOperator(BaseOperator):
-    """Checks the run's inputs before any VM is created: readable with the token, and changed.
+    """Checks the run's inputs and targets before any VM is created: there, readable, and changed.
 
-    Fails when the token cannot download a base model's or dataset's files (a gated repo without a grant),
-    and skips the whole run when nothing it would train from has changed.
+    Fails when the token cannot download a base model's or dataset's files (a gated repo without a grant) or
+    write the Hub repo to publish to, and when a bucket or the reservation the run names does not exist (or
+    Airflow's Google connection may not read it); skips the whole run when nothing it would train from has
+    changed.
 
     The inputs: the base model's and the dataset's revisions on the Hub (the commit of each now), the MaxText
     version and the run's settings, publish targets included (a new target has nothing of this model yet). They
@@ -68,9 +71,28 @@ class InputsCheckOperator(BaseOperator):
     :param hub_repo_id: the Hub repo the export will publish to (blank: none); the token must be able to
         create and write it, checked here rather than after the training.
     :param force: train even when nothing changed.
+    :param gcp_conn_id: Google connection that reads the buckets and the reservation (storage.buckets.get,
+        compute.reservations.get).
+    :param project_id: the project of the VMs and of a reservation named without one (None: the connection's).
+    :param zones: the zones the TPU VM may be made in; a reservation is looked up in each.
+    :param reservation: the reservation the TPU VM will consume (None: none), in any form ``reservation`` takes.
+    :param accelerator_type: the TPU VM's accelerator: a reservation of another machine type is refused.
+    :param checkpoint_storage: the ``gs://`` checkpoint storage; its bucket must exist.
+    :param storage_uri: where the export keeps the model; its bucket must exist when it is ``gs://``.
     """
 
-    template_fields: Sequence[str] = ("model", "dataset", "maxtext_version", "settings", "hub_repo_id", "force")
+    template_fields: Sequence[str] = (
+        "model",
+        "dataset",
+        "maxtext_version",
+        "settings",
+        "hub_repo_id",
+        "force",
+        "zones",
+        "reservation",
+        "accelerator_type",
+        "storage_uri",
+    )
     ui_color = "#e8e8f4"
 
     def __init__(
@@ -84,6 +106,13 @@ class InputsCheckOperator(BaseOperator):
         hf_conn_id: str | None = HF_CONN_ID,
         hub_repo_id: str | None = None,
         force: bool | str = False,
+        gcp_conn_id: str = GCP_CONN_ID,
+        project_id: str | None = None,
+        zones: Sequence[str] | str | None = None,
+        reservation: str | None = None,
+        accelerator_type: str | None = None,
+        checkpoint_storage: str | None = None,
+        storage_uri: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -95,6 +124,13 @@ class InputsCheckOperator(BaseOperator):
         self.hf_conn_id = hf_conn_id
         self.hub_repo_id = hub_repo_id
         self.force = force
+        self.gcp_conn_id = gcp_conn_id
+        self.project_id = project_id
+        self.zones = zones
+        self.reservation = reservation
+        self.accelerator_type = accelerator_type
+        self.checkpoint_storage = checkpoint_storage
+        self.storage_uri = storage_uri
 
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowSkipException
@@ -105,6 +141,8 @@ class InputsCheckOperator(BaseOperator):
             hub_repo_id = validation.blank_to_none(self.hub_repo_id)
             if hub_repo_id:
                 validation.hf_repo_id("hub_repo_id", hub_repo_id)
+            buckets = self._buckets()
+            reservations = self._reservations()
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
         dataset = validation.blank_to_none(self.dataset) if self.recipe == "sft" else None
@@ -112,6 +150,10 @@ class InputsCheckOperator(BaseOperator):
         self._check_access(repos)
         if hub_repo_id:
             self._check_publish_target(hub_repo_id)
+        for field, bucket in buckets.items():
+            self._check_bucket(field, bucket)
+        if reservations:
+            self._check_reservations(reservations)
         inputs = {
             "model": profile.key,
             "revisions": self._revisions(repos),
@@ -207,6 +249,88 @@ class InputsCheckOperator(BaseOperator):
             f"The model cannot be published to {repo_id}: the token of {where} {problem}. Fix: {fix}; then trigger "
             "again. No VM was created."
         )
+
+
+    def _buckets(self) -> dict[str, str]:
+        """``{field: bucket}`` of the ``gs://`` storage the run writes to."""
+        uris = {"checkpoint_storage": self.checkpoint_storage, "storage_uri": self.storage_uri}
+        return {
+            field: validation.storage_uri(field, uri).removeprefix("gs://").split("/", 1)[0]
+            for field, uri in uris.items()
+            if validation.blank_to_none(uri) and storage.is_gcs(str(uri))
+        }
+
+    def _reservations(self) -> dict[str, str]:
+        """``{zone: reservation}`` the TPU VM may consume, as the create will name them."""
+        reservation = validation.blank_to_none(self.reservation)
+        if not reservation:
+            return {}
+        zones = [self.zones] if isinstance(self.zones, str) else list(self.zones or [])
+        return compute.reservations_by_zone(reservation, tuple(zones))
+
+    def _check_bucket(self, field: str, bucket: str) -> None:
+        """Fails before any VM when ``bucket`` does not exist or Airflow's Google connection may not read it.
+
+        Found out on the VM, it is found out after the VM is paid for, and by a step that retries."""
+        from airflow.providers.google.cloud.hooks.gcs import GCSHook
+        from google.api_core.exceptions import Forbidden
+
+        who = f"Airflow's Google connection {self.gcp_conn_id!r}"
+        try:
+            found = GCSHook(gcp_conn_id=self.gcp_conn_id).get_conn().lookup_bucket(bucket)
+        except Forbidden:
+            raise CloudResourceError(
+                f"{field}: {who} may not read the bucket gs://{bucket}: it is another project's, or the account "
+                "lacks storage.buckets.get on it. Fix: name a bucket of yours, or grant the account "
+                f"roles/storage.legacyBucketReader on gs://{bucket}; then trigger again. No VM was created."
+            ) from None
+        if found is None:
+            raise CloudResourceError(
+                f"{field}: the bucket gs://{bucket} does not exist. Fix: create it (gcloud storage buckets create "
+                f"gs://{bucket} --location=REGION, in the TPU's region) or name an existing one; then trigger "
+                "again. No VM was created."
+            )
+
+    def _check_reservations(self, reservations: dict[str, str]) -> None:
+        """Fails before any VM when a zone's reservation does not exist or reserves another machine type.
+
+        A reservation shared by another project may be unreadable here (its owner grants the use, not the
+        view): that one is left to the create, which Compute answers."""
+        from google.api_core.exceptions import Forbidden
+
+        from airflow_tpu_posttrain.hooks.compute import TpuVmHook
+
+        hook = TpuVmHook(gcp_conn_id=self.gcp_conn_id)
+        project = self.project_id or hook.project_id
+        machine_type = accelerator(self.accelerator_type).machine_type if self.accelerator_type else None
+        for zone, reference in reservations.items():
+            owner, name = compute.reservation_owner_and_name(reference, project)
+            where = f"the reservation {name} of project {owner} in zone {zone}"
+            try:
+                found = hook.get_reservation(owner, zone, name)
+            except Forbidden:
+                if owner != project:
+                    self.log.info("%s is not readable from project %s; the create will consume it", where, project)
+                    continue
+                raise CloudResourceError(
+                    f"reservation: Airflow's Google connection {self.gcp_conn_id!r} may not read {where} (it "
+                    "lacks compute.reservations.get). Fix: grant it roles/compute.viewer on the project; then "
+                    "trigger again. No VM was created."
+                ) from None
+            if found is None:
+                raise CloudResourceError(
+                    f"reservation: {where} does not exist. Fix: name one that does (gcloud compute reservations "
+                    f"list --project={owner}), give one per zone (ZONE=RESERVATION,...), or clear reservation; "
+                    "then trigger again. No VM was created."
+                )
+            reserved = ((found.get("specificReservation") or {}).get("instanceProperties") or {}).get("machineType")
+            if machine_type and reserved and reserved != machine_type:
+                raise CloudResourceError(
+                    f"reservation: {where} reserves {reserved}, and accelerator_type {self.accelerator_type} "
+                    f"runs on {machine_type}. Fix: name a reservation of {machine_type}, or the accelerator "
+                    "it reserves; then trigger again. No VM was created."
+                )
+            self.log.info("Reservation %s: %s", where, (found.get("specificReservation") or {}))
 
 
 def _last_published(dag_id: str) -> dict[str, Any] | None:

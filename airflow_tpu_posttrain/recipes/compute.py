@@ -356,6 +356,17 @@ def instance_body(
     return body
 
 
+def reservation_owner_and_name(reference: str, project: str) -> tuple[str, str]:
+    """(owner project, reservation name) of one zone's reservation.
+
+    A name (in ``project``), a shared reservation's ``projects/P/reservations/R``, or one of its blocks
+    ``.../reservationBlocks/B``."""
+    found = re.fullmatch(r"(?:projects/([^/]+)/reservations/)?([^/]+)(?:/reservationBlocks/[^/]+)?", reference)
+    if found is None:
+        raise ValueError(f"not a reservation reference: {reference!r}")
+    return found.group(1) or project, found.group(2)
+
+
 def reservations_by_zone(reservation: str, zones: tuple[str, ...]) -> dict[str, str]:
     """``{zone: reservation}`` from ``reservation``.
 
