@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import parse_time
+import suite_time
 from local_airflow import LocalAirflow
 from run_probe import RunRecord, TrainerKiller, watch_run
 
@@ -475,12 +476,15 @@ def machine() -> str:
 
 
 def write_doc(text: str, took_min: float) -> None:
-    PERFORMANCE_DOC.write_text(
+    """The page, keeping the test suite's section, which the suite's full run writes (bench/suite_time.py)."""
+    kept = suite_time.section_of(PERFORMANCE_DOC.read_text()) if PERFORMANCE_DOC.exists() else None
+    page = (
         "# Performance\n\n"
         "Written by `.venv/bin/python bench/perf.py` (a full run, not `--quick`); do not edit by hand. "
         f"Measured on {time.strftime('%Y-%m-%d')}: {machine()}; the bench took {took_min:.0f} min.\n\n"
         f"```text\n{text}\n```\n\n{DOC_METHOD}"
     )
+    PERFORMANCE_DOC.write_text(suite_time.with_suite_section(page, kept))
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -235,6 +236,18 @@ class FaultMatrix:
 
 
 @pytest.fixture(autouse=True)
+def _no_settle_wait_in_process(monkeypatch):
+    """Triggers run in this process (dag.test) send their events without the settle wait.
+
+    The wait (triggers/settle.py) keeps Airflow's scheduler from taking an executor's late report for a resumed
+    task (apache/airflow#71580); dag.test has no executor, so it only cost every deferral 5 s here. The tests
+    that start Airflow's own processes (a scheduler, a triggerer) keep it: those import the module afresh."""
+    from airflow_tpu_posttrain.triggers import settle
+
+    monkeypatch.setattr(settle, "MIN_DEFERRAL_SECONDS", 0.0)
+
+
+@pytest.fixture(autouse=True)
 def _models_defined_per_test(monkeypatch):
     """The models a test's registries define stay in that test (a process keeps them, as a worker does)."""
     from airflow_tpu_posttrain.recipes import models
@@ -268,13 +281,41 @@ _LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "fault_matrix" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "fault_matrix" in fixtures:
             item.add_marker("fault_case")
+        if "stack" in fixtures:  # the local stack's pipelines train with MaxText
+            item.add_marker("maxtext")
     rank = {name: index for index, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+# ------------------------------------------------------------------------------------------- suite time
+# Every run prints its time against the budget (bench/suite_time.py); with $TPU_POSTTRAIN_SUITE_TIMES set
+# (scripts/test sets it for a full run) a green run writes it, with its slowest tests, into that page.
+_TEST_SECONDS: dict[str, float] = {}  # nodeid -> set-up + call + teardown
+_SESSION_STARTED: list[float] = []
+
+
+def pytest_sessionstart(session):
+    _SESSION_STARTED.append(time.monotonic())
+
+
+def _suite_times(passed: int) -> dict:
+    import multiprocessing
+
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "cpus": multiprocessing.cpu_count(),
+        "passed": passed,
+        "setup_s": float(os.environ.get("TPU_POSTTRAIN_SETUP_S", "0")),
+        "pytest_s": time.monotonic() - _SESSION_STARTED[0],
+        "slowest": sorted(((seconds, nodeid) for nodeid, seconds in _TEST_SECONDS.items()), reverse=True),
+    }
+
+
 def pytest_runtest_logreport(report):
+    _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
     if "fault_case" not in report.keywords:
         return
     _FAULT_CASES.add(report.nodeid)
@@ -309,8 +350,30 @@ def _missing_fault_cases() -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return
+    _write_fault_matrix(session, exitstatus)
+    _write_suite_times(session)
+
+
+def _write_suite_times(session) -> None:
+    """A green full run writes its time into docs/performance.md (after the fault matrix's verdict)."""
+    target = os.environ.get("TPU_POSTTRAIN_SUITE_TIMES")
+    if not target or session.exitstatus != 0:
+        return
+    from bench.suite_time import suite_section, write_suite_section
+
+    write_suite_section(Path(target), suite_section(**_suite_times(_passed(session.config))))
+
+
+def _passed(config) -> int:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    return len([r for r in reporter.stats.get("passed", []) if r.when == "call"]) if reporter else 0
+
+
+def _write_fault_matrix(session, exitstatus) -> None:
     target = os.environ.get("TPU_POSTTRAIN_FAULT_MATRIX")
-    if hasattr(session.config, "workerinput") or not target or not _FAULT_CASES:
+    if not target or not _FAULT_CASES:
         return
     if exitstatus != 0:
         return  # only a green run writes the matrix
@@ -329,8 +392,23 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if hasattr(config, "workerinput") or not _FAULT_CASES:
+    if hasattr(config, "workerinput"):
         return
+    from bench.suite_time import BUDGET_S
+
+    times = _suite_times(_passed(config))
+    total_s = times["setup_s"] + times["pytest_s"]
+    terminalreporter.write_sep("=", "suite time")
+    terminalreporter.write_line(
+        f"set-up {times['setup_s']:.0f} s + pytest {times['pytest_s']:.0f} s = {total_s / 60:.1f} min on "
+        f"{times['cpus']} CPUs; a full run's budget is {BUDGET_S // 60} min"
+        + ("" if total_s <= BUDGET_S else " (OVER it)")
+    )
+    if _FAULT_CASES:
+        _summarize_fault_matrix(terminalreporter, exitstatus)
+
+
+def _summarize_fault_matrix(terminalreporter, exitstatus) -> None:
     rows = fault_matrix_rows()
     terminalreporter.write_sep("=", f"fault matrix ({len(rows)} verified rows)")
     terminalreporter.write(fault_matrix_markdown())

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 
+import pytest
 from conftest import PROJECT, emulator_credentials, log_excerpt
 from test_tpu_vm_operators import inserts, no_instances_within, task_states
 
@@ -366,6 +367,7 @@ def _use_intervals(airflow, dag_id: str) -> list[tuple[str, str]]:
     return sorted(intervals)
 
 
+@pytest.mark.airflow_processes
 def test_three_runs_at_once_never_hold_more_vms_than_the_cap(emulator, tmp_path, fault_matrix):
     """Three runs triggered at once under a cap of 1 use a VM one after another.
 

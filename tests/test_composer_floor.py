@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.airflow_processes
+
 REPO = Path(__file__).resolve().parents[1]
 COMPOSER_PYTHON = "3.11"
 COMPOSER_AIRFLOW = "3.3.1"

@@ -154,6 +154,7 @@ with DAG("watch_probe", schedule=input_assets(inputs), start_date=datetime(2026,
 """
 
 
+@pytest.mark.airflow_processes
 def test_a_new_dataset_revision_on_the_hub_starts_a_run_and_an_unchanged_hub_none(tmp_path):
     """``schedule: on_change`` end to end: the watchers in the triggerer, the asset events, the scheduler's run."""
     from airflow_tpu_posttrain.recipes.models import TINY_CHATS_REPO, TINY_LLAMA_REPO

@@ -19,6 +19,8 @@ import pytest
 
 from airflow_tpu_posttrain.local.processes import free_port, stop_group
 
+pytestmark = pytest.mark.airflow_processes
+
 httpx = pytest.importorskip("httpx")
 
 REPO = Path(__file__).resolve().parents[1]

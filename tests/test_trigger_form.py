@@ -31,6 +31,8 @@ from playwright.sync_api import expect
 from airflow_tpu_posttrain.local.processes import free_port, stop_group
 from airflow_tpu_posttrain.pipelines.registry import load_registry
 
+pytestmark = pytest.mark.airflow_processes
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = (
     "/usr/bin/chromium"  # Debian's (apt package chromium; scripts/bootstrap.sh), not Playwright's download
