@@ -14,18 +14,27 @@ SLOWEST_SHOWN = 15
 
 
 def suite_section(
-    *, date: str, cpus: int, passed: int, setup_s: float, pytest_s: float, slowest: list[tuple[float, str]]
+    *,
+    date: str,
+    cpus: int,
+    passed: int,
+    setup_s: float,
+    pytest_s: float,
+    slowest: list[tuple[float, str]],
+    idle_at_end: dict[str, float],
 ) -> str:
-    """The section: the run's times against the budget, and its slowest tests."""
+    """The section: the run's times against the budget, its workers' idle time at the end, its slowest tests."""
     total_s = setup_s + pytest_s
     verdict = "within it" if total_s <= BUDGET_S else "OVER it"
+    idle = ", ".join(f"{worker} {seconds:.0f} s" for worker, seconds in idle_at_end.items()) or "one process"
     rows = "\n".join(f"{seconds:7.1f} s  {nodeid}" for seconds, nodeid in slowest[:SLOWEST_SHOWN])
     return (
         f"{HEADING}\n\n"
         f"Written by the full run of `./scripts/test` (tests/conftest.py); do not edit by hand. Measured on {date}, "
         f"{cpus} CPUs: {passed} tests passed in {pytest_s / 60:.1f} min of pytest after {setup_s:.0f} s of set-up "
-        f"(bootstrap, lint): {total_s / 60:.1f} min in all, {verdict} the budget of {BUDGET_S // 60} min. "
-        f"The slowest tests (set-up, call and teardown):\n\n```text\n{rows}\n```\n"
+        f"(bootstrap, lint): {total_s / 60:.1f} min in all, {verdict} the budget of {BUDGET_S // 60} min. Idle at "
+        f"the end (a worker done, waiting for the other): {idle}. The slowest tests (set-up, call and "
+        f"teardown):\n\n```text\n{rows}\n```\n"
     )
 
 

@@ -294,6 +294,7 @@ def pytest_collection_modifyitems(config, items):
 # Every run prints its time against the budget (bench/suite_time.py); with $TPU_POSTTRAIN_SUITE_TIMES set
 # (scripts/test sets it for a full run) a green run writes it, with its slowest tests, into that page.
 _TEST_SECONDS: dict[str, float] = {}  # nodeid -> set-up + call + teardown
+_WORKER_ENDS: dict[str, float] = {}  # xdist worker -> when its last test ended (monotonic)
 _SESSION_STARTED: list[float] = []
 
 
@@ -311,11 +312,16 @@ def _suite_times(passed: int) -> dict:
         "setup_s": float(os.environ.get("TPU_POSTTRAIN_SETUP_S", "0")),
         "pytest_s": time.monotonic() - _SESSION_STARTED[0],
         "slowest": sorted(((seconds, nodeid) for nodeid, seconds in _TEST_SECONDS.items()), reverse=True),
+        # How long each worker sat idle at the end, waiting for the others: the files' order to fix if large.
+        "idle_at_end": {worker: time.monotonic() - ended for worker, ended in sorted(_WORKER_ENDS.items())},
     }
 
 
 def pytest_runtest_logreport(report):
     _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+    worker = getattr(report, "node", None)
+    if worker is not None:
+        _WORKER_ENDS[worker.workerinput["workerid"]] = time.monotonic()
     if "fault_case" not in report.keywords:
         return
     _FAULT_CASES.add(report.nodeid)
@@ -404,6 +410,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"{times['cpus']} CPUs; a full run's budget is {BUDGET_S // 60} min"
         + ("" if total_s <= BUDGET_S else " (OVER it)")
     )
+    if times["idle_at_end"]:
+        terminalreporter.write_line(
+            "idle at the end: " + ", ".join(f"{w} {s:.0f} s" for w, s in times["idle_at_end"].items())
+        )
     if _FAULT_CASES:
         _summarize_fault_matrix(terminalreporter, exitstatus)
 

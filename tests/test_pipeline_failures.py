@@ -202,24 +202,41 @@ def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
         placer.join(10)
 
 
-@contextlib.contextmanager
-def bucket_missing(stack):
-    """The checkpoint storage's bucket deleted for the run, made again afterwards.
-
-    The state a user's typo in its name, or a deleted bucket, would leave. Its objects (here: none, the steps
-    before the convert write none) are deleted with it."""
+def _delete_bucket(name: str) -> None:
+    """The bucket and its objects gone, as a user's deleted bucket (or a typo in its name) leaves it."""
     from google.cloud import storage
 
-    from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
-
-    bucket = storage.Client().bucket(LOCAL_BUCKET)
+    bucket = storage.Client().bucket(name)
     for blob in list(bucket.list_blobs()):
         blob.delete()
     bucket.delete()
-    try:
-        yield f"gs://{LOCAL_BUCKET}"
-    finally:
-        stack.gcs.create_bucket(LOCAL_BUCKET)
+
+
+@contextlib.contextmanager
+def bucket_missing(stack, after_the_check: bool = False):
+    """The checkpoint storage's bucket deleted for the run, made again afterwards.
+
+    ``after_the_check``: deleted once the run's inputs check has seen it, as a bucket deleted while the run
+    starts (the VM-side steps must then fail naming it, never take it for "not cached")."""
+    from airflow_tpu_posttrain.operators.inputs_check import InputsCheckOperator
+    from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
+
+    with pytest.MonkeyPatch.context() as mp:
+        if after_the_check:
+            check = InputsCheckOperator.execute
+
+            def check_then_lose_the_bucket(self, context):
+                inputs = check(self, context)
+                _delete_bucket(LOCAL_BUCKET)
+                return inputs
+
+            mp.setattr(InputsCheckOperator, "execute", check_then_lose_the_bucket)
+        else:
+            _delete_bucket(LOCAL_BUCKET)
+        try:
+            yield f"gs://{LOCAL_BUCKET}"
+        finally:
+            stack.gcs.create_bucket(LOCAL_BUCKET)
 
 
 def assert_failed_cleanly(stack, vm_ends, dr, failed_step: str) -> None:
@@ -355,8 +372,24 @@ def test_install_fails_on_a_maxtext_version_that_does_not_exist(stack, vm_ends, 
     )
 
 
-def test_convert_fails_when_the_checkpoint_bucket_is_missing(stack, vm_ends, capfd, fault_matrix):
+def test_a_run_whose_checkpoint_bucket_is_missing_fails_its_check_before_any_vm(stack, capfd, fault_matrix):
+    inserts_before = len([r for r in stack.compute.requests if r["method"] == "POST"])
     with bucket_missing(stack) as bucket:
+        dr = run_pipeline()
+    logs = "".join(capfd.readouterr())
+    st = states(dr)
+    assert dr.state == "failed" and st["check_inputs"] == "failed", st
+    assert {st[t] for t in ("create_tpu_vm", "create_cpu_vm", "convert_to_maxtext", "train")} == {"upstream_failed"}
+    assert f"checkpoint_storage: the bucket {bucket} does not exist" in logs and "No VM was created." in logs
+    assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before  # no VM, no rule
+    fault_matrix.record(
+        "pipeline: checkpoint bucket missing at the start", stack.compute.instances() == [], dr.state, None,
+        log_excerpt(logs, "checkpoint_storage: the bucket"),
+    )
+
+
+def test_convert_fails_when_the_checkpoint_bucket_is_missing(stack, vm_ends, capfd, fault_matrix):
+    with bucket_missing(stack, after_the_check=True) as bucket:
         dr = run_pipeline()
     logs = "".join(capfd.readouterr())
     assert_failed_cleanly(stack, vm_ends, dr, "convert_to_maxtext")
@@ -365,7 +398,7 @@ def test_convert_fails_when_the_checkpoint_bucket_is_missing(stack, vm_ends, cap
     assert f"StorageError: could not check {checkpoint_storage(stack)}/conversions/tiny-llama/" in logs
     assert "NotFound" in logs and bucket.removeprefix("gs://") in logs
     fault_matrix.record(
-        "pipeline: convert, checkpoint bucket missing", stack.compute.instances() == [], dr.state, None,
+        "pipeline: convert, checkpoint bucket deleted after the check", stack.compute.instances() == [], dr.state, None,
         log_excerpt(logs, "StorageError: could not check"),
     )
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -40,6 +41,20 @@ def _compute(method: str, url: str, token: str, body: dict | None = None) -> dic
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     with urllib.request.urlopen(request, timeout=30) as answer:
         return json.loads(answer.read() or b"{}")
+
+
+def _delete_when_ready(url: str, token: str) -> None:
+    """DELETE, asked again while Compute answers 400 resourceNotReady (a preempted VM still STOPPING)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _compute("DELETE", url, token)
+            return
+        except urllib.error.HTTPError as err:
+            said = err.read().decode(errors="replace")
+            if err.code != 400 or "resourceNotReady" not in said or time.monotonic() > deadline:
+                raise AssertionError(f"DELETE {url}: {err.code} {said}") from err
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -82,7 +97,7 @@ def vm_of_its_own(stack, name: str, zone: str = VM_ZONE) -> Iterator[SimpleNames
             host_keys=access.host_keys_from_guest_attributes(attributes),
         )
     finally:
-        _compute("DELETE", f"{instances}/{name}", token)
+        _delete_when_ready(f"{instances}/{name}", token)
         deadline = time.monotonic() + 60
         while stack.fleet.vm((LOCAL_PROJECT, zone, name)) is not None and time.monotonic() < deadline:
             _compute("GET", instances, token)  # the emulator moves its operations on when asked
