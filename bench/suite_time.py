@@ -25,7 +25,7 @@ def suite_section(
 ) -> str:
     """The section: the run's times against the budget, its workers' idle time at the end, its slowest tests."""
     total_s = setup_s + pytest_s
-    verdict = "within it" if total_s <= BUDGET_S else "OVER it"
+    verdict = "within" if total_s <= BUDGET_S else "OVER"
     idle = ", ".join(f"{worker} {seconds:.0f} s" for worker, seconds in idle_at_end.items()) or "one process"
     rows = "\n".join(f"{seconds:7.1f} s  {nodeid}" for seconds, nodeid in slowest[:SLOWEST_SHOWN])
     return (
