@@ -143,6 +143,7 @@ class InputsCheckOperator(BaseOperator):
                 validation.hf_repo_id("hub_repo_id", hub_repo_id)
             buckets = self._buckets()
             reservations = self._reservations()
+            machine_type = accelerator(self.accelerator_type).machine_type if self.accelerator_type else None
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
         dataset = validation.blank_to_none(self.dataset) if self.recipe == "sft" else None
@@ -153,7 +154,7 @@ class InputsCheckOperator(BaseOperator):
         for field, bucket in buckets.items():
             self._check_bucket(field, bucket)
         if reservations:
-            self._check_reservations(reservations)
+            self._check_reservations(reservations, machine_type)
         inputs = {
             "model": profile.key,
             "revisions": self._revisions(repos),
@@ -291,7 +292,7 @@ class InputsCheckOperator(BaseOperator):
                 "again. No VM was created."
             )
 
-    def _check_reservations(self, reservations: dict[str, str]) -> None:
+    def _check_reservations(self, reservations: dict[str, str], machine_type: str | None) -> None:
         """Fails before any VM when a zone's reservation does not exist or reserves another machine type.
 
         A reservation shared by another project may be unreadable here (its owner grants the use, not the
@@ -302,7 +303,6 @@ class InputsCheckOperator(BaseOperator):
 
         hook = TpuVmHook(gcp_conn_id=self.gcp_conn_id)
         project = self.project_id or hook.project_id
-        machine_type = accelerator(self.accelerator_type).machine_type if self.accelerator_type else None
         for zone, reference in reservations.items():
             owner, name = compute.reservation_owner_and_name(reference, project)
             where = f"the reservation {name} of project {owner} in zone {zone}"
