@@ -266,8 +266,9 @@ class InputsCheckOperator(BaseOperator):
         reservation = validation.blank_to_none(self.reservation)
         if not reservation:
             return {}
-        zones = [self.zones] if isinstance(self.zones, str) else list(self.zones or [])
-        return compute.reservations_by_zone(reservation, tuple(zones))
+        from airflow_tpu_posttrain.operators.compute_base import as_list
+
+        return compute.reservations_by_zone(reservation, tuple(as_list(self.zones)))
 
     def _check_bucket(self, field: str, bucket: str) -> None:
         """Fails before any VM when ``bucket`` does not exist or Airflow's Google connection may not read it.
