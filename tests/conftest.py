@@ -260,22 +260,27 @@ def fault_matrix(request) -> FaultMatrix:
     return FaultMatrix(request.node)
 
 
-# The files that take longest (each runs whole pipelines), longest first: xdist hands whole files to the workers in
-# collection order (scripts/test: --no-loadscope-reorder), so the two workers finish close together.
+# The files that take longest (each runs whole pipelines), longest first (their worker-seconds in a full run, as
+# .local/last-suite-times.json gives them): xdist hands whole files to the workers in collection order
+# (scripts/test: --no-loadscope-reorder), so the workers finish close together, on the short files.
 _LONGEST_FIRST = (
     "test_slice_pipeline.py",
-    "test_maxtext_faults.py",
-    "test_pipeline_reruns.py",
-    "test_pipeline_failures.py",
     "test_pipeline_local.py",
+    "test_pipeline_reruns.py",
+    "test_maxtext_faults.py",
+    "test_storage_outage.py",
+    "test_pipeline_failures.py",
     "test_deployment.py",
     "test_preemption.py",
-    "test_storage_outage.py",
-    "test_demo.py",
-    "test_quality_gate.py",
+    "test_composer_floor.py",
     "test_capacity.py",
-    "test_reattach.py",
+    "test_demo.py",
     "test_trigger_form.py",
+    "test_vm_access.py",
+    "test_reattach.py",
+    "test_quality_gate.py",
+    "test_hub_watch.py",
+    "test_tpu_vm_operators.py",
 )
 
 

@@ -25,17 +25,26 @@ _LOSS = re.compile(r"completed step: (\d+), .*? loss: ([0-9.]+)")
 _COMPLETED = re.compile(rb"completed step: (\d+),")
 
 
-def _single_process_losses(tmp_path) -> dict[int, float]:
+def _single_process_losses(tmp_path, converted_dir: str) -> dict[int, float]:
     """The twin's SFT steps in ONE process on this machine, with the slice's global batch (2 rows per step).
 
-    Built by the same builders from the same tiny model, on the same MaxText release's venv (local/stack.py's
-    ``maxtext-venv-0.2.2``): converted here, then trained with ``per_device_batch_size=2``."""
+    Built by the same builder from the conversion the slice trained from (``converted_dir`` in checkpoint
+    storage, copied here), on the same MaxText release's venv (local/stack.py's ``maxtext-venv-0.2.2``), trained
+    with ``per_device_batch_size=2``."""
+    from google.cloud import storage
+
     from airflow_tpu_posttrain.recipes import maxtext
     from airflow_tpu_posttrain.recipes.accelerators import accelerator
     from airflow_tpu_posttrain.recipes.layout import RunLayout
     from airflow_tpu_posttrain.recipes.models import local_profile, model_profile
     from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
+    bucket, _, prefix = converted_dir.removeprefix("gs://").partition("/")
+    local_copy = tmp_path / "converted"
+    for blob in storage.Client().list_blobs(bucket, prefix=f"{prefix}/0/"):
+        target = local_copy / blob.name[len(prefix) + 1:]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        blob.download_to_filename(target)
     local = REPO / ".local"
     model = local_profile(model_profile(SFT_TWIN), str(local / "tiny"))
     spec = maxtext.RunSpec(
@@ -44,16 +53,14 @@ def _single_process_losses(tmp_path) -> dict[int, float]:
         runtime=cpu_runtime(str(local / "vm-launchers"), str(local / f"maxtext-venv-{model.maxtext_version}")),
         layout=RunLayout(SFT_TWIN, "single-process", str(tmp_path)),
     )
-    # The local Hub holds the twin under the tutorial's repo id; here the converter reads the same files from disk.
-    convert = maxtext.to_maxtext(spec).script().replace("\nexec ", "\nexec env HF_HUB_OFFLINE=1 ", 1)
-    convert = convert.rstrip("\n") + f" --hf_model_path={local / 'tiny' / 'tiny-gemma3'}\n"
-    train = maxtext.train_sft(spec, steps=STEPS, per_device_batch_size=2, overrides=[SAME_BATCHES])
-    train_script = train.script().replace(spec.layout.base_model_files_dir, str(local / "tiny" / "tiny-gemma3"))
-    said = ""
-    for script in (convert, train_script):
-        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, cwd=tmp_path)
-        said = done.stdout + done.stderr
-        assert done.returncode == 0, said[-3000:]
+    train = maxtext.train_sft(
+        spec, steps=STEPS, per_device_batch_size=2, overrides=[SAME_BATCHES],
+        converted_params=str(local_copy / "0" / "items"),
+    )
+    script = train.script().replace(spec.layout.base_model_files_dir, str(local / "tiny" / "tiny-gemma3"))
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
     return {int(step): float(loss) for step, loss in _LOSS.findall(said)}
 
 
@@ -85,7 +92,8 @@ def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
     assert stack.compute.instances() == []
 
     on_slice = dict(trained["metrics"]["loss_curve"])
-    alone = _single_process_losses(tmp_path)
+    converted = xcom(dr, "convert_to_maxtext")["converted_params"].removesuffix("/0/items")
+    alone = _single_process_losses(tmp_path, converted)
     assert sorted(on_slice) == sorted(alone) == list(range(1, STEPS + 1)), (on_slice, alone)
     assert all(abs(on_slice[step] - alone[step]) <= LOSS_TOLERANCE for step in alone), (on_slice, alone)
 
