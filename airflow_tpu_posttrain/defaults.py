@@ -9,8 +9,11 @@ GCP_CONN_ID = "google_cloud_default"  # Compute, OS Login and IAP are called wit
 SSH_CONN_ID = "tpu_vm_ssh"  # the VMs' login and its private key
 HF_CONN_ID = "hf_default"  # the Hugging Face token (and, for a Hub of one's own, its endpoint)
 
-MAX_TPU_VMS = 1  # TPU VMs alive at once per capacity group (the reservation, else the zones); a slice counts once
-MAX_WAIT_FOR_CAPACITY_MINUTES = 60  # for a place under MAX_TPU_VMS, or in a fully used reservation
+MAX_TPU_VMS = 1  # the registry's TPU VMs alive at once per line (the reservation, else the zone); a slice counts once
+MAX_WAIT_FOR_CAPACITY_MINUTES = 60  # first in line for a place under the cap, or for a fully used reservation
+# How long a create may wait behind others in line (the line moving) before its task times out: a backfill of a
+# week of dates behind a day's trainings. The wait while first in line is MAX_WAIT_FOR_CAPACITY_MINUTES.
+MAX_WAIT_IN_LINE_HOURS = 24
 # A training silent this long is taken for hung: stopped, and the try fails (a retry resumes). Training only: an
 # install's upload or a large conversion is legitimately silent for long.
 TRAINING_STALL_TIMEOUT_S = 1800

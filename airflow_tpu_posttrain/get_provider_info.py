@@ -25,6 +25,7 @@ def get_provider_info() -> dict:
             {
                 "integration-name": _INTEGRATION,
                 "python-modules": [
+                    "airflow_tpu_posttrain.hooks.capacity",
                     "airflow_tpu_posttrain.hooks.compute",
                     "airflow_tpu_posttrain.hooks.hub",
                     "airflow_tpu_posttrain.hooks.oslogin",

@@ -136,6 +136,25 @@ def emulator(monkeypatch, tmp_path, client_key):
         yield emu
 
 
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """The local GCS server (``local/gcs_server.py``) with the bucket ``capacity``, for the lines of places."""
+    from airflow_tpu_posttrain.local.gcs_server import GcsServer
+
+    with GcsServer(tmp_path_factory.mktemp("gcs") / "objects", buckets=("capacity",)) as server:
+        yield server
+
+
+@pytest.fixture
+def capacity_claims(gcs_server, monkeypatch, request) -> str:
+    """A ``gs://`` location of the lines of places under the TPU cap, of this test alone; the clients pointed at it."""
+    from airflow_tpu_posttrain.local.gcs_server import client_environment
+
+    for key, value in client_environment(gcs_server.url).items():
+        monkeypatch.setenv(key, value)
+    return f"gs://capacity/{hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]}"
+
+
 @pytest.fixture
 def run_dag(airflow_db, monkeypatch):
     """Write a DAG file into the dags folder, parse it as the scheduler would, and run it with dag.test()."""

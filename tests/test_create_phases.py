@@ -13,49 +13,40 @@ KINDS = (ErrorKind.CAPACITY, ErrorKind.QUOTA, ErrorKind.RESERVATION, ErrorKind.R
 
 
 @pytest.mark.parametrize(
-    ("phase", "status", "kind", "lost_race", "action"),
+    ("phase", "status", "kind", "action"),
     [
         # Waiting for the conversion: due or ended, the VM is requested; failed, nothing is created.
-        (Phase.CONVERSION, "due", None, False, Action.START),
-        (Phase.CONVERSION, "converted", None, False, Action.START),
-        (Phase.CONVERSION, "failed", None, False, Action.SKIP),
-        # Waiting for a place: granted, or the wait is over with nothing created.
-        (Phase.CAPACITY, "available", None, False, Action.INSERT),
-        (Phase.CAPACITY, "timeout", None, False, Action.FAIL_NO_CAPACITY),
-        # An unusable instance deleted (or ours, after losing the race): insert again.
-        (Phase.REPLACE, "success", None, False, Action.INSERT),
-        (Phase.YIELD, "success", None, False, Action.INSERT),
-        # RUNNING: log in, unless another run's VM took the group's last place first.
-        (Phase.CREATE, "success", None, False, Action.AWAIT_LOGIN),
-        (Phase.WAIT, "success", None, False, Action.AWAIT_LOGIN),
-        (Phase.CREATE, "success", None, True, Action.YIELD_PLACE),
-        (Phase.WAIT, "success", None, True, Action.YIELD_PLACE),
-        (Phase.READY, "ready", None, False, Action.DONE),
-        (Phase.READY, "error", ErrorKind.OTHER, False, Action.FAIL_NOT_READY),
+        (Phase.CONVERSION, "due", None, Action.START),
+        (Phase.CONVERSION, "converted", None, Action.START),
+        (Phase.CONVERSION, "failed", None, Action.SKIP),
+        # In line for a place: taken, or the wait is over with nothing created.
+        (Phase.CAPACITY, "available", None, Action.INSERT),
+        (Phase.CAPACITY, "timeout", None, Action.FAIL_NO_CAPACITY),
+        # An unusable instance deleted: insert again (after taking a place in line).
+        (Phase.REPLACE, "success", None, Action.INSERT),
+        # RUNNING: log in (its place was taken before the insert).
+        (Phase.CREATE, "success", None, Action.AWAIT_LOGIN),
+        (Phase.WAIT, "success", None, Action.AWAIT_LOGIN),
+        (Phase.READY, "ready", None, Action.DONE),
+        (Phase.READY, "error", ErrorKind.OTHER, Action.FAIL_NOT_READY),
         # The insert failed: a stock-out moves on, a full reservation waits, the rest fail with their fix.
-        (Phase.CREATE, "error", ErrorKind.CAPACITY, False, Action.NEXT_ZONE),
-        (Phase.CREATE, "error", ErrorKind.RESERVATION_FULL, False, Action.WAIT_FOR_RESERVATION),
-        (Phase.CREATE, "error", ErrorKind.QUOTA, False, Action.FAIL_QUOTA),
-        (Phase.CREATE, "error", ErrorKind.RESERVATION, False, Action.FAIL_RESERVATION),
-        (Phase.CREATE, "error", ErrorKind.OTHER, False, Action.FAIL),
+        (Phase.CREATE, "error", ErrorKind.CAPACITY, Action.NEXT_ZONE),
+        (Phase.CREATE, "error", ErrorKind.RESERVATION_FULL, Action.WAIT_FOR_RESERVATION),
+        (Phase.CREATE, "error", ErrorKind.QUOTA, Action.FAIL_QUOTA),
+        (Phase.CREATE, "error", ErrorKind.RESERVATION, Action.FAIL_RESERVATION),
+        (Phase.CREATE, "error", ErrorKind.OTHER, Action.FAIL),
         # An earlier try's instance that dies while we wait for it is not a stock-out of a new insert.
-        (Phase.WAIT, "error", ErrorKind.CAPACITY, False, Action.FAIL),
-        (Phase.REPLACE, "error", ErrorKind.OTHER, False, Action.FAIL),
+        (Phase.WAIT, "error", ErrorKind.CAPACITY, Action.FAIL),
+        (Phase.REPLACE, "error", ErrorKind.OTHER, Action.FAIL),
     ],
 )
-def test_transitions(phase, status, kind, lost_race, action):
-    assert next_action(phase, status, kind, lost_race) is action
-
-
-def test_the_race_matters_only_once_running():
-    for phase, status, kind in itertools.product(Phase, ("success", "error", "ready"), (None, *KINDS)):
-        if not (status == "success" and phase in (Phase.WAIT, Phase.CREATE)):
-            assert next_action(phase, status, kind, True) is next_action(phase, status, kind, False)
+def test_transitions(phase, status, kind, action):
+    assert next_action(phase, status, kind) is action
 
 
 def test_only_failures_after_an_insert_clean_up_first():
     """What continues the create never deletes its instance; every failure with an instance does."""
-    assert {Action.INSERT, Action.AWAIT_LOGIN, Action.DONE, Action.YIELD_PLACE} & DELETES_FIRST == set()
+    assert {Action.INSERT, Action.AWAIT_LOGIN, Action.DONE} & DELETES_FIRST == set()
     # Nothing was created while waiting for capacity, so that failure deletes nothing.
     assert Action.FAIL_NO_CAPACITY not in DELETES_FIRST
     for phase, kind in itertools.product((Phase.CREATE, Phase.WAIT, Phase.READY), KINDS):

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from airflow_tpu_posttrain.defaults import MAX_WAIT_IN_LINE_HOURS
 from airflow_tpu_posttrain.operators.recovery import create_task_id
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,17 +104,24 @@ def test_registry_refuses_a_split_layout_without_checkpoint_storage():
         PipelineConfig(model="gemma3-4b", recipe="sft")
     with pytest.raises(ValueError, match="layout='tpu-only'"):
         PipelineConfig(model="gemma3-4b", recipe="sft", layout="tpu-only", checkpoint_storage="gs://bkt/x")
-    seeds = PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds")  # no storage needed
+    # The tutorials' layout needs no storage, but the cap takes its places in one: no cap, or a place to take them.
+    with pytest.raises(ValueError, match="capacity_claims=None: is needed with max_tpu_vms=1 and no checkpoint_storage"):
+        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds")
+    seeds = PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None)
     assert seeds.dag_id == "posttrain_sft__gemma3-4b__seeds"
+    capped = PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", capacity_claims="gs://bkt/places")
+    assert capped.places_location == "gs://bkt/places"
+    split = PipelineConfig(model="gemma3-4b", recipe="sft", checkpoint_storage="gs://bkt/x/y")
+    assert split.places_location == "gs://bkt/tpu-capacity"  # the bucket's, whatever the deployment's prefix
 
 
 def test_registry_names_no_pool_unless_told():
     """No pool by default: Airflow never runs a task of a pool that does not exist, and says so only in a log."""
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
-    assert PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds").tpu_pool is None
+    assert PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None).tpu_pool is None
     with pytest.raises(ValueError, match="tpu_pool='tpu vms'"):
-        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", tpu_pool="tpu vms")
+        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None, tpu_pool="tpu vms")
 
 
 def test_registry_refuses_a_model_without_a_profile():
@@ -318,10 +326,13 @@ def _bounded_without_a_run_timeout(dags, dag_id: str) -> tuple[timedelta, int]:
     dag = dags[dag_id]
     assert dag.dagrun_timeout is None
     assert all(task.execution_timeout for task in dag.tasks)
-    # The VM's cloud-side deadline (maxRunDuration, action DELETE) outlives every try of every step on it.
+    # The VM's cloud-side deadline (maxRunDuration, action DELETE) outlives every try of every step on it, from
+    # its create on; the create's wait in line behind other runs comes before its VM exists.
     tries = dag.get_task("train").retries + 1
     on_vm = sum((dag.get_task(t).execution_timeout for t in BODY), timedelta(0)) * tries
-    assert dag.get_task(CREATE).max_run_duration > on_vm + dag.get_task(CREATE).execution_timeout
+    create = dag.get_task(CREATE)
+    in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if create.max_tpu_vms is not None else timedelta(0)
+    assert create.max_run_duration > on_vm + create.execution_timeout - in_line
     return dag.get_task(CREATE).max_run_duration, tries
 
 
@@ -359,7 +370,7 @@ def test_a_scheduled_entry_gets_its_cron_and_a_start_date():
     from airflow_tpu_posttrain.pipelines.posttrain import build_dag
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
-    dag = build_dag(PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", schedule="@weekly"))
+    dag = build_dag(PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None, schedule="@weekly"))
     assert dag.schedule == "@weekly" and dag.timetable.expression == "0 0 * * 0"
     assert dag.start_date is not None and dag.catchup is False
 

@@ -148,7 +148,7 @@ from airflow_tpu_posttrain.pipelines.inputs import input_assets
 from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
 # The tiny SFT entry's inputs, as `schedule: on_change` watches them; a DAG that only notes it was started.
-inputs = PipelineConfig(model="tiny-llama", recipe="sft", layout="seeds", hf_conn_id="hf_watch", watch_interval_s=1)
+inputs = PipelineConfig(model="tiny-llama", recipe="sft", layout="seeds", max_tpu_vms=None, hf_conn_id="hf_watch", watch_interval_s=1)
 with DAG("watch_probe", schedule=input_assets(inputs), start_date=datetime(2026, 1, 1), catchup=False):
     EmptyOperator(task_id="started")
 """

@@ -128,7 +128,7 @@ with DAG("reaper_{mode}", schedule=None, start_date=datetime(2026, 1, 1), catchu
 """
 
 
-NO_SLICES = {"slices_deleted": 0, "slice_parts_deleted": 0}
+NO_SLICES = {"slices_deleted": 0, "slice_parts_deleted": 0, "places_given_back": 0}
 
 
 def reap_counts(dr):
@@ -249,6 +249,32 @@ def test_reaper_deletes_the_vm_of_a_deleted_run(emulator, run_dag, capfd):
     # What the orphan had cost until now: a v6e-8 reserved VM at the on-demand price.
     assert re.search(r"cost so far: \S+ \(ct6e-standard-8t, RESERVATION_BOUND\) ran \d+ min \d+ s: \$\d+\.\d\d at \$21\.6/h", logs)
     assert _wait_until(lambda: emulator.instances() == [])
+
+
+def test_reaper_gives_back_the_place_of_a_finished_runs_vm_once_it_is_gone(
+    emulator, capacity_claims, run_dag, capfd, fault_matrix
+):
+    """A run whose teardown never ran held a place under the cap: its VM goes first, then its place."""
+    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+
+    capped = CREATE_ONLY.replace("max_tpu_vms=None", f"max_tpu_vms=1, capacity_claims={capacity_claims!r}")
+    victim = run_dag("reaper_victim", capped)
+    assert victim.state == "success"
+    [line] = CapacityLinesHook().lines(capacity_claims)
+    [held] = CapacityLinesHook().read(line)["holders"]
+    reaping = REAPER.replace("grace_period_s=0,", f"grace_period_s=0, capacity_claims=[{capacity_claims!r}],")
+    first = reap_counts(run_dag("reaper_places_1", reaping.format(mode="places_1", dry_run=False)))
+    assert (first["deleted"], first["places_given_back"]) == (1, 0)  # its VM may still be going: kept
+    assert _wait_until(lambda: emulator.instances() == [])
+    second = reap_counts(run_dag("reaper_places_2", reaping.format(mode="places_2", dry_run=False)))
+    assert second["places_given_back"] == 1
+    assert CapacityLinesHook().read(line)["holders"] == {}
+    logs = "".join(capfd.readouterr())
+    assert f"give back the place of {held} in {line}: its DAG run is success" in logs
+    fault_matrix.record(
+        "reaper: a finished run's place under the cap (teardown skipped) -> given back once its VM is gone", True,
+        "success", None, log_excerpt(logs, "give back the place of"),
+    )
 
 
 FIREWALLED = CREATE_ONLY.replace("max_tpu_vms=None", 'max_tpu_vms=None, ssh_source_ranges=["10.0.0.0/8"]')

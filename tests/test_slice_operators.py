@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -12,7 +11,8 @@ from conftest import PROJECT, compute_clients
 from test_capacity import hold_place, release_when_waiting
 from test_tpu_vm_operators import task_states, xcom
 
-from airflow_tpu_posttrain.recipes import capacity, slices
+from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+from airflow_tpu_posttrain.recipes import capacity, places, slices
 
 SLICE_DAG = """
 from datetime import datetime
@@ -23,6 +23,7 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
     create = TpuSliceCreateOperator(
         task_id="create_tpu_vm", zone="us-east5-b", accelerator_type={accelerator!r},
         reservation="slice-reservation", poll_interval=0.2, max_wait_for_capacity={wait}, max_tpu_vms={cap!r},
+        capacity_claims={claims!r},
     )
 
     @task
@@ -43,8 +44,10 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 """
 
 
-def slice_dag(dag_id: str, accelerator: str = "v6e-16", wait: int = 60, cap: int | None = None) -> str:
-    return SLICE_DAG.format(dag_id=dag_id, accelerator=accelerator, wait=wait, cap=cap)
+def slice_dag(
+    dag_id: str, accelerator: str = "v6e-16", wait: int = 60, cap: int | None = None, claims: str | None = None
+) -> str:
+    return SLICE_DAG.format(dag_id=dag_id, accelerator=accelerator, wait=wait, cap=cap, claims=claims)
 
 
 @pytest.fixture
@@ -131,17 +134,21 @@ def test_the_reaper_ends_a_slice_left_behind_whole_then_its_template_and_policy(
         time.sleep(0.2)
 
 
-def test_a_slice_waits_for_its_place_under_the_cap_having_made_nothing(sliced, run_dag, capfd):
-    """Another run's VM holds the capacity group's one place: the slice's create waits, then makes the slice."""
+def test_a_slice_waits_in_line_for_its_place_having_made_nothing(sliced, capacity_claims, run_dag, capfd):
+    """Another run's VM holds the line's one place: the slice's create waits, then makes the slice.
+
+    Its delete gives the place back. The VM and the slice count in one line (a reservation's), whatever their
+    shapes."""
     sliced.add_reservation("other-reservation", "us-east5-b", 1)
-    group = capacity.group_label(PROJECT, "slice-reservation", ["us-east5-b"], "ct6e-standard-4t")
-    hold_place(sliced, "tpu-other-run", reservation="other-reservation", group=group)
-    release_when_waiting(sliced, "tpu-other-run", 3, f"labels.{capacity.GROUP_LABEL} =")
-    dr = run_dag("slice_cap", slice_dag("slice_cap", cap=1))
+    key = places.line_key(PROJECT, "us-east5-b", "slice-reservation", "ct6e-standard-4t")
+    line = places.line_uri(capacity_claims, key)
+    hold_place(sliced, "tpu-other-run", reservation="other-reservation", claims=capacity_claims, key=key)
+    release_when_waiting(sliced, "tpu-other-run", 3, f"labels.{capacity.GROUP_LABEL} =", line)
+    dr = run_dag("slice_cap", slice_dag("slice_cap", cap=1, claims=capacity_claims))
     assert dr.state == "success", task_states(dr)
     logs = "".join(capfd.readouterr())
-    assert "Waiting for a place under max_tpu_vms for slice" in logs
-    assert "1 of 1 in use by posttrain_rl__other run scheduled__other (tpu-other-run)" in logs
+    assert "Waiting for TPU capacity, #1 in line" in logs
+    assert "1 of 1 in use by posttrain_rl__other/scheduled__other (tpu-other-run)" in logs
     # Nothing of the slice was made while the other run's VM lived: its VM's delete came before the slice's policy.
     paths = [(r["method"], r["path"]) for r in sliced.requests]
     released = paths.index(("DELETE", f"/compute/v1/projects/{PROJECT}/zones/us-east5-b/instances/tpu-other-run"))
@@ -149,38 +156,4 @@ def test_a_slice_waits_for_its_place_under_the_cap_having_made_nothing(sliced, r
     assert released < first_insert
     assert xcom(dr, "delete_tpu_vm")["vms"] == 4
     assert _nothing_left(sliced)
-
-
-def test_a_slice_over_the_cap_once_whole_is_deleted_whole_and_made_again_when_the_place_is_free(
-    sliced, run_dag, capfd
-):
-    """Both saw the one place free; the other run's VM was created before the slice's VMs, so the slice yields.
-
-    The slice's reservation is full until the other run's VM exists: its VMs are created after that VM."""
-    sliced.add_reservation("slice-reservation", "us-east5-b", 0, machine_type="ct6e-standard-4t")
-    sliced.add_reservation("other-reservation", "us-east5-b", 1)
-    group = capacity.group_label(PROJECT, "slice-reservation", ["us-east5-b"], "ct6e-standard-4t")
-    groups_path = f"/compute/v1/projects/{PROJECT}/zones/us-east5-b/instanceGroupManagers"
-
-    def requested(method: str, prefix: str) -> bool:
-        return any(r["method"] == method and r["path"].startswith(prefix) for r in sliced.requests)
-
-    def race() -> None:
-        deadline = time.monotonic() + 120
-        while not requested("POST", groups_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        hold_place(sliced, "tpu-other-run", reservation="other-reservation", group=group)
-        sliced.add_reservation("slice-reservation", "us-east5-b", 4, machine_type="ct6e-standard-4t")
-        while not requested("DELETE", f"{groups_path}/") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        compute_clients(sliced).instances.delete(project=PROJECT, zone="us-east5-b", instance="tpu-other-run")
-
-    threading.Thread(target=race, daemon=True).start()
-    dr = run_dag("slice_race", slice_dag("slice_race", cap=1, wait=120))
-    assert dr.state == "success", task_states(dr)
-    logs = "".join(capfd.readouterr())
-    assert "is over the cap (another run's VM or slice took the last place first)" in logs
-    posts = [r for r in sliced.requests if r["method"] == "POST" and r["path"] == groups_path]
-    assert len(posts) == 2  # made, deleted whole, made again
-    assert xcom(dr, "delete_tpu_vm")["vms"] == 4
-    assert _nothing_left(sliced)
+    assert CapacityLinesHook().read(line) == {"holders": {}, "waiting": {}}

@@ -5,7 +5,7 @@ The connection, the endpoint, the hook, and requestIds that make a repeated call
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -185,6 +185,18 @@ class ComputeOperator(BaseOperator):
                 ),
             )
         return project
+
+    def _give_places_back(self, name: str, place_lines: Mapping[str, str] | None) -> None:
+        """Give back the place ``name`` holds (or waits for) in any of ``place_lines``, once its VM is gone."""
+        if not place_lines:
+            return
+        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+        from airflow_tpu_posttrain.recipes import places
+
+        hook = CapacityLinesHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        for uri in dict.fromkeys(place_lines.values()):
+            if hook.change(uri, lambda line: places.release(line, name)):
+                self.log.info("Gave back the place of %s in %s", name, uri)
 
     def _connection_project(self) -> str | None:
         from airflow.sdk import BaseHook

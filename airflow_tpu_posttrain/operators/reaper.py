@@ -1,7 +1,8 @@
 """The reaper: deletes TPU VMs of this provider whose DAG run is over or whose expiry has passed.
 
 It also deletes SSH firewall rules whose VM is gone. A VM of a multi-host slice goes with its whole group, and a
-slice's template and workload policy once their group is gone."""
+slice's template and workload policy once their group is gone. And it gives back places under the TPU cap whose VM
+(or slice) is gone and whose run is over."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class TpuVmReaperOperator(ComputeOperator):
     :param dry_run: log the decisions, delete nothing.
     :param prices: USD per hour by machine type and provisioning model, for the log line that says what each
         deleted orphan had cost; None: ``recipes.cost.DEFAULT_PRICES``.
+    :param capacity_claims: the ``gs://`` locations of lines of places under the TPU cap whose stale places to give
+        back (``recipes/places.py``: the VM's evidence rule, applied to a place whose VM is gone).
     """
 
     template_fields: Sequence[str] = (
@@ -63,16 +66,21 @@ class TpuVmReaperOperator(ComputeOperator):
         grace_period_s: int = 900,
         dry_run: bool = False,
         prices: Mapping[str, Mapping[str, float]] | None = None,
+        capacity_claims: Sequence[str] = (),
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
         self.grace_period_s = grace_period_s
         self.dry_run = dry_run
         self.prices = prices
+        self.capacity_claims = capacity_claims
 
     def _run_state(self, context: Context, instance: dict) -> str | None:
         """The run's state; ``reaper.RUN_ABSENT`` when Airflow answers 404; None when it cannot be read."""
         dag_id, run_id = reaper.run_of(instance)
+        return self._state_of_run(context, dag_id, run_id)
+
+    def _state_of_run(self, context: Context, dag_id: str | None, run_id: str | None) -> str | None:
         if not dag_id or not run_id:
             return None
         try:
@@ -126,11 +134,43 @@ class TpuVmReaperOperator(ComputeOperator):
                     self.hook.delete_instance_template(self.project, part["name"], str(uuid.uuid4()))
                 counts["slice_parts_deleted"] += 1
 
+    def _sweep_places(self, context: Context, now: datetime, counts: dict) -> None:
+        """Give back the places whose VM (or slice) is gone and whose run is over: the VMs' evidence rule."""
+        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+        from airflow_tpu_posttrain.recipes import places
+
+        hook = CapacityLinesHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        deployment = deployment_id()
+        for location in self.capacity_claims:
+            for uri in hook.lines(location):
+                held = hook.read(uri).get("holders") or {}
+                exists = {claim: self._made(claim) for claim in held}
+                states = {
+                    entry.get("run", ""): self._state_of_run(context, *entry.get("run", "/").split("/", 1))
+                    for entry in held.values()
+                    if entry.get("deployment") == deployment
+                }
+                stale = places.stale_holders({"holders": held}, exists, states, now, self.grace_period_s, deployment)
+                for claim, reason in stale.items():
+                    if self.dry_run:
+                        self.log.info("WOULD give back the place of %s in %s: %s (dry run)", claim, uri, reason)
+                        continue
+                    self.log.warning("give back the place of %s in %s: %s", claim, uri, reason)
+                    hook.change(uri, lambda line, claim=claim: places.release(line, claim))
+                    counts["places_given_back"] += 1
+
+    def _made(self, claim: str) -> bool | None:
+        """Whether the VM or the slice (its group) of a place exists; None when Compute could not say."""
+        vm, group = self._instance_exists(claim), self._group_exists(claim)
+        if vm or group:
+            return True
+        return None if vm is None or group is None else False
+
     def execute(self, context: Context) -> dict:
         now = datetime.now(UTC)
         counts = {
             "seen": 0, "deleted": 0, "kept": 0, "firewalls_deleted": 0, "slices_deleted": 0,
-            "slice_parts_deleted": 0, "dry_run": self.dry_run,
+            "slice_parts_deleted": 0, "places_given_back": 0, "dry_run": self.dry_run,
         }
         deployment = deployment_id()
         groups: set[tuple[str, str]] = set()
@@ -175,5 +215,6 @@ class TpuVmReaperOperator(ComputeOperator):
                 self.hook.delete_firewall(self.project, rule["name"], str(uuid.uuid4()))
                 counts["firewalls_deleted"] += 1
         self._sweep_slice_parts(now, counts)
+        self._sweep_places(context, now, counts)
         self.log.info("Reaper: %s", counts)
         return counts

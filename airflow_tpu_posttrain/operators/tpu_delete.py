@@ -21,7 +21,7 @@ class TpuDeleteOperator(ComputeOperator):
     It finds the VM from the create task's XCom (also the partial record a failed create leaves), in each of the
     create's zones (a recovery may have made it again in another), and, when there is no XCom, by its
     deterministic name in each of ``zones``. A VM that is already gone counts as
-    success. Returns (XCom) ``{"deleted": bool, "name", "zone", "firewall_deleted": bool}``, and for a VM it
+    success. Once it is gone, the place it held under the cap is given back (``recipes/places.py``). Returns (XCom) ``{"deleted": bool, "name", "zone", "firewall_deleted": bool}``, and for a VM it
     deleted what the VM cost: ``machine_type``, ``provisioning_model``, ``vm_seconds`` (creation to deletion,
     Compute's timestamps), ``usd_per_hour`` and ``cost_usd`` (None when ``prices`` has no price for it).
 
@@ -59,7 +59,8 @@ class TpuDeleteOperator(ComputeOperator):
         self.firewall = firewall
         self.prices = prices
 
-    def _target(self, context: Context) -> tuple[str, list[str], str | None]:
+    def _target(self, context: Context) -> tuple[str, list[str], str | None, dict[str, str] | None]:
+        """The VM's name, the zones to look in, its firewall rule and its lines of places (from the create)."""
         record = None
         if self.create_task_id:
             record = context["ti"].xcom_pull(task_ids=self.create_task_id)
@@ -67,15 +68,15 @@ class TpuDeleteOperator(ComputeOperator):
             self.project_id = self.project_id or record.get("project")
             # The recorded zone first, then the others: a recovery may have created the VM again elsewhere.
             zones = list(dict.fromkeys(filter(None, [record.get("zone"), *(record.get("zones") or [])])))
-            return record["name"], zones or as_list(self.zones), record.get("firewall")
+            return record["name"], zones or as_list(self.zones), record.get("firewall"), record.get("place_lines")
         name = self.instance_name or compute.instance_name(
             context["dag"].dag_id, context["run_id"], self.name_prefix, deployment_id()
         )
         self.log.info("No XCom from %s: looking for %s by its deterministic name", self.create_task_id, name)
-        return name, as_list(self.zones), compute.firewall_name(name) if self.firewall else None
+        return name, as_list(self.zones), compute.firewall_name(name) if self.firewall else None, None
 
     def execute(self, context: Context) -> Any:
-        name, zones, firewall = self._target(context)
+        name, zones, firewall, place_lines = self._target(context)
         deletes = [
             {"name": name, "zone": zone, "request_id": self._request_id(context, name, zone, "delete")}
             for zone in zones
@@ -92,7 +93,7 @@ class TpuDeleteOperator(ComputeOperator):
         self.defer(
             trigger=ComputeDeleteTrigger(
                 deletes=deletes,
-                state={"name": name, "zones": zones, "firewall": firewall},
+                state={"name": name, "zones": zones, "firewall": firewall, "place_lines": place_lines},
                 **self._trigger_arguments(),
             ),
             method_name="execute_complete",
@@ -106,6 +107,7 @@ class TpuDeleteOperator(ComputeOperator):
                 f"Deleting {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
             )
         deleted = event["deleted"]
+        self._give_places_back(state["name"], state.get("place_lines"))
         vm = next((d for d in deleted if d["zone"]), None)
         result = {
             "deleted": vm is not None,

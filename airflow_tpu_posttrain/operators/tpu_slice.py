@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.defaults import MAX_TPU_VMS, MAX_WAIT_FOR_CAPACITY_MINUTES, SSH_CONN_ID
+from airflow_tpu_posttrain.defaults import MAX_WAIT_FOR_CAPACITY_MINUTES, MAX_WAIT_IN_LINE_HOURS, SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     InvalidInputError,
@@ -23,7 +23,7 @@ from airflow_tpu_posttrain.operators.compute_base import (
     vm_expires_at,
 )
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
-from airflow_tpu_posttrain.recipes import capacity, compute, cost, slices
+from airflow_tpu_posttrain.recipes import capacity, compute, cost, places, slices, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -59,11 +59,14 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
     :param ssh_conn_id: the SSH connection the steps use; its login and public key go into the template's
         ``ssh-keys`` metadata, so every VM of the slice takes it.
     :param ready_timeout: how long the RUNNING VMs may take to publish their host keys and answer on SSH.
-    :param max_tpu_vms: how many places of this capacity group (the reservation, else the zone and the machine
-        series) the pipelines' TPU VMs and slices may hold at once, counted from Compute across DAGs: a slice
-        holds one place, however many VMs it has. The create waits in the triggerer for a place; None: no cap.
-    :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` and for the whole slice's
-        capacity, in all (a timedelta or seconds); then the slice is deleted and the task fails.
+    :param max_tpu_vms: how many places of the slice's line (the reservation, else the zone and the machine
+        series) TPU VMs and slices may hold at once, across DAGs and deployments: a slice holds one place, however
+        many VMs it has. The create waits in line in the triggerer, first come first served (``recipes/places.py``);
+        None (the default): no cap. Needs ``capacity_claims``.
+    :param capacity_claims: the ``gs://`` location of the lines of places; every create under the same cap, in
+        every deployment, must name the same location.
+    :param max_wait_for_capacity: how long to wait while first in line for a place under ``max_tpu_vms``, and then
+        for the whole slice's capacity (a timedelta or seconds); then the slice is deleted and the task fails.
     :param tags: network tags of every VM.
     :param boot_disk_size_gb: each VM's boot disk.
     :param image_project: the boot image's project.
@@ -89,6 +92,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         "network_path",
         "ssh_conn_id",
         "max_wait_for_capacity",
+        "capacity_claims",
         "tags",
         "instance_name",
         "labels",
@@ -112,7 +116,8 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         network_path: str = "external",
         ssh_conn_id: str = SSH_CONN_ID,
         ready_timeout: timedelta = timedelta(minutes=10),
-        max_tpu_vms: int | None = MAX_TPU_VMS,
+        max_tpu_vms: int | None = None,
+        capacity_claims: str | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
         tags: Sequence[str] | None = None,
         boot_disk_size_gb: int = 200,
@@ -137,6 +142,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         self.ssh_conn_id = ssh_conn_id
         self.ready_timeout = ready_timeout
         self.max_tpu_vms = max_tpu_vms
+        self.capacity_claims = capacity_claims
         self.max_wait_for_capacity = max_wait_for_capacity
         self.tags = tags
         self.boot_disk_size_gb = boot_disk_size_gb
@@ -166,6 +172,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                 raise SpecError(
                     "network_path", self.network_path, "is not served for a slice", "use 'internal' or 'external'"
                 )
+            validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
             return compute.TpuVmSpec(
                 project_id=self.project,
                 zones=(self.zone,),
@@ -215,11 +222,15 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         spec = self._spec(context)
         name = self._name(context)
         requested_at = time.time()
-        self._record(context, name, status="CREATING")
+        key = places.line_key(spec.project_id, self.zone, spec.reservation, spec.machine_type)
+        claims = validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
+        line = places.line_uri(claims, key) if claims else None
+        self._record(context, name, status="CREATING", place_lines={self.zone: line} if line else None)
+        expires_at = vm_expires_at(spec)
         labels = compute.ownership_labels(
-            context["dag"].dag_id, context["run_id"], self.task_id, vm_expires_at(spec), deployment_id()
+            context["dag"].dag_id, context["run_id"], self.task_id, expires_at, deployment_id()
         )
-        group = capacity.group_label(spec.project_id, spec.reservation, spec.zones, spec.machine_type, self.name_prefix)
+        group = capacity.group_label(key, self.name_prefix)
         labels[capacity.GROUP_LABEL] = group
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
         ssh_keys, _, login = self._authorize_key(spec, vm_expires_at(spec))
@@ -237,14 +248,20 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                 ssh_port=self._ssh_port(),
                 group=group,
                 cap=self.max_tpu_vms,
+                line=line,
+                request=places.request_of(context["dag_run"], bodies.group["name"], deployment_id(), expires_at)
+                if line else None,
                 capacity_wait=float(seconds(self.max_wait_for_capacity) or 0),
                 ready_timeout=self.ready_timeout.total_seconds(),
-                state={"requested_at": requested_at, "ssh_login": login},
+                state={
+                    "requested_at": requested_at, "ssh_login": login, "place_lines": {self.zone: line} if line else None
+                },
                 **self._trigger_arguments(),
             ),
             method_name="execute_complete",
             timeout=self.wait_timeout
             + timedelta(seconds=seconds(self.max_wait_for_capacity) or 0)
+            + (timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if self.max_tpu_vms is not None else timedelta(0))
             + self.ready_timeout
             + timedelta(minutes=5),
         )
@@ -266,7 +283,9 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
             vm = self._vm(spec, made["name"], self.zone, made["instance"], state["ssh_login"], False)
             vms.append({"name": made["name"], "worker_id": made["worker_id"], **vm, "host_keys": made["host_keys"]})
         self._check_login(context, spec, name, self.zone, vms[0], vms[0]["host_keys"])
-        record = self._record(context, name, status="RUNNING", vms=vms, requested_at=state["requested_at"])
+        record = self._record(
+            context, name, status="RUNNING", vms=vms, requested_at=state["requested_at"], place_lines=state["place_lines"]
+        )
         self.log.info(
             "Slice %s is ready in %s: %s", name, self.zone,
             ", ".join(f"worker {vm['worker_id']} {vm['name']} at {vm['ssh_address']}" for vm in vms),
@@ -355,9 +374,11 @@ class TpuSliceDeleteOperator(ComputeOperator):
         from airflow_tpu_posttrain.triggers.slice import TpuSliceDeleteTrigger
 
         record = context["ti"].xcom_pull(task_ids=self.create_task_id) if self.create_task_id else None
+        place_lines = None
         if record and record.get("slice"):
             self.project_id = self.project_id or record.get("project")
             name, zone, names = record["name"], record["zone"], record["slice"]
+            place_lines = record.get("place_lines")
         else:
             name = self.instance_name or compute.instance_name(
                 context["dag"].dag_id, context["run_id"], self.name_prefix, deployment_id()
@@ -370,7 +391,8 @@ class TpuSliceDeleteOperator(ComputeOperator):
         self.log.info("Deleting slice %s in %s (group, template, workload policy)", name, zone)
         self.defer(
             trigger=TpuSliceDeleteTrigger(
-                zone=zone, **names, state={"name": name, "zone": zone}, **self._trigger_arguments()
+                zone=zone, **names, state={"name": name, "zone": zone, "group": names["group"], "place_lines": place_lines},
+                **self._trigger_arguments()
             ),
             method_name="execute_complete",
             timeout=self.wait_timeout,
@@ -383,6 +405,7 @@ class TpuSliceDeleteOperator(ComputeOperator):
                 f"Deleting slice {state['name']} failed: {compute.describe_errors(event.get('errors', []))}"
             )
         deleted = event["deleted"]
+        self._give_places_back(state["group"], state.get("place_lines"))
         result: dict[str, Any] = {"deleted": bool(deleted), "name": state["name"], "zone": state["zone"]}
         result["vms"] = len(deleted)
         if not deleted:

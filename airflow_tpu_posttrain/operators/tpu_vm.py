@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.defaults import MAX_TPU_VMS, MAX_WAIT_FOR_CAPACITY_MINUTES, SSH_CONN_ID
+from airflow_tpu_posttrain.defaults import MAX_WAIT_FOR_CAPACITY_MINUTES, MAX_WAIT_IN_LINE_HOURS, SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     CapacityUnavailableError,
@@ -29,7 +29,7 @@ from airflow_tpu_posttrain.operators.compute_base import (
 )
 from airflow_tpu_posttrain.operators.just_in_time import JustInTimeMixin
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
-from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, validation
+from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, places, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, single_host
 from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -86,15 +86,16 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     :param oslogin_user: the account whose OS Login profile gets the key (default: the Google Cloud
         connection's account, as ``gcloud compute ssh`` does).
     :param ready_timeout: how long a RUNNING VM may take to publish its host keys and answer on its SSH port.
-    :param max_tpu_vms: how many of the pipeline's VMs of this capacity group (the reservation, else the zones and
-        machine series, in the project) may live at once, counted from Compute by label across DAGs and Airflow
-        deployments (a multi-host slice counts once); the create waits in the triggerer, holding no VM, until
-        one ends (default 1, as the registry's). None: no cap.
-    :param prices: USD per hour by machine type and provisioning model, for the log line that says what a VM
-        deleted for being over the cap had cost (``recipes.cost.price_table``); None: the defaults.
-    :param max_wait_for_capacity: how long to wait for a place under ``max_tpu_vms`` or in a fully used
-        reservation (a timedelta or seconds); then the task fails, having created nothing. With FLEX_START it is
-        also how long Compute keeps the VM PENDING in its queue (``params.requestValidForDuration``, at most 2 h).
+    :param max_tpu_vms: how many VMs may live at once per line of places (the reservation, else the zone and
+        machine series, in the project; a multi-host slice counts once), across DAGs and Airflow deployments: a
+        create takes a place in its zone's line before it inserts, waiting in line in the triggerer, holding no VM
+        (``recipes/places.py``). None (the default): no cap. Needs ``capacity_claims``.
+    :param capacity_claims: the ``gs://`` location of the lines of places (one object per line); every create
+        under the same cap, in every deployment, must name the same location.
+    :param max_wait_for_capacity: how long to wait while first in line for a place under ``max_tpu_vms``, or for a
+        fully used reservation (a timedelta or seconds); then the task fails, having created nothing. With
+        FLEX_START it is also how long Compute keeps the VM PENDING in its queue (``params.requestValidForDuration``,
+        at most 2 h).
     :param tags: network tags.
     :param max_run_duration: cloud-side backstop (``scheduling.maxRunDuration``, termination action DELETE).
         Default: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
@@ -125,6 +126,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         "ssh_key_mode",
         "oslogin_user",
         "max_wait_for_capacity",
+        "capacity_claims",
         "tags",
         "instance_name",
         "labels",
@@ -152,8 +154,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         ssh_key_mode: str = "metadata",
         oslogin_user: str | None = None,
         ready_timeout: timedelta = timedelta(minutes=10),
-        max_tpu_vms: int | None = MAX_TPU_VMS,
-        prices: Mapping[str, Mapping[str, float]] | None = None,
+        max_tpu_vms: int | None = None,
+        capacity_claims: str | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
         tags: Sequence[str] | None = None,
         boot_disk_size_gb: int = 200,
@@ -184,7 +186,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         self.oslogin_user = oslogin_user
         self.ready_timeout = ready_timeout
         self.max_tpu_vms = max_tpu_vms
-        self.prices = prices
+        self.capacity_claims = capacity_claims
         self.max_wait_for_capacity = max_wait_for_capacity
         self.tags = tags
         self.boot_disk_size_gb = boot_disk_size_gb
@@ -228,6 +230,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 metadata=dict(self.metadata or {}),
             )
             single_host("accelerator_type", spec.accelerator_type)
+            validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
             if self.oslogin_user:
                 access.oslogin_user("oslogin_user", self.oslogin_user)
             return spec
@@ -258,11 +261,14 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         context["ti"].xcom_push(key=self.record_xcom_key, value=record)
         return record
 
-    def _group(self, spec: compute.TpuVmSpec) -> str:
-        """The capacity group's label value: the VMs ``max_tpu_vms`` counts."""
-        return capacity.group_label(
-            spec.project_id, spec.reservation, spec.zones, spec.machine_type, self.name_prefix
-        )
+    def _lines(self, spec: compute.TpuVmSpec) -> dict[str, str]:
+        """Each zone's line of places (``recipes/places.py``): its key, whatever the cap."""
+        return {zone: places.line_key(spec.project_id, zone, spec.reservation, spec.machine_type) for zone in spec.zones}
+
+    def _place_lines(self, spec: compute.TpuVmSpec) -> dict[str, str] | None:
+        """Each zone's line object under ``capacity_claims``, where the create takes its place; None: no cap."""
+        claims = validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
+        return {zone: places.line_uri(claims, key) for zone, key in self._lines(spec).items()} if claims else None
 
     def execute(self, context: Context) -> Any:
         spec = self._spec(context)
@@ -281,12 +287,14 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         from airflow_tpu_posttrain.triggers.create import TpuVmCreateTrigger
 
         requested_at = time.time()
-        self._record(context, spec, name, None, status="CREATING")
+        place_lines = self._place_lines(spec)
+        self._record(context, spec, name, None, status="CREATING", place_lines=place_lines)
         expires_at = vm_expires_at(spec)
         labels = compute.ownership_labels(
             context["dag"].dag_id, context["run_id"], self.task_id, expires_at, deployment_id()
         )
-        labels[capacity.GROUP_LABEL] = self._group(spec)
+        lines = self._lines(spec)
+        groups = {zone: capacity.group_label(key, self.name_prefix) for zone, key in lines.items()}
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
         ssh_keys, oslogin, login = self._authorize_key(spec, expires_at)
         VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, spec.zones[0], name))
@@ -297,7 +305,10 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 name=name,
                 zones=list(spec.zones),
                 bodies={
-                    zone: compute.instance_body(spec, name, zone, labels, metadata, ssh_keys) for zone in spec.zones
+                    zone: compute.instance_body(
+                        spec, name, zone, {**labels, capacity.GROUP_LABEL: groups[zone]}, metadata, ssh_keys
+                    )
+                    for zone in spec.zones
                 },
                 firewall=compute.ssh_firewall_body(spec, name) if spec.opens_firewall else None,
                 deployment=deployment_id(),
@@ -307,8 +318,10 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                     "network_path": spec.network_path,
                     "egress": [list(pair) for pair in compute.egress_subnetworks(spec)],
                 },
-                group=self._group(spec),
+                groups=groups,
                 cap=self.max_tpu_vms,
+                lines=place_lines,
+                request=places.request_of(context["dag_run"], name, deployment_id(), expires_at) if place_lines else None,
                 capacity_wait=float(seconds(self.max_wait_for_capacity)),
                 oslogin=oslogin,
                 ssh_port=client_identity(self.ssh_conn_id).port,
@@ -316,7 +329,6 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 request_id_base=self._request_id(context, name),
                 accelerator_type=spec.accelerator_type,
                 reservation=spec.reservation,
-                prices={machine: dict(by_model) for machine, by_model in self.prices.items()} if self.prices else None,
                 state={"phase": Phase.CREATE.value, "requested_at": requested_at, "ssh_login": login},
                 **self._trigger_arguments(),
             ),
@@ -324,6 +336,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
             # The trigger ends its own waits; this only backs them up.
             timeout=self.wait_timeout
             + timedelta(seconds=seconds(self.max_wait_for_capacity))
+            + (timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if self.max_tpu_vms is not None else timedelta(0))
             + self.ready_timeout
             + timedelta(minutes=5),
         )
@@ -346,7 +359,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         VmConsoleLink().push(context, VmConsoleLink.url(spec.project_id, zone, name))
         self._check_login(context, spec, name, zone, vm, event["host_keys"])
         record = self._record(
-            context, spec, name, zone, **vm, host_keys=event["host_keys"], requested_at=state["requested_at"]
+            context, spec, name, zone, **vm, host_keys=event["host_keys"], requested_at=state["requested_at"],
+            place_lines=self._place_lines(spec),
         )
         self.log.info(
             "VM %s is ready in %s: %s:%s answers with the host keys it published (%s)",

@@ -20,6 +20,7 @@ from typing import Any
 
 from airflow.sdk import DAG, BaseOperator, TriggerRule, chain
 
+from airflow_tpu_posttrain.defaults import MAX_WAIT_IN_LINE_HOURS
 from airflow_tpu_posttrain.exceptions import StepFailedError
 from airflow_tpu_posttrain.operators.export import HfExportOperator
 from airflow_tpu_posttrain.operators.inputs_check import InputsCheckOperator
@@ -147,11 +148,11 @@ STEPS = (
             # Caps the VMs themselves; the pool caps the TPU VM's steps (a waiting create holds no VM or
             # slot).
             "max_tpu_vms": cfg.max_tpu_vms,
-            "prices": cfg.prices,
+            "capacity_claims": cfg.places_location,
             "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
             **_creating_vm(cfg),
             **_just_in_time(cfg),
-            "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg) + _conversion_wait(cfg),
+            "execution_timeout": cfg.timeouts.create + _place_wait(cfg) + _conversion_wait(cfg),
         },
         slice=False,
     ),
@@ -165,9 +166,10 @@ STEPS = (
             "provisioning_model": "{{ params.provisioning_model }}",
             "reservation": "{{ params.reservation }}",
             "max_tpu_vms": cfg.max_tpu_vms,
+            "capacity_claims": cfg.places_location,
             "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
             **{key: value for key, value in _creating_vm(cfg).items() if key in SLICE_CREATE_ARGUMENTS},
-            "execution_timeout": cfg.timeouts.create + _capacity_wait(cfg),
+            "execution_timeout": cfg.timeouts.create + _place_wait(cfg),
         },
         slice=True,
     ),
@@ -409,6 +411,14 @@ def _poll(cfg: PipelineConfig, seconds: int) -> int:
 
 def _capacity_wait(cfg: PipelineConfig) -> timedelta:
     return timedelta(minutes=cfg.max_wait_for_capacity_minutes)
+
+
+def _place_wait(cfg: PipelineConfig) -> timedelta:
+    """A create's time to get its place: in line behind others (under a cap), then first in line.
+
+    Not the VM's: it exists only once the place is taken."""
+    in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if cfg.max_tpu_vms is not None else timedelta(0)
+    return in_line + _capacity_wait(cfg)
 
 
 def _on_compute(cfg: PipelineConfig) -> dict[str, Any]:

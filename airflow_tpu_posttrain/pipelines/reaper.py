@@ -31,7 +31,8 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
         render_template_as_native_obj=True,
         tags=["tpu", "maintenance"],
         doc_md="Deletes TPU VMs labelled by this provider whose DAG run is over or whose expiry label passed "
-        "(a user marked the run failed, a crash, a deleted DAG). Never touches other instances.",
+        "(a user marked the run failed, a crash, a deleted DAG), and gives back their places under the TPU cap. "
+        "Never touches other instances.",
     )
     with dag:
         for i, (conn_id, project_id) in enumerate(sweeps):
@@ -41,6 +42,13 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
                 project_id=project_id,
                 dry_run="{{ params.dry_run }}",
                 prices=configs[0].prices if configs else None,
+                capacity_claims=sorted(
+                    {
+                        cfg.places_location for cfg in configs
+                        if (cfg.gcp_conn_id, cfg.project_id) == (conn_id, project_id) and cfg.max_tpu_vms is not None
+                        and cfg.places_location
+                    }
+                ),
                 retries=1,
                 execution_timeout=timedelta(minutes=every_minutes),
             )

@@ -25,6 +25,15 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 
 
+def places_location(capacity_claims: str | None, checkpoint_storage: str | None) -> str | None:
+    """``capacity_claims``, else ``tpu-capacity`` in the checkpoint bucket: shared by every deployment using it."""
+    if capacity_claims:
+        return capacity_claims
+    if checkpoint_storage and checkpoint_storage.startswith("gs://"):
+        return f"gs://{checkpoint_storage.removeprefix('gs://').split('/', 1)[0]}/tpu-capacity"
+    return None
+
+
 @dataclass(frozen=True)
 class StepTimeouts:
     """Execution timeouts per step; the VM's cloud-side deadline derives from them.
@@ -159,8 +168,16 @@ class PipelineConfig:
     max_tpu_vms: int | None = field(
         default=defaults.MAX_TPU_VMS,
         metadata=_doc(
-            "How many of the pipelines' TPU VMs may live at once per capacity group (the reservation, else the "
-            "zones), counted from Compute across DAGs; a multi-host slice counts once; null: no cap."
+            "How many of the pipelines' TPU VMs may live at once per line (the reservation, else the zone and "
+            "machine series), across DAGs and deployments: a create takes a place in `capacity_claims` before it "
+            "inserts, first come first served; a multi-host slice counts once; null: no cap."
+        ),
+    )
+    capacity_claims: str | None = field(
+        default=None,
+        metadata=_doc(
+            "`gs://bucket/prefix` where the places under `max_tpu_vms` are taken (one object per line); every "
+            "deployment sharing the cap must name the same. null: `tpu-capacity` in `checkpoint_storage`'s bucket."
         ),
     )
     tpu_pool: str | None = field(
@@ -265,7 +282,19 @@ class PipelineConfig:
                         "set it to a gs://bucket/prefix the VMs may write (or use layout: seeds)",
                     )
                 )
+        if self.max_tpu_vms is not None and not places_location(self.capacity_claims, self.checkpoint_storage):
+            problems.append(
+                SpecError(
+                    "capacity_claims", None, f"is needed with max_tpu_vms={self.max_tpu_vms} and no checkpoint_storage",
+                    "set capacity_claims (or checkpoint_storage) to a gs://bucket/prefix, or max_tpu_vms to null",
+                )
+            )
         return problems
+
+    @property
+    def places_location(self) -> str | None:
+        """Where the places under ``max_tpu_vms`` are taken (:func:`places_location`)."""
+        return places_location(self.capacity_claims, self.checkpoint_storage)
 
     @property
     def is_slice(self) -> bool:

@@ -5,9 +5,8 @@ The phase it waits in, and what it does next when that wait ends. Pure: the crea
 
 A create of a run that converts may first wait in ``CONVERSION`` for the moment its VM is to be requested
 (``operators/just_in_time.py``), in a trigger of its own. It then starts by looking for the instance of an earlier try (``WAIT`` for a live one, ``REPLACE`` a dead one)
-or by inserting (``CREATE``), possibly after ``CAPACITY`` (no place under ``max_tpu_vms`` or in a fully used
-reservation). Once RUNNING it waits in ``READY`` for the VM's host keys and sshd. Losing the race for a capacity
-group's last place deletes ours (``YIELD``) and waits for room again.
+or by inserting (``CREATE``), possibly after ``CAPACITY`` (in line for a place under ``max_tpu_vms``, or a fully
+used reservation). Once RUNNING it waits in ``READY`` for the VM's host keys and sshd.
 """
 
 from __future__ import annotations
@@ -22,17 +21,15 @@ class Phase(StrEnum):
     CONVERSION = "conversion"  # nothing requested yet: waiting until the conversion is expected to end soon
     WAIT = "wait"  # an earlier try's live instance: waiting for it to be RUNNING
     REPLACE = "replace"  # deleting an instance that cannot be used (TERMINATED, or left by a stock-out)
-    CAPACITY = "capacity"  # waiting for a place under max_tpu_vms, or in a fully used reservation
+    CAPACITY = "capacity"  # in line for a place under max_tpu_vms, or waiting on a fully used reservation
     CREATE = "create"  # the insert's operations, then RUNNING
-    YIELD = "yield"  # deleting ours: another run's VM took the capacity group's last place first
     READY = "ready"  # RUNNING: waiting for its host keys and its sshd
 
 
 class Action(StrEnum):
     START = "start"  # request the VM now: find an earlier try's instance, else insert
     SKIP = "skip"  # the conversion failed before the VM was requested: create nothing
-    INSERT = "insert"  # insert in the current zone when the group has room, else wait for a place
-    YIELD_PLACE = "yield place"  # delete ours and wait for room
+    INSERT = "insert"  # take a place in the current zone's line (waiting in it), then insert
     AWAIT_LOGIN = "await login"  # RUNNING: wait until its host keys are published and its sshd answers
     DONE = "done"  # logged in: record the VM
     NEXT_ZONE = "next zone"  # a stock-out: delete what the zone left behind, insert in the next zone
@@ -51,7 +48,7 @@ class Action(StrEnum):
 
 
 RUNNING_PHASES = frozenset({Phase.WAIT, Phase.CREATE})
-"""Phases whose success means our instance is RUNNING: the moment to check it did not take a place over the cap."""
+"""Phases whose success means our instance is RUNNING."""
 
 DELETES_FIRST = frozenset(
     {
@@ -69,23 +66,22 @@ DELETES_FIRST = frozenset(
 not run when its setup failed, so the create cleans up after itself."""
 
 
-def next_action(phase: Phase, status: str, error_kind: str | None = None, lost_race: bool = False) -> Action:
+def next_action(phase: Phase, status: str, error_kind: str | None = None) -> Action:
     """What follows when the wait in ``phase`` ended with ``status``.
 
     ``status`` is a trigger's (``success``, ``ready``, ``available``, ``timeout``, ``error``, or the conversion
     wait's ``due``, ``converted`` and ``failed``);
-    ``error_kind`` is the kind of its errors (``compute.ErrorKind``); ``lost_race``: whether a RUNNING
-    instance turned out to be over its group's cap."""
+    ``error_kind`` is the kind of its errors (``compute.ErrorKind``)."""
     if phase is Phase.CONVERSION:
         return Action.SKIP if status == "failed" else Action.START
     if phase is Phase.CAPACITY:
         return Action.INSERT if status == "available" else Action.FAIL_NO_CAPACITY
     if status == "ready" and phase is Phase.READY:
         return Action.DONE
-    if status == "success" and phase in (Phase.REPLACE, Phase.YIELD):
+    if status == "success" and phase is Phase.REPLACE:
         return Action.INSERT
     if status == "success" and phase in RUNNING_PHASES:
-        return Action.YIELD_PLACE if lost_race else Action.AWAIT_LOGIN
+        return Action.AWAIT_LOGIN
     if phase is Phase.READY:
         return Action.FAIL_NOT_READY
     if phase is Phase.CREATE and error_kind == ErrorKind.CAPACITY:
@@ -104,6 +100,6 @@ class Progress(NamedTuple):
 
     zone_index: int = 0
     stockouts: tuple[str, ...] = ()
-    attempt: int = 0  # a new insert requestId after each replacement or yielded place
-    deadline: float | None = None  # Unix time the wait for capacity ends
+    attempt: int = 0  # a new insert requestId after each replacement
+    deadline: float | None = None  # Unix time the wait on a fully used reservation ends
     without_max_run_duration: bool = False  # Compute refused scheduling.maxRunDuration for this model

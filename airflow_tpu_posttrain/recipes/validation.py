@@ -133,6 +133,20 @@ def storage_uri(field: str, value: str) -> str:
     return safe_absolute_path(field, value)
 
 
+def capacity_claims(cap: int | None, claims: str | None) -> str | None:
+    """``capacity_claims`` for a cap of ``cap`` VMs: a ``gs://`` location, required with a cap (None: no cap)."""
+    if cap is None:
+        return None
+    positive_int("max_tpu_vms", cap)
+    if not claims or not str(claims).startswith("gs://"):
+        raise SpecError(
+            "capacity_claims", claims, f"is needed with max_tpu_vms={cap}: the places under the cap are taken there",
+            "give a gs://<bucket>/<prefix> every deployment sharing the cap can write (the pipelines use "
+            "<checkpoint bucket>/tpu-capacity), or set max_tpu_vms to None",
+        )
+    return storage_uri("capacity_claims", claims)
+
+
 def zone(field: str, value: str) -> str:
     if not isinstance(value, str) or not _ZONE.fullmatch(value):
         raise SpecError(field, value, "is not a Compute Engine zone", "use a zone such as 'us-east5-b'")

@@ -12,12 +12,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.triggers.base import TriggerEvent
 
-from airflow_tpu_posttrain.recipes import access, capacity, compute, cost
+from airflow_tpu_posttrain.recipes import access, capacity, compute, places
 from airflow_tpu_posttrain.recipes.create_phases import DELETES_FIRST, Action, Phase, Progress, next_action
 from airflow_tpu_posttrain.recipes.validation import SpecError
 from airflow_tpu_posttrain.triggers.compute import (
@@ -26,8 +25,10 @@ from airflow_tpu_posttrain.triggers.compute import (
     not_ready_message,
     ssh_port_check,
 )
+from airflow_tpu_posttrain.triggers.places import give_place_back, take_place
 
 if TYPE_CHECKING:
+    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
 
 _REQUEST_NAMESPACE = uuid.UUID("0c5e7d4a-8f3b-4d21-a6e9-5b1f2c3d4e60")
@@ -42,7 +43,6 @@ class _Ended(NamedTuple):
     instance: dict | None = None
     in_use: str = ""
     host_keys: dict[str, str] | None = None
-    lost_race: bool = False  # RUNNING, but another run's VM of the group took its last place first
 
 
 class _Failed(Exception):  # noqa: N818 - a control-flow signal inside the trigger, never raised out of it
@@ -59,11 +59,12 @@ class TpuVmCreateTrigger(_OperationsTrigger):
 
     What it does, in order: refuse a network the VM cannot use (missing, custom-mode without ``subnetwork``, no
     NAT or Private Google Access for a VM without an external IP); import the key into OS Login (``oslogin``); look for the instance of an earlier try in
-    each zone (reuse a live one, replace a dead one, never touch another deployment's); wait for a place under
-    ``cap`` among the capacity group's VMs; insert the SSH firewall rule and the instance, moving to the next zone
-    on a stock-out and waiting on a fully used reservation; yield its place when another run's VM took the group's
-    last one first; then wait for the VM's host keys and sshd. A failure deletes what the attempt left (the
-    instance, if this deployment's, and the firewall rule) before the event.
+    each zone (reuse a live one, replace a dead one, never touch another deployment's); take a place under ``cap``
+    in the zone's line (``recipes/places.py``), waiting in line first come, first served; insert the SSH firewall
+    rule and the instance, moving to the next zone's line on a stock-out and waiting on a fully used reservation;
+    then wait for the VM's host keys and sshd. A failure deletes what the attempt left (the instance, if this
+    deployment's, and the firewall rule) and gives its place back before the event; the VM's delete gives it back
+    otherwise (``TpuDeleteOperator``).
 
     Fires once with fixed keys: ``{"status": "ready", "zone", "instance", "host_keys", "ssh_login" (OS Login's, or
     None), "without_max_run_duration", "state"}`` or ``{"status": "failed", "action": a create_phases.Action failure, "phase", "zone", "detail",
@@ -78,9 +79,11 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     :param firewall: the SSH firewall rule's body, or None.
     :param deployment: the Airflow deployment id the instance must be labelled with to be used or deleted.
     :param network_check: ``{"network", "subnetwork_given", "network_path", "egress": [[region, subnetwork]]}``.
-    :param group: the capacity group's label value.
-    :param cap: ``max_tpu_vms`` of the group; None: no cap.
-    :param capacity_wait: seconds to wait for a place under ``cap`` or in a fully used reservation.
+    :param groups: the capacity label's value of each zone's line (``capacity.group_label``).
+    :param cap: ``max_tpu_vms`` of a line; None: no cap.
+    :param lines: each zone's line of places (``gs://`` object, ``hooks/capacity.py``); with ``cap``.
+    :param request: the create's request for a place (``places.Request``'s fields); with ``cap``.
+    :param capacity_wait: seconds to wait while first in line, or for a fully used reservation.
     :param oslogin: ``ssh_key_mode="oslogin"``: ``{"user", "public_key", "expires_at"}``, the key to import into
         the OS Login profile of ``user`` (None: the Google connection's account) before anything is created; the
         event's ``ssh_login`` is then the POSIX login OS Login answers. None: the key is in the instance metadata.
@@ -89,7 +92,6 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     :param request_id_base: what the requestIds derive from (stable within one try of one task instance).
     :param accelerator_type: the VM's accelerator type, for the log.
     :param reservation: the reservation the VM consumes, as given, for the log.
-    :param prices: USD per hour by machine type and model, for the cost of a VM deleted to yield its place.
     """
 
     def __init__(
@@ -101,7 +103,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         firewall: dict | None,
         deployment: str,
         network_check: dict[str, Any],
-        group: str,
+        groups: dict[str, str],
         cap: int | None,
         capacity_wait: float,
         oslogin: dict[str, Any] | None,
@@ -110,7 +112,8 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         request_id_base: str,
         accelerator_type: str,
         reservation: str | None = None,
-        prices: dict[str, dict[str, float]] | None = None,
+        lines: dict[str, str] | None = None,
+        request: dict[str, Any] | None = None,
         **common: Any,
     ) -> None:
         super().__init__(project_id, **common)
@@ -120,8 +123,10 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         self.firewall = firewall
         self.deployment = deployment
         self.network_check = network_check
-        self.group = group
+        self.groups = groups
         self.cap = cap
+        self.lines = lines
+        self.request = request
         self.capacity_wait = capacity_wait
         self.oslogin = oslogin
         self.ssh_port = ssh_port
@@ -129,7 +134,6 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         self.request_id_base = request_id_base
         self.accelerator_type = accelerator_type
         self.reservation = reservation
-        self.prices = prices
 
     def _kwargs(self) -> dict[str, Any]:
         return {
@@ -140,8 +144,10 @@ class TpuVmCreateTrigger(_OperationsTrigger):
             "firewall": self.firewall,
             "deployment": self.deployment,
             "network_check": self.network_check,
-            "group": self.group,
+            "groups": self.groups,
             "cap": self.cap,
+            "lines": self.lines,
+            "request": self.request,
             "capacity_wait": self.capacity_wait,
             "oslogin": self.oslogin,
             "ssh_port": self.ssh_port,
@@ -149,20 +155,25 @@ class TpuVmCreateTrigger(_OperationsTrigger):
             "request_id_base": self.request_id_base,
             "accelerator_type": self.accelerator_type,
             "reservation": self.reservation,
-            "prices": self.prices,
         }
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
-        run = _CreateRun(self, self._hook(), uuid.uuid4().hex)
+        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
+
+        lines = CapacityLinesAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        run = _CreateRun(self, self._hook(), lines, uuid.uuid4().hex)
         yield self._event(await run.walk())
 
 
 class _CreateRun:
     """One run of :class:`TpuVmCreateTrigger`: its hook, where the create stands, and the steps of each phase."""
 
-    def __init__(self, trigger: TpuVmCreateTrigger, hook: TpuVmAsyncHook, nonce: str) -> None:
+    def __init__(
+        self, trigger: TpuVmCreateTrigger, hook: TpuVmAsyncHook, lines: CapacityLinesAsyncHook, nonce: str
+    ) -> None:
         self.trigger = trigger
         self.hook = hook
+        self.lines = lines
         self.nonce = nonce
         self.progress = Progress()
         self.in_play = False  # an instance of this run may exist: a failure from here on deletes it
@@ -201,8 +212,6 @@ class _CreateRun:
                     await self._delete_leftover()
                 if action is Action.INSERT:
                     ended = await self._insert_when_capacity()
-                elif action is Action.YIELD_PLACE:
-                    ended = await self._yield_place()
                 elif action is Action.AWAIT_LOGIN:
                     ended = await self._ready(ended.instance)
                 elif action is Action.NEXT_ZONE:
@@ -214,7 +223,7 @@ class _CreateRun:
                         compute.describe_errors(ended.errors),
                     )
                     self.progress = self.progress._replace(attempt=self.progress.attempt + 1)
-                    ended = await self._wait_for_capacity(cap=None)
+                    ended = await self._wait_for_reservation()
                 elif action is Action.FAIL_NO_CAPACITY:
                     raise _Failed(action, ended.in_use)
                 else:
@@ -224,10 +233,12 @@ class _CreateRun:
         except _Failed as failed:
             if failed.action in DELETES_FIRST:
                 await self._delete_leftover()
+            await self._give_place_back()
             return self._failed(failed.action, phase, failed.detail)
         except Exception as err:  # an API answer no phase expects: as a failed operation (FAIL)
             if self.in_play:
                 await self._delete_leftover()
+            await self._give_place_back()
             return self._failed(Action.FAIL, phase, f"{type(err).__name__}: {err}")
         return {
             "status": "ready",
@@ -249,7 +260,7 @@ class _CreateRun:
 
     def _next(self, ended: _Ended) -> Action:
         kind = compute.classify_errors(ended.errors) if ended.errors else None
-        return next_action(ended.phase, ended.status, kind, ended.lost_race)
+        return next_action(ended.phase, ended.status, kind)
 
     # -- before anything is created -------------------------------------------------------------------------
     async def _check_network(self) -> None:
@@ -325,81 +336,55 @@ class _CreateRun:
         return None
 
     # -- capacity -----------------------------------------------------------------------------------------
-    async def _group(self) -> list[dict]:
-        label_filter = f"labels.{capacity.GROUP_LABEL} = {self.trigger.group}"
-        found: list[dict] = []
-        for zone in self.trigger.zones:
-            found += await self.trigger._poll(
-                lambda z=zone: self.hook.list_instances(self.project, z, label_filter)
-            )
-        return found
+    async def _live_places(self, zone: str) -> list[str]:
+        """The places the live VMs of ``zone``'s line hold (by their label), ours left out."""
+        label_filter = f"labels.{capacity.GROUP_LABEL} = {self.trigger.groups[zone]}"
+        found = await self.trigger._poll(lambda: self.hook.list_instances(self.project, zone, label_filter))
+        return [name for name in capacity.live_places(found) if name != self.name]
 
     async def _insert_when_capacity(self) -> _Ended:
-        """Insert now if the capacity group has room (``cap``), else wait for it first."""
-        cap = self.trigger.cap
-        if cap is not None:
-            others = [i for i in await self._group() if i.get("name") != self.name]
-            if len(capacity.holders(others)) >= cap:
-                return await self._wait_for_capacity(cap=cap, in_use=capacity.describe(others, cap))
+        """Insert once this create holds a place in its zone's line (at once with no cap)."""
+        if self.progress.zone_index < len(self.trigger.zones):  # else _insert fails: no zone left
+            waited = await self._take_place()
+            if waited is not None:
+                return waited
         return await self._insert()
 
-    async def _wait_for_capacity(self, cap: int | None, in_use: str = "") -> _Ended:
-        """Until fewer than ``cap`` of the group are held by others; with ``cap`` None, wait once and try again.
+    async def _take_place(self) -> _Ended | None:
+        """Wait in the current zone's line until a place under ``cap`` is this create's; None once it is."""
+        trigger, zone = self.trigger, self.zone
+        if trigger.cap is None:
+            return None
+        timed_out = await take_place(
+            self.lines, trigger.lines[zone], places.Request(**trigger.request), trigger.cap, trigger.capacity_wait,
+            lambda: self._live_places(zone), trigger.poll_interval, self.log,
+        )
+        return None if timed_out is None else _Ended(Phase.CAPACITY, "timeout", [], in_use=timed_out)
 
-        The wait ends at the deadline the first wait set (``capacity_wait`` from then)."""
+    async def _give_place_back(self) -> None:
+        """Leave the line of the zone this create stands in (its place, or its wait there)."""
+        if self.trigger.cap is not None and self.trigger.lines:
+            await give_place_back(self.lines, self.trigger.lines[self.zone], self.name, self.log)
+
+    async def _wait_for_reservation(self) -> _Ended:
+        """The reservation is fully used: wait a while, then insert again, until ``capacity_wait`` from the first wait."""
         deadline = self.progress.deadline or time.time() + self.trigger.capacity_wait
         self.progress = self.progress._replace(deadline=deadline)
         if time.time() >= deadline:
-            return _Ended(Phase.CAPACITY, "timeout", [], in_use=in_use)
+            return _Ended(Phase.CAPACITY, "timeout", [])
         self.log.info(
-            "Waiting for TPU capacity (up to %s s): %s",
-            int(deadline - time.time()),
-            in_use or f"reservation {self.trigger.reservation} is fully used",
+            "Waiting for TPU capacity (up to %s s): reservation %s is fully used",
+            int(deadline - time.time()), self.trigger.reservation,
         )
-        if cap is None:
-            retry_after = max(3 * self.trigger.poll_interval, 1.0)
-            await asyncio.sleep(min(retry_after, max(0.0, deadline - time.time())))
-            return _Ended(Phase.CAPACITY, "available" if time.time() < deadline else "timeout", [])
-        last_said = in_use
-        while True:
-            await asyncio.sleep(self.trigger.poll_interval)
-            others = [i for i in await self._group() if i.get("name") != self.name]
-            in_use = capacity.describe(others, cap)
-            if len(capacity.holders(others)) < cap:
-                return _Ended(Phase.CAPACITY, "available", [], in_use=in_use)
-            if time.time() >= deadline:
-                return _Ended(Phase.CAPACITY, "timeout", [], in_use=in_use)
-            if in_use != last_said:
-                self.log.info("Waiting for TPU capacity: %s", in_use)
-                last_said = in_use
-
-    async def _yield_place(self) -> _Ended:
-        """Another run's VM of the group was created first and the group is over its cap: delete ours, wait."""
-        zone, attempt = self.zone, self.progress.attempt
-        # The delete first: until it starts, the group holds one VM too many.
-        operation = await self.trigger._poll(
-            lambda: self.hook.delete_instance(self.project, zone, self.name, self._request_id(zone, "yield", attempt))
-        )
-        instance = await self.trigger._poll(lambda: self.hook.get_instance(self.project, zone, self.name))
-        spent = (
-            cost.vm_cost(self.name, instance, datetime.now(UTC).isoformat(), self.trigger.prices)
-            if instance
-            else None
-        )
-        self.log.warning(
-            "%s is over the cap of %s TPU VMs (another run created its VM first): deleted it, waiting; %s",
-            self.name,
-            self.trigger.cap,
-            f"cost of the yielded VM: {spent.describe()}" if spent else "it was already gone",
-        )
-        self.progress = self.progress._replace(attempt=attempt + 1)
-        return await self._settled(Phase.YIELD, [{"name": operation, "zone": zone}] if operation else [], None)
+        retry_after = max(3 * self.trigger.poll_interval, 1.0)
+        await asyncio.sleep(min(retry_after, max(0.0, deadline - time.time())))
+        return _Ended(Phase.CAPACITY, "available" if time.time() < deadline else "timeout", [])
 
     # -- the insert ---------------------------------------------------------------------------------------
     async def _insert(self) -> _Ended:
         """Insert in ``zones[zone_index]`` and wait for the instance to be RUNNING.
 
-        A later attempt (after a replacement, or after yielding a place) gets a new requestId, or Compute would
+        A later attempt (after a replacement) gets a new requestId, or Compute would
         answer with the old, finished insert."""
         from google.api_core.exceptions import BadRequest, Forbidden
 
@@ -459,6 +444,7 @@ class _CreateRun:
         """A stock-out: delete what the zone left behind (if anything), then insert in the next zone."""
         zone = self.zone
         self.log.warning("Zone %s is out of %s capacity: %s", zone, self.trigger.accelerator_type, detail)
+        await self._give_place_back()  # the next zone has a line of its own
         self.progress = self.progress._replace(
             zone_index=self.progress.zone_index + 1, stockouts=(*self.progress.stockouts, f"{zone}: {detail}")
         )
@@ -468,7 +454,7 @@ class _CreateRun:
             )
             if operation:
                 return await self._settled(Phase.REPLACE, [{"name": operation, "zone": zone}], None)
-        return await self._insert()
+        return await self._insert_when_capacity()
 
     async def _delete_leftover(self) -> None:
         """Delete-on-error: a failing create cleans up (its firewall rule too).
@@ -505,11 +491,7 @@ class _CreateRun:
             found = await self.trigger._poll(lambda: self.hook.get_instance(self.project, zone, name))
             status = found.get("status") if found else None
             if status == "RUNNING":
-                # Both of two racing creates saw room and inserted; the later by creation time yields, asked once
-                # its insert has finished: Compute refuses to delete an instance whose insert is unfinished.
-                cap = self.trigger.cap
-                lost_race = cap is not None and capacity.over_cap(name, await self._group(), cap)
-                return _Ended(phase, "success", [], found, lost_race=lost_race)
+                return _Ended(phase, "success", [], found)
             if status is None or status in compute.DEAD_STATES:
                 message = f"instance {name} in {zone} is {status or 'gone'} instead of RUNNING"
                 return _Ended(phase, "error", [{"code": "INSTANCE_NOT_RUNNING", "message": message}])

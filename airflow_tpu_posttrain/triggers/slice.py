@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import TriggerEvent
 
-from airflow_tpu_posttrain.recipes import access, capacity, slices
+from airflow_tpu_posttrain.recipes import access, capacity, places, slices
 from airflow_tpu_posttrain.triggers.compute import (
     _billed,
     _OperationsTrigger,
     not_ready_message,
     ssh_port_check,
 )
+from airflow_tpu_posttrain.triggers.places import give_place_back, take_place
 
 if TYPE_CHECKING:
+    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
 
 # The instance metadata key that tells a slice's VM its worker id. Google documents none for MIG-made TPU VMs:
@@ -82,14 +84,13 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     """Create a run's multi-host slice and wait until every VM of it can be reached over SSH: all, or nothing.
 
     In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
-    without one, a place under ``cap`` in the capacity group is waited for (the slice holds one place); the
-    workload policy, the instance template and the group are inserted (each insert's 409 is "there
-    already"); the group is polled while it creates its VMs (bulk mode: all at once or none) or waits for
-    capacity, up to ``capacity_wait`` seconds; a slice that finds itself over ``cap`` once whole (another run
-    took the last place first) is deleted whole and waits again; then every VM must publish its host keys and answer on
-    ``ssh_port`` within ``ready_timeout``. A slice that cannot be completed (no capacity in time, a VM lost, a
+    without one, a place under ``cap`` is taken in the zone's line (``recipes/places.py``: the slice holds one
+    place), waiting in line first; the workload policy, the instance template and the group are inserted (each
+    insert's 409 is "there already"); the group is polled while it creates its VMs (bulk mode: all at once or
+    none) or waits for capacity, up to ``capacity_wait`` seconds; then every VM must publish its host keys and
+    answer on ``ssh_port`` within ``ready_timeout``. A slice that cannot be completed (no capacity in time, a VM lost, a
     VM that never answers, an insert refused) is deleted whole, the group with its VMs, then the template and
-    the policy, before the event: a partial slice is never handed on.
+    the policy, and its place given back, before the event: a partial slice is never handed on.
 
     Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "worker_id", "instance",
     "host_keys"}] by worker id, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
@@ -100,9 +101,11 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     :param bodies: ``{"policy", "template", "group"}``: the REST bodies of ``slices.slice_bodies``.
     :param network_path: how Airflow reaches the VMs: ``internal`` or ``external`` (``access.ssh_address``).
     :param ssh_port: the port every VM's sshd must answer on.
-    :param group: the capacity group's label value (on every VM of the slice).
-    :param cap: ``max_tpu_vms`` of the group, a slice counting once; None: no cap.
-    :param capacity_wait: seconds to wait for a place under ``cap`` and for the slice's capacity, in all.
+    :param group: the capacity label's value of the slice's line (on every VM of the slice).
+    :param cap: ``max_tpu_vms`` of the line, a slice counting once; None: no cap.
+    :param line: the zone's line of places (``gs://`` object, ``hooks/capacity.py``); with ``cap``.
+    :param request: the slice's request for a place (``places.Request``'s fields); with ``cap``.
+    :param capacity_wait: seconds to wait while first in line, and then for the slice's capacity.
     :param ready_timeout: seconds the RUNNING VMs have to publish their host keys and answer on ``ssh_port``.
     """
 
@@ -117,6 +120,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         ready_timeout: float,
         group: str | None = None,
         cap: int | None = None,
+        line: str | None = None,
+        request: dict[str, Any] | None = None,
         **common: Any,
     ) -> None:
         super().__init__(project_id, **common)
@@ -126,6 +131,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         self.ssh_port = ssh_port
         self.group = group
         self.cap = cap
+        self.line = line
+        self.request = request
         self.capacity_wait = capacity_wait
         self.ready_timeout = ready_timeout
 
@@ -140,6 +147,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             "ready_timeout": self.ready_timeout,
             "group": self.group,
             "cap": self.cap,
+            "line": self.line,
+            "request": self.request,
         }
 
     @property
@@ -155,31 +164,27 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         return self.bodies["template"]["name"], self.bodies["policy"]["name"]
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
+        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
+
         hook = self._hook()
+        lines = CapacityLinesAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
         try:
             earlier = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
             if earlier and slices.slice_state(earlier).state == slices.BROKEN:
                 self.log.info("Slice %s of an earlier try is broken: deleting it whole first", self._group)
                 await self._delete_whole(hook, "the earlier try's broken slice could not be deleted")
                 earlier = None
+            if not earlier:
+                await self._take_place(hook, lines)
             deadline = time.monotonic() + self.capacity_wait
-            while True:
-                if not earlier:
-                    await self._wait_for_place(hook, deadline)
-                await self._insert(hook)
-                members = await self._whole(hook, deadline)
-                if not await self._over_cap(hook):
-                    break
-                self.log.info(
-                    "Slice %s is over the cap (another run's VM or slice took the last place first): deleting it "
-                    "whole and waiting for a place again", self._group,
-                )
-                await self._delete_whole(hook, "the slice over the cap could not be deleted")
-                earlier = None
+            await self._insert(hook)
+            members = await self._whole(hook, deadline)
             vms = await self._ready(hook, members)
         except _SliceFailed as failed:
             self.log.warning("Slice %s cannot be completed (%s): deleting it whole", self._group, failed.detail)
             _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
+            if self.cap is not None and self.line and not left:
+                await give_place_back(lines, self.line, self._group, self.log)
             detail = f"{failed.detail}; not deleted: {left}" if left else failed.detail
             yield self._event({"status": "failed", "reason": failed.reason, "detail": detail})
             return
@@ -190,37 +195,22 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         if left:
             raise _SliceFailed("broken", f"{failure}: {left}")
 
-    async def _capacity_group(self, hook: TpuVmAsyncHook) -> list[dict]:
-        """The instances of the capacity group in the slice's zone (a group's reservation is zonal)."""
+    async def _live_places(self, hook: TpuVmAsyncHook) -> list[str]:
+        """The places the live VMs of the slice's line hold (by their label), the slice's own left out."""
         label_filter = f"labels.{capacity.GROUP_LABEL} = {self.group}"
-        return await self._poll(lambda: hook.list_instances(self.project_id, self.zone, label_filter))
+        found = await self._poll(lambda: hook.list_instances(self.project_id, self.zone, label_filter))
+        return [name for name in capacity.live_places(found) if name != self._group]
 
-    async def _places(self, hook: TpuVmAsyncHook) -> list[dict]:
-        """The places of the capacity group held by others (VMs, and slices as one each)."""
-        return [place for place in capacity.holders(await self._capacity_group(hook)) if place["name"] != self._group]
-
-    async def _wait_for_place(self, hook: TpuVmAsyncHook, deadline: float) -> None:
-        """Until fewer than ``cap`` places of the group are held by others; nothing is created meanwhile."""
-        if self.cap is None:
+    async def _take_place(self, hook: TpuVmAsyncHook, lines: CapacityLinesAsyncHook) -> None:
+        """Wait in the zone's line until a place under ``cap`` is the slice's; nothing is created meanwhile."""
+        if self.cap is None or not self.line or not self.request:
             return
-        said = ""
-        while True:
-            others = await self._places(hook)
-            if len(others) < self.cap:
-                return
-            in_use = capacity.describe(others, self.cap)
-            if time.monotonic() > deadline:
-                raise _SliceFailed("no-place", in_use)
-            if in_use != said:
-                self.log.info("Waiting for a place under max_tpu_vms for slice %s: %s", self._group, in_use)
-                said = in_use
-            await asyncio.sleep(self.poll_interval)
-
-    async def _over_cap(self, hook: TpuVmAsyncHook) -> bool:
-        """Whether the whole slice lost the race for the group's last place (an earlier-made place holds it)."""
-        if self.cap is None:
-            return False
-        return capacity.over_cap(self._group, await self._capacity_group(hook), self.cap)
+        timed_out = await take_place(
+            lines, self.line, places.Request(**self.request), self.cap, self.capacity_wait,
+            lambda: self._live_places(hook), self.poll_interval, self.log,
+        )
+        if timed_out is not None:
+            raise _SliceFailed("no-place", timed_out)
 
     async def _insert(self, hook: TpuVmAsyncHook) -> None:
         """The policy, the template, the group, each waited for; one Compute refuses fails the slice."""

@@ -1,0 +1,185 @@
+"""Places under the TPU cap: the line's rules (pure), and a place taken by exactly one of many creates at once.
+
+The race runs against the local GCS server (fake-gcs-server), which answers ``ifGenerationMatch`` with 412 as Cloud
+Storage does (https://cloud.google.com/storage/docs/request-preconditions)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from airflow_tpu_posttrain.recipes import capacity, places
+
+NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+
+
+def request(claim: str, started: str = "2026-12-06T11:00:00+00:00", logical_date: str = "", **more) -> places.Request:
+    return places.Request(
+        claim=claim, run=f"dag/{claim}", deployment=more.get("deployment", "prod"), started=started,
+        logical_date=logical_date or started, expires_at=more.get("expires_at", int(NOW.timestamp()) + 3600),
+    )
+
+
+def at(seconds: float) -> str:
+    return (NOW + timedelta(seconds=seconds)).isoformat()
+
+
+def test_one_place_goes_to_the_first_and_the_next_waits_in_line():
+    line, first = places.ask({}, request("tpu-a"), 1, at(0))
+    assert first.granted
+    line, second = places.ask(line, request("tpu-b"), 1, at(1))
+    assert (second.granted, second.position, second.first_since) == (False, 1, at(1))
+    assert second.holders == ["dag/tpu-a (tpu-a)"] and second.describe(1) == "1 of 1 in use by dag/tpu-a (tpu-a)"
+    line, again = places.ask(line, request("tpu-a"), 1, at(2))  # a retried create keeps its place
+    assert again.granted
+    line, held = places.release(line, "tpu-a")
+    assert held
+    line, served = places.ask(line, request("tpu-b"), 1, at(3))
+    assert served.granted and list(line["holders"]) == ["tpu-b"] and line["waiting"] == {}
+
+
+def test_the_line_is_served_in_the_order_runs_started_then_by_logical_date():
+    """A backfill's runs start together: the oldest date first, whichever asked first."""
+    line, _ = places.ask({}, request("tpu-holder"), 1, at(0))
+    backfill = {"tpu-d3": "2026-01-03T00:00:00+00:00", "tpu-d1": "2026-01-01T00:00:00+00:00",
+                "tpu-d2": "2026-01-02T00:00:00+00:00"}
+    for i, (claim, date) in enumerate(backfill.items()):  # asked in the order d3, d1, d2
+        line, answer = places.ask(line, request(claim, "2026-12-06T11:00:00.5+00:00", date), 1, at(i))
+        assert not answer.granted
+    # A run that started later waits behind them all, though its logical date is older.
+    line, late = places.ask(line, request("tpu-late", "2026-12-06T11:00:02+00:00", "2025-01-01T00:00:00+00:00"), 1, at(4))
+    assert late.position == 4 and late.ahead == ["dag/tpu-d1 (tpu-d1)", "dag/tpu-d2 (tpu-d2)", "dag/tpu-d3 (tpu-d3)"]
+    line, _ = places.release(line, "tpu-holder")
+    served = []
+    for _ in backfill:
+        for claim in ("tpu-late", "tpu-d3", "tpu-d2", "tpu-d1"):  # everyone asks; only the first in line gets it
+            line, answer = places.ask(line, request(claim, "2026-12-06T11:00:00.5+00:00", backfill.get(claim, "")), 1, at(5))
+            if answer.granted and claim not in served:
+                served.append(claim)
+                line, _ = places.release(line, claim)
+                break
+    assert served == ["tpu-d1", "tpu-d2", "tpu-d3"]
+
+
+def test_runs_started_across_the_autumn_clock_change_are_served_in_the_order_they_started(fault_matrix):
+    """2026-11-01, US-Pacific: 01:50 PDT (08:50 UTC) comes before 01:10 PST (09:10 UTC), whatever the text says."""
+    line, _ = places.ask({}, request("tpu-holder"), 1, at(0))
+    line, _ = places.ask(line, request("tpu-later", "2026-11-01T01:10:00-08:00"), 1, at(1))
+    line, earlier = places.ask(line, request("tpu-earlier", "2026-11-01T01:50:00-07:00"), 1, at(2))
+    assert earlier.position == 1
+    fault_matrix.record(
+        "capacity: two runs started across the autumn clock change (-07:00 then -08:00) -> served in the order they started",
+        None, "n/a", None, "01:50-07:00 is first in line, 01:10-08:00 second",
+    )
+
+
+def test_a_vm_holding_no_place_counts_as_one_and_a_slice_counts_once():
+    def vm(name, group=None, status="RUNNING"):
+        items = [{"key": "created-by", "value": f"projects/p/zones/z/instanceGroupManagers/{group}"}] if group else []
+        return {"name": name, "status": status, "metadata": {"items": items}}
+
+    live = capacity.live_places(
+        [vm(f"tpu-s-00{i}", "tpu-s") for i in range(4)] + [vm("tpu-old"), vm("tpu-gone", status="TERMINATED")]
+    )
+    assert live == ["tpu-old", "tpu-s"]
+    line, answer = places.ask({}, request("tpu-new"), 2, at(0), unclaimed=live)
+    assert not answer.granted and "a VM that holds no place (tpu-old)" in answer.describe(2)
+    line, answer = places.ask({}, request("tpu-new"), 3, at(0), unclaimed=live)
+    assert answer.granted
+
+
+def test_the_bound_counts_only_while_first_in_line():
+    line, _ = places.ask({}, request("tpu-a"), 1, at(0))
+    line, b = places.ask(line, request("tpu-b", "2026-12-06T11:00:01+00:00"), 1, at(0))
+    line, c = places.ask(line, request("tpu-c", "2026-12-06T11:00:02+00:00"), 1, at(0))
+    assert (b.first_since, c.first_since) == (at(0), None)
+    line, _ = places.release(line, "tpu-a")
+    line, b = places.ask(line, request("tpu-b", "2026-12-06T11:00:01+00:00"), 1, at(100))
+    line, c = places.ask(line, request("tpu-c", "2026-12-06T11:00:02+00:00"), 1, at(101))
+    assert b.granted and c.first_since == at(101)  # first from the moment b took the place, not from its asking
+
+
+def test_a_waiting_create_that_stopped_asking_is_dropped_from_the_line():
+    line, _ = places.ask({}, request("tpu-a"), 1, at(0))
+    line, _ = places.ask(line, request("tpu-gone", "2026-12-06T11:00:01+00:00"), 1, at(0))
+    line, waiting = places.ask(line, request("tpu-b", "2026-12-06T11:00:02+00:00"), 1, at(places.WAITING_STALE_S - 1))
+    assert waiting.position == 2  # the other still counts
+    line, waiting = places.ask(line, request("tpu-b", "2026-12-06T11:00:02+00:00"), 1, at(places.WAITING_STALE_S + 1))
+    assert waiting.position == 1 and "tpu-gone" not in line["waiting"]
+
+
+def test_a_waiting_create_writes_the_line_once_per_refresh_not_per_poll():
+    line, _ = places.ask({}, request("tpu-a"), 1, at(0))
+    line, _ = places.ask(line, request("tpu-b"), 1, at(1))
+    unchanged, _ = places.ask(line, request("tpu-b"), 1, at(places.REFRESH_S / 2))
+    assert unchanged == line
+    refreshed, _ = places.ask(line, request("tpu-b"), 1, at(places.REFRESH_S + 2))
+    assert refreshed["waiting"]["tpu-b"]["seen"] == at(places.REFRESH_S + 2)
+
+
+def test_keys_name_the_line_a_vm_competes_in():
+    assert places.line_key("p", "us-east5-b", None, "ct6e-standard-8t") == "p/us-east5-b-ct6e"
+    # One per zone, a block of a shared one: a line is the set of reservations, however they are named.
+    per_zone = "us-east5-a=r2,us-east5-b=projects/host-project/reservations/r1/reservationBlocks/b1"
+    assert places.line_key("p", "us-east5-a", per_zone, "x") == places.line_key("p", "us-east5-b", "r1,r2", "y")
+    assert places.line_key("p", "z", "r", "x") == "p/reservation-r"
+    assert capacity.group_label("p/z-e2", "tpu") != capacity.group_label("p/z-e2", "cpu")  # a CPU VM never counts
+
+
+@pytest.mark.parametrize(
+    ("state", "exists", "expected"),
+    [
+        ("failed", False, "its DAG run is failed"),
+        ("running", False, None),  # its create may be about to insert
+        ("failed", True, None),  # the VM's own reaping gives the place back
+        ("failed", None, None),  # Compute could not be read
+        (None, False, None),  # the run's state could not be read
+    ],
+)
+def test_the_reaper_gives_back_a_place_on_evidence_only(state, exists, expected):
+    line, _ = places.ask({}, request("tpu-a"), 1, (NOW - timedelta(hours=1)).isoformat())
+    reasons = places.stale_holders(line, {"tpu-a": exists}, {"dag/tpu-a": state}, NOW, 900, "prod")
+    assert reasons.get("tpu-a") == expected
+
+
+def test_another_deployments_place_goes_only_when_it_expired():
+    line, _ = places.ask({}, request("tpu-a", deployment="staging", expires_at=int(NOW.timestamp()) - 3600), 1, at(-7200))
+    assert "expired" in places.stale_holders(line, {"tpu-a": False}, {}, NOW, 900, "prod")["tpu-a"]
+    line, _ = places.ask({}, request("tpu-a", deployment="staging"), 1, at(-7200))
+    assert places.stale_holders(line, {"tpu-a": False}, {"dag/tpu-a": "failed"}, NOW, 900, "prod") == {}
+
+
+def test_of_many_creates_asking_at_once_exactly_the_cap_take_places(emulator, capacity_claims, fault_matrix):
+    """Eight creates ask for 2 places of one line at the same moment, each in its own thread and client.
+
+    Through the Google connection the triggerer's creates use (the emulator's key: its token is the emulator's)."""
+    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+
+    uri = places.line_uri(capacity_claims, places.line_key("p", "us-east5-b", None, "ct6e-standard-8t"))
+    start, granted, errors = threading.Barrier(8), [], []
+
+    def ask(claim: str) -> None:
+        try:
+            hook = CapacityLinesHook()
+            start.wait()
+            answer = hook.change(uri, lambda line: places.ask(line, request(claim), 2, datetime.now(UTC).isoformat()))
+            if answer.granted:
+                granted.append(claim)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=ask, args=(f"tpu-{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    line = CapacityLinesHook().read(uri)
+    assert len(granted) == 2 and sorted(line["holders"]) == sorted(granted)
+    assert len(line["waiting"]) == 6
+    fault_matrix.record(
+        "capacity: 8 creates ask for 2 places at once (GCS generation preconditions) -> exactly 2 take one",
+        None, "n/a", None, f"granted {sorted(granted)}; 6 wait in line",
+    )
