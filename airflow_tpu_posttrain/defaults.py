@@ -17,3 +17,5 @@ MAX_WAIT_IN_LINE_HOURS = 24
 # A training silent this long is taken for hung: stopped, and the try fails (a retry resumes). Training only: an
 # install's upload or a large conversion is legitimately silent for long.
 TRAINING_STALL_TIMEOUT_S = 1800
+# Which revisions of a run's inputs it trains: those at its logical date, or the latest (inputs_as_of).
+INPUTS_AS_OF = ("run_date", "latest")

@@ -25,10 +25,10 @@ def get_provider_info() -> dict:
             {
                 "integration-name": _INTEGRATION,
                 "python-modules": [
-                    "airflow_tpu_posttrain.hooks.capacity",
                     "airflow_tpu_posttrain.hooks.compute",
                     "airflow_tpu_posttrain.hooks.hub",
                     "airflow_tpu_posttrain.hooks.oslogin",
+                    "airflow_tpu_posttrain.hooks.stored_records",
                     "airflow_tpu_posttrain.hooks.vm",
                 ],
             }
@@ -100,6 +100,7 @@ def get_provider_info() -> dict:
                     "airflow_tpu_posttrain.triggers.remote_job",
                     "airflow_tpu_posttrain.triggers.slice",
                     "airflow_tpu_posttrain.triggers.slice_job",
+                    "airflow_tpu_posttrain.triggers.trainings",
                 ],
             }
         ],

@@ -286,6 +286,7 @@ _LONGEST_FIRST = (
     "test_slice_pipeline.py",
     "test_pipeline_local.py",
     "test_pipeline_reruns.py",
+    "test_backfill.py",
     "test_maxtext_faults.py",
     "test_storage_outage.py",
     "test_pipeline_failures.py",

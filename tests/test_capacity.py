@@ -14,7 +14,7 @@ import pytest
 from conftest import PROJECT, emulator_credentials, log_excerpt
 from test_tpu_vm_operators import inserts, no_instances_within, task_states
 
-from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
 from airflow_tpu_posttrain.recipes import capacity, places
 
 CAP_DAG = """
@@ -65,7 +65,7 @@ def hold_place(
             claim=name, run="posttrain_rl__other/scheduled__other", deployment="other", started="2026-12-01T00:00:00+00:00",
             logical_date="2026-12-01T00:00:00+00:00", expires_at=2**31,
         )
-        taken = CapacityLinesHook().change(
+        taken = StoredRecordHook().change(
             places.line_uri(claims, key), lambda line: places.ask(line, other, 1, datetime.now(UTC).isoformat())
         )
         assert taken.granted
@@ -99,7 +99,7 @@ def release_when_waiting(
         while any(i["name"] == name for i in emulator.instances()) and time.monotonic() < deadline:
             time.sleep(0.2)
         if line:
-            CapacityLinesHook().change(line, lambda held: places.release(held, name))
+            StoredRecordHook().change(line, lambda held: places.release(held, name))
 
     thread = threading.Thread(target=release, daemon=True)
     thread.start()
@@ -137,7 +137,7 @@ def test_create_waits_in_line_holding_no_vm(emulator, capacity_claims, run_dag, 
     assert max(counts) == 1  # never our VM beside the other run's
     assert len(inserts(emulator)) == 2  # the other run's, then ours once it had ended
     assert no_instances_within(emulator)
-    assert CapacityLinesHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}  # the delete gave it back
+    assert StoredRecordHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}  # the delete gave it back
     fault_matrix.record(
         "capacity: cap of 1 reached -> create waits in line in the triggerer, then creates", True, dr.state, None,
         log_excerpt(logs, "1 of 1 in use by"),
@@ -177,7 +177,7 @@ def test_wait_for_capacity_times_out_having_created_nothing(emulator, capacity_c
     assert "No TPU capacity for" in logs and "within 8 s" in logs and "Nothing was created" in logs
     assert [i["name"] for i in emulator.instances()] == ["tpu-other-run"]
     assert len(inserts(emulator)) == 1
-    assert list(CapacityLinesHook().read(line_of(capacity_claims))["holders"]) == ["tpu-other-run"]  # out of line
+    assert list(StoredRecordHook().read(line_of(capacity_claims))["holders"]) == ["tpu-other-run"]  # out of line
     fault_matrix.record(
         "capacity: first in line for max_wait_for_capacity -> fails, nothing created, out of line", None, dr.state,
         None, log_excerpt(logs, "No TPU capacity for"),
@@ -232,7 +232,8 @@ class UseVm(MaxTextJobOperator):
         return Job("sleep 8\\n", None, {{}})
 
 
-for dag_id, cap, reservation in [("cap_probe", 1, "my-reservation"), ("resv_probe", None, "one-v6e")]:
+CAPPED = [(f"cap_probe_{{i}}", 1, "my-reservation") for i in range(3)]  # three DAGs, one line: the reservation's
+for dag_id, cap, reservation in [*CAPPED, ("resv_probe", None, "one-v6e")]:
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=3,
              render_template_as_native_obj=True) as dag:
         create = TpuVmCreateOperator(
@@ -254,18 +255,25 @@ for dag_id, cap, reservation in [("cap_probe", 1, "my-reservation"), ("resv_prob
 SAMPLE_S = 0.5  # how often the test counts the VMs
 
 
-def _run_states(airflow, dag_id: str) -> dict[str, str]:
-    runs = airflow.api("GET", f"/dags/{dag_id}/dagRuns").json()["dag_runs"]
-    return {run["dag_run_id"]: run["state"] for run in runs}
+CAPPED_DAGS = [f"cap_probe_{i}" for i in range(3)]
 
 
-def _task_report(airflow, dag_id: str) -> str:
+def _run_states(airflow, dag_ids: list[str]) -> dict[tuple[str, str], str]:
+    """``{(dag_id, run_id): state}`` of every run of ``dag_ids``."""
+    states = {}
+    for dag_id in dag_ids:
+        for run in airflow.api("GET", f"/dags/{dag_id}/dagRuns").json()["dag_runs"]:
+            states[(dag_id, run["dag_run_id"])] = run["state"]
+    return states
+
+
+def _task_report(airflow, dag_ids: list[str]) -> str:
     """Each task's state and, for a task not successful, its log's errors and end: what a failure shows."""
     lines = []
-    for run_id in _run_states(airflow, dag_id):
+    for dag_id, run_id in _run_states(airflow, dag_ids):
         tasks = airflow.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()["task_instances"]
         for task in tasks:
-            lines.append(f"{run_id} {task['task_id']} try {task['try_number']}: {task['state']}")
+            lines.append(f"{dag_id} {run_id} {task['task_id']} try {task['try_number']}: {task['state']}")
             if task["state"] != "success":
                 folder = airflow.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task['task_id']}"
                 for log in folder.glob("*.log"):
@@ -275,45 +283,47 @@ def _task_report(airflow, dag_id: str) -> str:
     return "\n".join(lines)
 
 
-def _trigger_and_sample(airflow, emulator, dag_id: str, runs: int, timeline: list) -> None:
-    """Trigger ``runs`` runs at once; every ``SAMPLE_S``, note which VMs exist and which are RUNNING.
+def _trigger_and_sample(airflow, emulator, runs: list[tuple[str, str]], timeline: list) -> None:
+    """Trigger ``runs`` (dag_id, run_id) at once; every ``SAMPLE_S``, note which VMs exist and which are RUNNING.
 
     A VM exists (and may be billed) from its insert to its delete's end. Until all runs succeeded; bounded; a failed run fails the test with each task's state and the failing tasks' logs."""
-    for i in range(runs):
-        airflow.trigger(dag_id, f"run-{i}", {})
+    for dag_id, run_id in runs:
+        airflow.trigger(dag_id, run_id, {})
+    dag_ids = sorted({dag_id for dag_id, _ in runs})
     started, deadline = time.monotonic(), time.monotonic() + 600
     while True:
         instances = emulator.instances()
         existing = sorted(i["name"] for i in instances)
         running = sorted(i["name"] for i in instances if i["status"] == "RUNNING")
         timeline.append((round(time.monotonic() - started, 1), existing, running))
-        states = _run_states(airflow, dag_id)
-        if len(states) == runs and all(state in ("success", "failed") for state in states.values()):
-            assert set(states.values()) == {"success"}, _task_report(airflow, dag_id)
+        states = _run_states(airflow, dag_ids)
+        if len(states) == len(runs) and all(state in ("success", "failed") for state in states.values()):
+            assert set(states.values()) == {"success"}, _task_report(airflow, dag_ids)
             return
         assert time.monotonic() < deadline, (
             f"runs still going after 600 s: {states}; instances: "
-            f"{[(i['name'], i['status']) for i in emulator.instances()]}\n{_task_report(airflow, dag_id)}"
+            f"{[(i['name'], i['status']) for i in emulator.instances()]}\n{_task_report(airflow, dag_ids)}"
         )
         time.sleep(SAMPLE_S)
 
 
-def _uses_and_starts(airflow, dag_id: str) -> tuple[list[str], list[str]]:
-    """The runs in the order their ``use_vm`` step ran (the VM in use), and in the order the line serves them."""
+def _uses_and_starts(airflow, dag_ids: list[str]) -> tuple[list[str], list[str]]:
+    """The runs (``dag_id/run_id``) in the order their ``use_vm`` step ran, and in the order the line serves them."""
     uses, starts = [], []
-    for run_id in _run_states(airflow, dag_id):
+    for dag_id, run_id in _run_states(airflow, dag_ids):
         task = airflow.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/use_vm").json()
         run = airflow.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}").json()
-        uses.append((task["start_date"], task["end_date"], run_id))
-        starts.append((places.order_of({"started": run["start_date"], "logical_date": run["logical_date"]}), run_id))
+        uses.append((task["start_date"], task["end_date"], f"{dag_id}/{run_id}"))
+        order = places.order_of({"started": run["start_date"], "logical_date": run["logical_date"]})
+        starts.append((order, f"{dag_id}/{run_id}"))
     uses.sort()
     assert all(end <= start for (_, end, _), (start, _, _) in zip(uses, uses[1:], strict=False)), uses  # one at a time
-    return [run_id for _, _, run_id in uses], [run_id for _, run_id in sorted(starts)]
+    return [run for _, _, run in uses], [run for _, run in sorted(starts)]
 
 
 @pytest.mark.airflow_processes
-def test_three_runs_at_once_never_hold_more_vms_than_the_cap(emulator, capacity_claims, tmp_path, fault_matrix):
-    """Three runs triggered at once under a cap of 1 use a VM one after another, those in line in the order they started.
+def test_three_dags_at_once_never_hold_more_vms_than_the_cap(emulator, capacity_claims, tmp_path, fault_matrix):
+    """Runs of three DAGs triggered at once under a cap of 1 use a VM one after another, in the order they started.
 
     With Airflow's scheduler, triggerer and LocalExecutor (bench/local_airflow.py). Each create takes its place
     in the line before it inserts, so the VMs are never more than one, sampled every 0.5 s. Then, with the cap
@@ -326,11 +336,11 @@ def test_three_runs_at_once_never_hold_more_vms_than_the_cap(emulator, capacity_
     (dags / "probe_dags.py").write_text(PROBE_DAGS.format(project=PROJECT, claims=capacity_claims))
     capped, reserved = [], []
     with LocalAirflow(tmp_path / "airflow", {}, dags_folder=dags) as airflow:
-        assert all(airflow.wait_for_dags(["cap_probe", "resv_probe"], present="cap_probe").values())
-        _trigger_and_sample(airflow, emulator, "cap_probe", 3, capped)
-        used, started = _uses_and_starts(airflow, "cap_probe")
-        _trigger_and_sample(airflow, emulator, "resv_probe", 2, reserved)
-    for title, timeline in (("cap 1, three runs", capped), ("reservation of 1 VM, no cap, two runs", reserved)):
+        assert all(airflow.wait_for_dags([*CAPPED_DAGS, "resv_probe"], present="resv_probe").values())
+        _trigger_and_sample(airflow, emulator, [(dag_id, "run-0") for dag_id in CAPPED_DAGS], capped)
+        used, started = _uses_and_starts(airflow, CAPPED_DAGS)
+        _trigger_and_sample(airflow, emulator, [("resv_probe", f"run-{i}") for i in range(2)], reserved)
+    for title, timeline in (("cap 1, three DAGs", capped), ("reservation of 1 VM, no cap, two runs", reserved)):
         changes = [sample for i, sample in enumerate(timeline) if i == 0 or timeline[i - 1][1:] != sample[1:]]
         print(f"\n{title} — from second: VMs (RUNNING)")
         print("\n".join(f"{t:6.1f}: {', '.join(names) or '-'} ({', '.join(up) or '-'})" for t, names, up in changes))
@@ -341,9 +351,9 @@ def test_three_runs_at_once_never_hold_more_vms_than_the_cap(emulator, capacity_
     assert len({name for _, names, _ in capped for name in names}) == 3  # each run had its VM, in turn
     assert max(len(up) for _, _, up in reserved) == 1  # Compute itself refuses the second VM
     assert no_instances_within(emulator, seconds=30)
-    assert CapacityLinesHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}
+    assert StoredRecordHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}
     fault_matrix.record(
-        "capacity: three runs at once, cap 1 (scheduler, triggerer, LocalExecutor)", True, "success", None,
+        "capacity: runs of three DAGs at once, cap 1 (scheduler, triggerer, LocalExecutor)", True, "success", None,
         f"never more than {most} VM over {len(capped)} samples 0.5 s apart; those in line served in the order their runs started",
     )
     fault_matrix.record(

@@ -227,7 +227,7 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     # when the inputs are those of the last published model.
     assert upstream[CHECK] == set() and upstream[CREATE] == upstream[CREATE_CPU] == {CHECK}
     # Each step is wired to its VM by the create's XComArg (``vm=create.output``): the create is its upstream.
-    assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU, CREATE_CPU}
+    assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU, CREATE_CPU, CHECK}
     assert upstream["install_maxtext"] == {CREATE}
     assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE}
     # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.

@@ -4,6 +4,8 @@ Real Airflow (dag.test, its Variables) with the Hub's revisions stood in for by 
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -22,7 +24,7 @@ class Check(InputsCheckOperator):
     def _check_access(self, repos):  # tests/test_hub_access.py checks it against the local Hub
         pass
 
-    def _revisions(self, repos):
+    def _revisions(self, repos, as_of):
         return {f"{kind}:{repo}": os.environ["HUB_REVISION"] for repo, kind in repos}
 
 
@@ -104,7 +106,7 @@ class Check(InputsCheckOperator):
     def _check_access(self, repos):  # the Hub's side is not this DAG's subject
         pass
 
-    def _revisions(self, repos):
+    def _revisions(self, repos, as_of):
         return {f"{kind}:{repo}": "aaa" for repo, kind in repos}
 
 
@@ -205,3 +207,190 @@ def test_a_missing_bucket_or_reservation_fails_the_check_before_any_vm(
     fault_matrix.record(
         f"first run: {request.node.callspec.id} -> check_inputs fails", None, state, None, log_excerpt(logs, refusal, 100)
     )
+
+
+# ------------------------------------------------------------------------- inputs as of the run's date
+
+DATED_BODY = """
+from datetime import datetime
+
+from airflow.sdk import DAG
+
+from airflow_tpu_posttrain.operators.inputs_check import InputsCheckOperator
+
+with DAG("dated_probe", schedule=None, start_date=datetime(2025, 1, 1), render_template_as_native_obj=True,
+         params={"inputs_as_of": "run_date"}):
+    InputsCheckOperator(task_id="check_inputs", model="tiny-llama", recipe="sft", hf_conn_id="hf_dated",
+                        inputs_as_of="{{ params.inputs_as_of }}")
+"""
+
+
+def test_the_inputs_are_the_hubs_revisions_at_the_runs_date(airflow_db, tmp_path, monkeypatch, capfd):
+    """The local Hub's dated commits, read as ``HfApi.list_repo_commits`` reads the Hub's.
+
+    A run of a date trains the base model and the dataset as they were then; ``latest`` trains them as they are; a date before the
+    model existed fails the check, naming the field."""
+    import json
+
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.models import Variable
+
+    from airflow_tpu_posttrain.local.hub_server import HubServer
+    from airflow_tpu_posttrain.operators.inputs_check import published_inputs_variable
+    from airflow_tpu_posttrain.recipes.models import TINY_CHATS_REPO, TINY_LLAMA_REPO
+
+    Variable.delete(published_inputs_variable("dated_probe"))
+    files = tmp_path / "files"
+    files.mkdir()
+    with HubServer(tmp_path / "hub", tokens=["tok"]) as hub:
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_HF_DATED", json.dumps({"conn_type": "generic", "host": hub.url, "password": "tok"})
+        )
+        shas = []
+        for version, day in ((1, 1), (2, 10)):
+            (files / "config.json").write_text(json.dumps({"version": version}))
+            shas.append(hub.store.seed_repo(TINY_LLAMA_REPO, files, date=datetime(2026, 1, day, 12, tzinfo=UTC)))
+        chats = hub.datasets.seed_repo(TINY_CHATS_REPO, files, date=datetime(2026, 1, 1, 6, tzinfo=UTC))
+        path = airflow_db / "dags" / "dated_probe.py"
+        path.write_text(DATED_BODY)
+
+        def revisions(day: datetime, **conf) -> dict | str:
+            dag = DagBag(dag_folder=str(path)).get_dag("dated_probe")  # parsed per run: dag.test keeps a conf
+            dag_run = dag.test(logical_date=day, run_conf=conf or None)
+            [ti] = dag_run.get_task_instances()
+            return ti.xcom_pull(task_ids="check_inputs")["revisions"] if ti.state == "success" else ti.state
+
+        assert revisions(datetime(2026, 1, 5, tzinfo=UTC)) == {
+            f"model:{TINY_LLAMA_REPO}": shas[0], f"dataset:{TINY_CHATS_REPO}": chats
+        }
+        assert revisions(datetime(2026, 1, 12, tzinfo=UTC))[f"model:{TINY_LLAMA_REPO}"] == shas[1]
+        latest = revisions(datetime(2026, 1, 5, tzinfo=UTC), inputs_as_of="latest")
+        assert latest[f"model:{TINY_LLAMA_REPO}"] == shas[1]
+        capfd.readouterr()
+        assert revisions(datetime(2025, 12, 31, tzinfo=UTC)) == "failed"
+    logs = "".join(capfd.readouterr())
+    assert f"inputs_as_of: the model {TINY_LLAMA_REPO} has no commit on or before 2025-12-31T00:00:00+00:00" in logs
+    assert "trigger with inputs_as_of=latest" in logs
+
+
+# ------------------------------------------------------------------------- one training per distinct input
+
+CLAIM_BODY = """
+import os
+from datetime import datetime
+
+from airflow.sdk import DAG, task
+
+from airflow_tpu_posttrain.operators.inputs_check import InputsCheckOperator
+
+
+class Check(InputsCheckOperator):
+    def _check_access(self, repos):
+        pass
+
+    def _revisions(self, repos, as_of):
+        return {f"{kind}:{repo}": "aaa" for repo, kind in repos}
+
+
+with DAG("claim_probe", schedule=None, start_date=datetime(2026, 1, 1), render_template_as_native_obj=True,
+         params={"force": False}):
+    check = Check(task_id="check_inputs", model="tiny-llama", recipe="sft", force="{{ params.force }}",
+                  checkpoint_storage=os.environ["PROBE_CHECKPOINT_STORAGE"], poll_interval=0.2)
+
+    @task(task_id="train")
+    def train(inputs):
+        return inputs
+
+    train(check.output)
+"""
+
+
+@pytest.fixture
+def claim_runs(airflow_db, emulator, gcs, run_dag, monkeypatch, capfd):
+    """Runs of the claim probe (``run_id``, ``conf``): (the check's state, its XComs, the logs).
+
+    With checkpoint storage of this test alone, and a follower that looks at its leader's run every 2 s."""
+    import hashlib
+
+    from airflow.models import Variable
+
+    from airflow_tpu_posttrain.local.gcs_server import client_environment
+    from airflow_tpu_posttrain.operators.inputs_check import published_inputs_variable
+    from airflow_tpu_posttrain.recipes import trainings
+
+    for name, value in client_environment(gcs.url).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PROBE_CHECKPOINT_STORAGE", f"gs://ours/{hashlib.sha256(os.urandom(8)).hexdigest()[:10]}")
+    monkeypatch.setattr(trainings, "RECHECK_S", 2)  # the follower looks at its leader's run every 2 s
+    Variable.delete(published_inputs_variable("claim_probe"))
+
+    def run(run_id: str, **conf) -> tuple[str, dict, str]:
+        dag_run = run_dag("claim_probe", CLAIM_BODY, run_id=run_id, conf=conf or None)
+        [ti] = [ti for ti in dag_run.get_task_instances() if ti.task_id == "check_inputs"]
+        pulled = {key: ti.xcom_pull(task_ids="check_inputs", key=key) for key in ("training_claim", "reused_model")}
+        return ti.state, pulled, "".join(capfd.readouterr())
+
+    return run
+
+
+def _set_run_state(dag_id: str, run_id: str, state: str) -> None:
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        session.query(DagRun).filter_by(dag_id=dag_id, run_id=run_id).update({"state": state})
+
+
+def test_a_run_follows_the_run_training_its_inputs_then_reuses_its_model(claim_runs, gcs):
+    """Two runs with the same inputs at once: the second waits (deferred) for the first's model, then reuses it."""
+    import threading
+
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+    from airflow_tpu_posttrain.recipes import trainings
+
+    run = claim_runs
+    state, pulled, logs = run("manual__leader")  # its check took the claim; the run is in flight again below
+    assert state == "success", logs
+    uri = pulled["training_claim"]
+    records = StoredRecordHook()
+    assert records.read(uri)["run_id"] == "manual__leader"
+    model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-x"}}
+
+    def publish_soon() -> None:  # what the leader's export does once it published
+        time.sleep(3)
+        records.change(uri, lambda claim: trainings.published(claim, "manual__leader", "now", model))
+
+    _set_run_state("claim_probe", "manual__leader", "running")
+    publisher = threading.Thread(target=publish_soon)
+    publisher.start()
+    state, pulled, logs = run("manual__follower")
+    publisher.join()
+    assert "Inputs equal those run manual__leader is training now" in logs, logs
+    assert state == "skipped", logs
+    assert pulled["reused_model"] == {"run_id": "manual__leader", **model}
+    assert "Inputs equal those run manual__leader trained and published: this run's model is that one" in logs
+    assert "http://hub/local/tiny-llama-sft/tree/run-x" in logs
+
+
+def test_a_run_takes_over_inputs_whose_run_ended_without_publishing(claim_runs):
+    """The run that held the inputs failed (its claim still says training): the follower trains them itself."""
+    import threading
+
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+
+    run = claim_runs
+    state, pulled, logs = run("manual__doomed")
+    assert state == "success", logs
+    _set_run_state("claim_probe", "manual__doomed", "running")
+    failing = threading.Timer(3, _set_run_state, ("claim_probe", "manual__doomed", "failed"))
+    failing.start()
+    state, pulled, logs = run("manual__next")
+    failing.join()
+    assert state == "success", logs
+    assert "following it, deferred and holding no VM" in logs
+    assert "Run manual__doomed, which held these inputs, ended without publishing: this run trains them" in logs
+    assert StoredRecordHook().read(pulled["training_claim"])["run_id"] == "manual__next"
+    # Forced, a run trains inputs another holds, leaving the claim to its holder.
+    _set_run_state("claim_probe", "manual__next", "running")
+    state, _, logs = run("manual__forced", force=True)
+    assert state == "success" and "Training anyway (force), though run manual__next holds these inputs" in logs

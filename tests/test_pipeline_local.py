@@ -324,7 +324,7 @@ def test_unchanged_inputs_skip_the_run_and_a_new_dataset_revision_does_not(stack
     logs = "".join(capfd.readouterr())
     assert states(checked)["check_inputs"] == "success", states(checked)
     assert xcom(checked, "check_inputs")["revisions"]["dataset:local/tiny-chats"] == revision
-    assert "changed since the last published model: revisions" in logs
+    assert "Changed since the last published model: revisions" in logs
     assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before
 
 

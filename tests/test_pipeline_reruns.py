@@ -1,10 +1,9 @@
-"""The tiny SFT DAG run again, after a failed export and a refused publish, and after a per-model backfill.
+"""The tiny SFT DAG run again, after a failed export and a refused publish.
 
 An export that fails keeps the trained checkpoint, and its re-run trains no more; a publish the Hub refuses to a
-read-only token keeps the checked export in storage, and a re-run publishes it without exporting again. A
-per-model backfill of two logical dates whose first date is then run again under its own run_id. End to end in
-real Airflow (dag.test) against the local stack, with the helpers and VM probes of ``test_pipeline_failures.py``.
-Slow (minutes).
+read-only token keeps the checked export in storage, and a re-run publishes it without exporting again. End to
+end in real Airflow (dag.test) against the local stack, with the helpers and VM probes of
+``test_pipeline_failures.py``. Slow (minutes). A backfill, and the re-run of one of its dates: ``test_backfill.py``.
 """
 
 from __future__ import annotations
@@ -116,70 +115,4 @@ def test_export_fails_then_the_hub_refuses_then_a_rerun_publishes(stack, vm_ends
         "publishes it, no re-export)",
         stack.compute.instances() == [], refused, "config.json" in files,
         log_excerpt(logs, "The checked export is kept at"),
-    )
-
-
-# --------------------------------------------------------------------------------------------- backfill
-
-
-def test_backfill_two_dates_then_rerun_the_first(stack, vm_ends, capfd, fault_matrix):
-    dates = [datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 12, tzinfo=UTC)]
-    run_ids = [f"manual__{d.isoformat()}" for d in dates]  # dag.test makes manual runs
-    runs = []
-    for d, r in zip(dates, run_ids, strict=True):
-        runs.append(run_pipeline(logical_date=d, run_id=r))
-        assert runs[-1].state == "success", states(runs[-1])
-        assert_vms_gone(vm_ends, runs[-1])
-        vm_ends.forget()
-    capfd.readouterr()
-    for dr, run_id in zip(runs, run_ids, strict=True):
-        assert dr.state == "success", states(dr)
-        assert dr.run_id == run_id
-        assert states(dr)[WATCHER] == "skipped"
-        assert xcom(dr, "delete_tpu_vm")["deleted"] is True
-    assert stack.compute.instances() == []
-
-    # Two trainings: one run name, checkpoint and Hub revision per logical date.
-    trained = [xcom(dr, "train") for dr in runs]
-    assert [t["reused"] for t in trained] == [False, False]
-    assert all(t["metrics"]["steps_completed"] == STEPS for t in trained)
-    names = [t["run_name"] for t in trained]
-    assert names[0] != names[1]
-    assert "2026-01-05-00-00-00" in names[0] and "2026-01-12-00-00-00" in names[1]
-    checkpoints = [t["checkpoint"] for t in trained]
-    assert checkpoints[0] != checkpoints[1]
-    assert all(c.endswith(f"/checkpoints/{STEPS}/model_params") and storage_has(c) for c in checkpoints)
-    hubs = [xcom(dr, "export_and_publish")["hub"] for dr in runs]
-    assert [h["revision"] for h in hubs] == [f"run-{n}" for n in names]
-    assert hubs[0]["commit_sha"] != hubs[1]["commit_sha"]
-
-    # One conversion per model: the second date reuses it from the cache (the module converted once, whatever
-    # ran first), found by the same key: same MaxText version, same source files, same conversion arguments.
-    converted = [xcom(dr, "convert_to_maxtext") for dr in runs]
-    assert converted[1]["reused"] is True
-    assert converted[0]["converted_params"] == converted[1]["converted_params"]
-    assert converted[0]["conversion_key"] == converted[1]["conversion_key"]
-    assert converted[0]["converted_params"].startswith(f"{checkpoint_storage(stack)}/conversions/")
-    assert successful_conversions(vm_ends) == 1
-
-    # The first date again, under its own run_id: the same DAG run, re-run.
-    name = xcom(runs[0], "create_tpu_vm")["name"]
-    assert len(instance_inserts(stack, name)) == 1
-    rerun = run_pipeline(logical_date=dates[0], run_id=run_ids[0])
-    assert rerun.run_id == run_ids[0]
-    assert rerun.state == "success", states(rerun)
-    assert xcom(rerun, "create_tpu_vm")["name"] == name
-    again = xcom(rerun, "train")
-    assert again["reused"] is True
-    assert (again["run_name"], again["checkpoint"]) == (names[0], checkpoints[0])
-    assert xcom(rerun, "convert_to_maxtext")["reused"] is True
-    assert xcom(rerun, "export_and_publish")["hub"]["revision"] == hubs[0]["revision"]
-    assert stack.compute.instances() == []
-    assert_vms_gone(vm_ends, rerun)
-    # The first run's teardown deleted its VM, so the re-run needs one: exactly one more insert, no duplicate.
-    assert len(instance_inserts(stack, name)) == 2, [r["query"] for r in instance_inserts(stack, name)]
-    fault_matrix.record(
-        "pipeline: backfill 2 dates, re-run the first under its run_id (reuses conversion + training)",
-        stack.compute.instances() == [], rerun.state, storage_has(checkpoints[0]),
-        f"train reused={again['reused']}, same checkpoint and Hub revision {hubs[0]['revision']}"[:80],
     )

@@ -155,14 +155,14 @@ def test_of_many_creates_asking_at_once_exactly_the_cap_take_places(emulator, ca
     """Eight creates ask for 2 places of one line at the same moment, each in its own thread and client.
 
     Through the Google connection the triggerer's creates use (the emulator's key: its token is the emulator's)."""
-    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
 
     uri = places.line_uri(capacity_claims, places.line_key("p", "us-east5-b", None, "ct6e-standard-8t"))
     start, granted, errors = threading.Barrier(8), [], []
 
     def ask(claim: str) -> None:
         try:
-            hook = CapacityLinesHook()
+            hook = StoredRecordHook()
             start.wait()
             answer = hook.change(uri, lambda line: places.ask(line, request(claim), 2, datetime.now(UTC).isoformat()))
             if answer.granted:
@@ -176,7 +176,7 @@ def test_of_many_creates_asking_at_once_exactly_the_cap_take_places(emulator, ca
     for thread in threads:
         thread.join(60)
     assert errors == []
-    line = CapacityLinesHook().read(uri)
+    line = StoredRecordHook().read(uri)
     assert len(granted) == 2 and sorted(line["holders"]) == sorted(granted)
     assert len(line["waiting"]) == 6
     fault_matrix.record(

@@ -255,20 +255,20 @@ def test_reaper_gives_back_the_place_of_a_finished_runs_vm_once_it_is_gone(
     emulator, capacity_claims, run_dag, capfd, fault_matrix
 ):
     """A run whose teardown never ran held a place under the cap: its VM goes first, then its place."""
-    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
 
     capped = CREATE_ONLY.replace("max_tpu_vms=None", f"max_tpu_vms=1, capacity_claims={capacity_claims!r}")
     victim = run_dag("reaper_victim", capped)
     assert victim.state == "success"
-    [line] = CapacityLinesHook().lines(capacity_claims)
-    [held] = CapacityLinesHook().read(line)["holders"]
+    [line] = StoredRecordHook().lines(capacity_claims)
+    [held] = StoredRecordHook().read(line)["holders"]
     reaping = REAPER.replace("grace_period_s=0,", f"grace_period_s=0, capacity_claims=[{capacity_claims!r}],")
     first = reap_counts(run_dag("reaper_places_1", reaping.format(mode="places_1", dry_run=False)))
     assert (first["deleted"], first["places_given_back"]) == (1, 0)  # its VM may still be going: kept
     assert _wait_until(lambda: emulator.instances() == [])
     second = reap_counts(run_dag("reaper_places_2", reaping.format(mode="places_2", dry_run=False)))
     assert second["places_given_back"] == 1
-    assert CapacityLinesHook().read(line)["holders"] == {}
+    assert StoredRecordHook().read(line)["holders"] == {}
     logs = "".join(capfd.readouterr())
     assert f"give back the place of {held} in {line}: its DAG run is success" in logs
     fault_matrix.record(

@@ -11,7 +11,7 @@ from conftest import PROJECT, compute_clients
 from test_capacity import hold_place, release_when_waiting
 from test_tpu_vm_operators import task_states, xcom
 
-from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
 from airflow_tpu_posttrain.recipes import capacity, places, slices
 
 SLICE_DAG = """
@@ -156,4 +156,4 @@ def test_a_slice_waits_in_line_for_its_place_having_made_nothing(sliced, capacit
     assert released < first_insert
     assert xcom(dr, "delete_tpu_vm")["vms"] == 4
     assert _nothing_left(sliced)
-    assert CapacityLinesHook().read(line) == {"holders": {}, "waiting": {}}
+    assert StoredRecordHook().read(line) == {"holders": {}, "waiting": {}}

@@ -2,7 +2,8 @@
 
 It implements the HTTP endpoints that ``huggingface_hub.HfApi`` uses to create a repo and a branch,
 upload a folder over plain HTTP (``HF_HUB_DISABLE_XET=1``: preupload, LFS batch + basic transfer,
-NDJSON commit) and read it back (model info, tree, refs, commits, resolve). Only model repos exist.
+NDJSON commit) and read it back (model info, tree, refs, commits, resolve). Dataset repos are read-only: their
+owners' uploads are seeded, each commit dated as the Hub dates it.
 Repos live on disk under the root directory::
 
     ROOT/<owner>/<name>/repo.json            private flag, creation date, branch -> head commit sha
@@ -86,6 +87,7 @@ _ROUTES = [
     ("PUT", rf"/api/models/{_REPO}/settings", "update_settings"),
     ("GET", rf"/api/models/{_REPO}/tree/{_REV}(?:/(?P<path>.+))?", "list_tree"),
     ("GET", rf"/api/models/{_REPO}/commits/{_REV}", "list_commits"),
+    ("GET", rf"/api/datasets/{_REPO}/commits/{_REV}", "dataset_list_commits"),
     ("POST", rf"/api/models/{_REPO}/preupload/{_REV}", "preupload"),
     ("POST", rf"/api/models/{_REPO}/commit/{_REV}", "commit"),
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/batch", "lfs_batch"),
@@ -170,8 +172,10 @@ class RepoStore:
     def save_repo(self, repo_id: str, repo: dict) -> None:
         _write_json_atomically(self.repo_dir(repo_id) / "repo.json", repo)
 
-    def create_repo(self, repo_id: str, private: bool) -> bool:
-        """Create the repo with an initial commit holding .gitattributes; False if it already exists."""
+    def create_repo(self, repo_id: str, private: bool, date: str | None = None) -> bool:
+        """Create the repo with an initial commit holding .gitattributes; False if it already exists.
+
+        ``date``: when (ISO 8601, UTC), for repos seeded as their owners made them earlier; default now."""
         with self.lock:
             if self.load_repo(repo_id) is not None:
                 return False
@@ -179,9 +183,9 @@ class RepoStore:
             (repo_dir / "commits").mkdir(parents=True)
             (repo_dir / "objects").mkdir()
             entry = self.store_content(repo_id, GITATTRIBUTES.encode(), lfs=False)
-            sha = self.write_commit(repo_id, None, "initial commit", "", {".gitattributes": entry})
+            sha = self.write_commit(repo_id, None, "initial commit", "", {".gitattributes": entry}, date)
             self.save_repo(
-                repo_id, {"id": repo_id, "private": private, "createdAt": _now(), "branches": {"main": sha}}
+                repo_id, {"id": repo_id, "private": private, "createdAt": date or _now(), "branches": {"main": sha}}
             )
             return True
 
@@ -204,13 +208,19 @@ class RepoStore:
         return {"sha256": sha256, "size": size, "lfs": lfs, "oid": oid}
 
     def write_commit(
-        self, repo_id: str, parent: str | None, title: str, description: str, files: dict[str, dict]
+        self,
+        repo_id: str,
+        parent: str | None,
+        title: str,
+        description: str,
+        files: dict[str, dict],
+        date: str | None = None,
     ) -> str:
         commit = {
             "parent": parent,
             "title": title,
             "description": description,
-            "date": _now(),
+            "date": date or _now(),
             "files": files,
         }
         sha = hashlib.sha1(json.dumps(commit, sort_keys=True).encode()).hexdigest()
@@ -220,12 +230,15 @@ class RepoStore:
     def load_commit(self, repo_id: str, sha: str) -> dict:
         return json.loads((self.repo_dir(repo_id) / "commits" / f"{sha}.json").read_text())
 
-    def seed_repo(self, repo_id: str, folder: Path, *, gated: str | bool = False) -> str:
+    def seed_repo(
+        self, repo_id: str, folder: Path, *, gated: str | bool = False, date: datetime | None = None
+    ) -> str:
         """A public repo holding ``folder``'s files on ``main``, as its owner would have uploaded it.
 
-        Returns the commit sha. Server-side: the client's upload protocol is exercised by the runs that
-        publish."""
-        self.create_repo(repo_id, private=False)
+        Returns the commit sha. ``date``: when the owner uploaded them (default now); a repo made for it is as
+        old. Server-side: the client's upload protocol is exercised by the runs that publish."""
+        when = date.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z") if date else None
+        self.create_repo(repo_id, private=False, date=when)
         with self.lock:
             repo = self.load_repo(repo_id)
             head = repo["branches"]["main"]
@@ -234,7 +247,7 @@ class RepoStore:
                 name = path.relative_to(folder).as_posix()
                 content = path.read_bytes()
                 files[name] = self.store_content(repo_id, content, _is_lfs_path(name, len(content)))
-            sha = self.write_commit(repo_id, head, f"Upload {folder.name}", "", files)
+            sha = self.write_commit(repo_id, head, f"Upload {folder.name}", "", files, when)
             repo["branches"]["main"] = sha
             repo["gated"] = gated
             self.save_repo(repo_id, repo)
@@ -635,8 +648,14 @@ class _Handler(BaseHTTPRequestHandler):
             item["lfs"] = {"oid": entry["sha256"], "size": entry["size"], "pointerSize": pointer_size}
         return item
 
-    def _list_commits(self, repo: str, rev: str) -> None:
-        commit: dict | None = self._head_commit(repo, rev)
+    def _dataset_list_commits(self, repo: str, rev: str) -> None:
+        self._list_commits(repo, rev, self.server.hub.datasets)
+
+    def _list_commits(self, repo: str, rev: str, store: RepoStore | None = None) -> None:
+        """``HfApi.list_repo_commits``: the history of ``rev``, newest first, each with its date."""
+        store = store or self.store
+        repo_data = self._repo(repo, store=store)
+        commit: dict | None = store.load_commit(repo, store.resolve_revision(repo, repo_data, rev))
         history = []
         while commit is not None:
             message = commit["title"] + (f"\n\n{commit['description']}" if commit["description"] else "")
@@ -649,7 +668,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "authors": [],
                 }
             )
-            commit = self.store.load_commit(repo, commit["parent"]) if commit["parent"] else None
+            commit = store.load_commit(repo, commit["parent"]) if commit["parent"] else None
         self._send_json(history)
 
     # ---- uploads --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 
 from airflow_tpu_posttrain.local.compute_emulator import ComputeEmulator
@@ -169,6 +170,9 @@ def write_gcloud_stand_in(bin_dir: Path) -> Path:
 
 
 HUB_USER = "local"  # the local Hub's user whose tokens the pipelines hold
+# When the tiny models and chats were uploaded to the local Hub: before every logical date the local runs and tests
+# give, so that a run's inputs as of its date (check_inputs) are these.
+SEEDED_AT = datetime(2025, 6, 1, tzinfo=UTC)
 
 
 class LocalStack:
@@ -256,22 +260,23 @@ class LocalStack:
         # The tiny models, gated as Gemma and Llama are, each under the repo id its model reads: the twins' under
         # the tutorials' ids (MaxText's converters look those up by model name).
         for repo, source in LOCAL_HUB_SOURCES.items():
-            self.hub.store.seed_repo(repo, self.local_dir / LOCAL_MODELS / source, gated="manual")
+            self.hub.store.seed_repo(repo, self.local_dir / LOCAL_MODELS / source, gated="manual", date=SEEDED_AT)
             for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted
                 self.hub.grant(token, repo)
-        self.seed_tiny_chats()
+        self.seed_tiny_chats(SEEDED_AT)
         return self.environment()
 
-    def seed_tiny_chats(self) -> str:
+    def seed_tiny_chats(self, date: datetime | None = None) -> str:
         """The tiny model's SFT chats as their dataset repo on the local Hub (what ``on_change`` watches).
 
-        Returns the new revision; seeding again (after changing the files) is a new commit by their owner."""
+        Returns the new revision; seeding again (after changing the files) is a new commit by their owner, dated
+        ``date`` (default now)."""
         chats = self.vm_dir / "hub-seed" / "tiny-chats"
         shutil.rmtree(chats, ignore_errors=True)
         chats.mkdir(parents=True)
         for name in ("sft.jsonl", "sft_eval.jsonl"):
             shutil.copy(self.local_dir / LOCAL_MODELS / "data" / name, chats / name)
-        return self.hub.datasets.seed_repo(TINY_CHATS_REPO, chats)
+        return self.hub.datasets.seed_repo(TINY_CHATS_REPO, chats, date=date)
 
     @property
     def google_key_file(self) -> Path:

@@ -442,6 +442,8 @@ class LocalVm:
         except Exception as error:  # noqa: BLE001 - reported by wait_until_booted, unless destroy() caused it
             if not self._destroying.is_set():
                 self._boot_error = error
+                # Compute's create only sees a VM that never publishes its host keys: say why, for the test's report.
+                print(f"local VM {self.name} failed to boot: {error!r}", file=sys.stderr, flush=True)
         finally:
             self._boot_done.set()
 

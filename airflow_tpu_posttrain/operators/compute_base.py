@@ -190,10 +190,10 @@ class ComputeOperator(BaseOperator):
         """Give back the place ``name`` holds (or waits for) in any of ``place_lines``, once its VM is gone."""
         if not place_lines:
             return
-        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
         from airflow_tpu_posttrain.recipes import places
 
-        hook = CapacityLinesHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        hook = StoredRecordHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
         for uri in dict.fromkeys(place_lines.values()):
             if hook.change(uri, lambda line: places.release(line, name)):
                 self.log.info("Gave back the place of %s in %s", name, uri)

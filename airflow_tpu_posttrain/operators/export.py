@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID
 from airflow_tpu_posttrain.exceptions import RemoteJobError
 from airflow_tpu_posttrain.links import XComUrlLink
 from airflow_tpu_posttrain.operators.inputs_check import record_published
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
-from airflow_tpu_posttrain.recipes import cost, maxtext, storage, validation
+from airflow_tpu_posttrain.recipes import cost, maxtext, storage, trainings, validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 # Copied to the VM's workdir by each try: the publish script first, then the module it imports.
@@ -57,6 +59,9 @@ class HfExportOperator(MaxTextJobOperator):
         table): the model card's cost of the training VM, from its creation to the end of training.
     :param inputs: the run's inputs, wired as the inputs check's XComArg (``check.output``): recorded once the
         model is published, so that a run with the same inputs is skipped.
+    :param training_claim: the inputs check's claim on those inputs (``check.output["training_claim"]``): marked
+        published with the model's places, for the runs that follow or come later with the same inputs.
+    :param gcp_conn_id: the Google connection that writes that claim.
     """
 
     template_fields: Sequence[str] = (
@@ -64,6 +69,7 @@ class HfExportOperator(MaxTextJobOperator):
         "trained",
         "trained_checkpoint",
         "inputs",
+        "training_claim",
         "hub_repo_id",
         "storage_uri",
     )
@@ -79,11 +85,15 @@ class HfExportOperator(MaxTextJobOperator):
         hub_private: bool = True,
         storage_uri: str | None = None,
         inputs: Any = None,
+        training_claim: str | None = None,
+        gcp_conn_id: str = GCP_CONN_ID,
         prices: Mapping[str, Mapping[str, float]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.inputs = inputs
+        self.training_claim = training_claim
+        self.gcp_conn_id = gcp_conn_id
         self.prices = prices
         self.trained = trained
         self.trained_checkpoint = trained_checkpoint
@@ -286,4 +296,16 @@ class HfExportOperator(MaxTextJobOperator):
             PublishedModelLink().push(context, link)
         if isinstance(self.inputs, dict):
             record_published(context, self.inputs)
+        if self.training_claim:
+            self._mark_claim_published(context, published)
         return published
+
+    def _mark_claim_published(self, context: Context, published: dict[str, Any]) -> None:
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+
+        model = {key: published[key] for key in ("hub", "storage_uri", "kept_uri") if published.get(key)}
+        now = datetime.now(UTC).isoformat()
+        StoredRecordHook(gcp_conn_id=self.gcp_conn_id).change(
+            self.training_claim, lambda claim: trainings.published(claim, context["run_id"], now, model)
+        )
+        self.log.info("Runs with these inputs reuse this model now (%s)", self.training_claim)

@@ -1,16 +1,19 @@
-"""Retrain only when something changed: a run whose inputs equal those of the last published model is skipped."""
+"""Retrain only when something changed, and train each distinct input once.
+
+A run's inputs are the Hub's revisions as of its date; a run whose inputs equal those of the last published
+model, or of a model another run published or is training now, trains nothing."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
-from airflow_tpu_posttrain.defaults import GCP_CONN_ID, HF_CONN_ID
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID, HF_CONN_ID, INPUTS_AS_OF
 from airflow_tpu_posttrain.exceptions import CloudResourceError, HubAccessError, InvalidInputError
-from airflow_tpu_posttrain.recipes import compute, storage, validation
+from airflow_tpu_posttrain.recipes import compute, storage, trainings, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 PUBLISHED_INPUTS_KEY = "inputs"  # the export's XCom: the inputs of the model it published
+TRAINING_CLAIM_KEY = "training_claim"  # the inputs check's XCom: its claim on the inputs (``recipes/trainings.py``)
+REUSED_MODEL_KEY = "reused_model"  # the inputs check's XCom when the run reuses another run's model
 
 
 def published_inputs_variable(dag_id: str) -> str:
@@ -55,10 +60,18 @@ class InputsCheckOperator(BaseOperator):
     Airflow's Google connection may not read it); skips the whole run when nothing it would train from has
     changed.
 
-    The inputs: the base model's and the dataset's revisions on the Hub (the commit of each now), the MaxText
-    version and the run's settings, publish targets included (a new target has nothing of this model yet). They
-    are compared with those the export recorded when the DAG last published, whichever run that was
-    (:func:`published_inputs_variable`). XCom: the inputs, for the export to record.
+    The inputs: the base model's and the dataset's revisions on the Hub, the MaxText version and the run's
+    settings, publish targets included (a new target has nothing of this model yet). The revisions are those
+    of the run's date (``inputs_as_of``): a backfill date trains what was on the Hub that day, and a retry or
+    re-run of a run trains what it first did. The conversion, the tokenizer and the export read the base
+    model at the revision recorded here.
+
+    They are compared with those the export recorded when the DAG last published, whichever run that was
+    (:func:`published_inputs_variable`). With ``gs://`` checkpoint storage the run also takes a claim on its
+    inputs (``recipes/trainings.py``): inputs another run published are not trained again (the run is
+    skipped, naming that run's model), and inputs another run is training now are waited for, deferred, then
+    reused, or trained if that run ended without publishing. XCom: the inputs, for the export to record;
+    ``training_claim``, the claim's ``gs://`` object; ``reused_model``, the model a skipped run reuses.
 
     :param model: model profile key.
     :param recipe: ``sft`` or ``rl``.
@@ -70,7 +83,10 @@ class InputsCheckOperator(BaseOperator):
         (default ``hf_default``, as the registry's; None: anonymous).
     :param hub_repo_id: the Hub repo the export will publish to (blank: none); the token must be able to
         create and write it, checked here rather than after the training.
-    :param force: train even when nothing changed.
+    :param force: train even when nothing changed, or another run has these inputs.
+    :param inputs_as_of: ``run_date`` (default): the revisions current at the run's logical date (a run without
+        one, such as a run started by a new revision, at its start); ``latest``: the revisions now.
+    :param poll_interval: seconds between two looks at the claim of a run followed.
     :param gcp_conn_id: Google connection that reads the buckets and the reservation (storage.buckets.get,
         compute.reservations.get).
     :param project_id: the project of the VMs and of a reservation named without one (None: the connection's).
@@ -88,6 +104,7 @@ class InputsCheckOperator(BaseOperator):
         "settings",
         "hub_repo_id",
         "force",
+        "inputs_as_of",
         "zones",
         "reservation",
         "accelerator_type",
@@ -106,6 +123,8 @@ class InputsCheckOperator(BaseOperator):
         hf_conn_id: str | None = HF_CONN_ID,
         hub_repo_id: str | None = None,
         force: bool | str = False,
+        inputs_as_of: str = "run_date",
+        poll_interval: float = 15.0,
         gcp_conn_id: str = GCP_CONN_ID,
         project_id: str | None = None,
         zones: Sequence[str] | str | None = None,
@@ -124,6 +143,8 @@ class InputsCheckOperator(BaseOperator):
         self.hf_conn_id = hf_conn_id
         self.hub_repo_id = hub_repo_id
         self.force = force
+        self.inputs_as_of = inputs_as_of
+        self.poll_interval = poll_interval
         self.gcp_conn_id = gcp_conn_id
         self.project_id = project_id
         self.zones = zones
@@ -139,6 +160,7 @@ class InputsCheckOperator(BaseOperator):
             profile = model_profile(self.model)
             force = validation.flag("force", self.force)
             hub_repo_id = validation.blank_to_none(self.hub_repo_id)
+            as_of = self._as_of(context)
             if hub_repo_id:
                 validation.hf_repo_id("hub_repo_id", hub_repo_id)
             buckets = self._buckets()
@@ -157,37 +179,130 @@ class InputsCheckOperator(BaseOperator):
             self._check_reservations(reservations, machine_type)
         inputs = {
             "model": profile.key,
-            "revisions": self._revisions(repos),
+            "revisions": self._revisions(repos, as_of),
             "maxtext_version": validation.blank_to_none(self.maxtext_version) or profile.maxtext_version,
             "settings": {key: _comparable(value) for key, value in sorted((self.settings or {}).items())},
         }
+        self.log.info("Inputs as of %s: %s", as_of.isoformat() if as_of else "now (inputs_as_of=latest)", inputs)
         last = _last_published(context["dag_run"].dag_id)
         if last is None:
-            self.log.info("Inputs %s; no model published yet", inputs)
+            self.log.info("No model published yet")
+        else:
+            self.log.info("The last published model: run %s, at %s", last["run_id"], last["published_at"])
+            changed = sorted(key for key in inputs if last["inputs"].get(key) != inputs[key])
+            if changed:
+                self.log.info("Changed since the last published model: %s", ", ".join(changed))
+            elif force:
+                self.log.info("Inputs unchanged since the last published model; training anyway (force)")
+            else:
+                raise AirflowSkipException(
+                    f"Inputs unchanged since the last published model (run {last['run_id']}): nothing to train, "
+                    "no VM created. Trigger with force=true to train anyway."
+                )
+        context["ti"].xcom_push(key="inputs", value=inputs)
+        return self._claim(context, inputs, force)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """The followed run's claim changed, or it is time to look at that run again: decide anew."""
+        inputs = context["ti"].xcom_pull(task_ids=self.task_id, key="inputs")
+        return self._claim(context, inputs, validation.flag("force", self.force))
+
+    def _claim(self, context: Context, inputs: dict[str, Any], force: bool) -> dict[str, Any]:
+        """The run's claim on ``inputs``: train them, follow the run that trains them, or reuse its model."""
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+        from airflow_tpu_posttrain.operators.compute_base import deployment_id
+        from airflow_tpu_posttrain.triggers.trainings import ClaimChangeTrigger
+
+        storage_at = validation.blank_to_none(self.checkpoint_storage)
+        dag_run = context["dag_run"]
+        claimed = storage_at and storage.is_gcs(storage_at)
+        uri = trainings.claim_uri(storage_at, deployment_id(), dag_run.dag_id, inputs) if claimed else None
+        context["ti"].xcom_push(key=TRAINING_CLAIM_KEY, value=uri)
+        if uri is None:  # no storage every run shares: the last published model is all there is to compare with
             return inputs
-        self.log.info("The last published model: run %s, at %s", last["run_id"], last["published_at"])
-        last = last["inputs"]
-        changed = sorted(key for key in inputs if last.get(key) != inputs[key])
-        if changed:
-            self.log.info("Inputs %s; changed since the last published model: %s", inputs, ", ".join(changed))
-            return inputs
-        if force:
-            self.log.info("Inputs unchanged since the last published model; training anyway (force)")
-            return inputs
-        raise AirflowSkipException(
-            f"Inputs unchanged since the last published model ({inputs}): nothing to train, no VM created. "
-            "Trigger with force=true to train anyway."
+        records = StoredRecordHook(gcp_conn_id=self.gcp_conn_id)
+        ended = self._ended_owner(context, records.read(uri))
+        now = datetime.now(UTC).isoformat()
+        decision = records.change(
+            uri, lambda claim: trainings.decide(claim, dag_run.run_id, now, force=force, ended_owner=ended)
         )
+        owner = decision.claim.get("run_id")
+        if decision.action == trainings.TRAIN:
+            if decision.took_over_from:
+                self.log.info(
+                    "Run %s, which held these inputs, ended without publishing: this run trains them (%s)",
+                    decision.took_over_from, uri,
+                )
+            elif owner != dag_run.run_id:
+                self.log.info("Training anyway (force), though run %s holds these inputs (%s)", owner, uri)
+            else:
+                self.log.info("This run trains these inputs (its claim: %s)", uri)
+            return inputs
+        if decision.action == trainings.REUSE:
+            model = decision.claim.get("model") or {}
+            context["ti"].xcom_push(key=REUSED_MODEL_KEY, value={"run_id": owner, **model})
+            raise AirflowSkipException(
+                f"Inputs equal those run {owner} trained and published: this run's model is that one "
+                f"({_model_place(model)}); nothing to train, no VM created. Trigger with force=true to train anyway."
+            )
+        self.log.info(
+            "Inputs equal those run %s is training now (since %s): following it, deferred and holding no VM; "
+            "its model is reused once published, or these inputs are trained here if it ends without one (%s)",
+            owner, decision.claim.get("since"), uri,
+        )
+        self.defer(
+            trigger=ClaimChangeTrigger(
+                uri, decision.claim, trainings.RECHECK_S, self.poll_interval, gcp_conn_id=self.gcp_conn_id
+            ),
+            method_name="execute_complete",
+        )
+
+    def _ended_owner(self, context: Context, claim: dict[str, Any]) -> str | None:
+        """The run holding ``claim`` for training, if it ended (or no longer exists); else None."""
+        from airflow.sdk.exceptions import AirflowRuntimeError
+
+        owner = claim.get("run_id")
+        if claim.get("state") != trainings.TRAINING or not owner or owner == context["dag_run"].run_id:
+            return None
+        try:
+            state = context["ti"].get_dagrun_state(context["dag_run"].dag_id, owner)
+        except AirflowRuntimeError as err:
+            self.log.info("Run %s, which holds these inputs, is not found (%s): taken for ended", owner, err)
+            return owner
+        return owner if state in ("success", "failed") else None
+
+    def _as_of(self, context: Context) -> datetime | None:
+        """The instant whose revisions the run trains: None for the latest."""
+        if validation.one_of("inputs_as_of", self.inputs_as_of, INPUTS_AS_OF) == "latest":
+            return None
+        dag_run = context["dag_run"]
+        return dag_run.logical_date or dag_run.run_after
 
     def _hub_api(self) -> Any:
         from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
 
         return HuggingFaceHubHook(self.hf_conn_id).get_conn()
 
-    def _revisions(self, repos: list[tuple[str, str]]) -> dict[str, str]:
-        """``{"<type>:<repo>": commit}`` of each repo now."""
+    def _revisions(self, repos: list[tuple[str, str]], as_of: datetime | None) -> dict[str, str]:
+        """``{"<type>:<repo>": commit}`` of each repo: now, or the newest commit of its main dated by ``as_of``."""
         api = self._hub_api()
-        return {f"{kind}:{repo}": api.repo_info(repo, repo_type=kind).sha for repo, kind in repos}
+        if as_of is None:
+            return {f"{kind}:{repo}": api.repo_info(repo, repo_type=kind).sha for repo, kind in repos}
+        revisions = {}
+        for repo, kind in repos:
+            commits = api.list_repo_commits(repo, repo_type=kind)
+            dated = [commit for commit in commits if commit.created_at <= as_of]
+            if not dated:
+                first = min(commit.created_at for commit in commits).isoformat()
+                raise InvalidInputError(
+                    f"{self.task_id}: invalid input: inputs_as_of: the {kind} {repo} has no commit on or before "
+                    f"{as_of.isoformat()}, the run's date (its first is of {first}). Fix: run dates from {first} "
+                    "on, or trigger with inputs_as_of=latest. No VM was created."
+                )
+            revisions[f"{kind}:{repo}"] = max(dated, key=lambda commit: commit.created_at).commit_id
+        return revisions
 
     def _check_access(self, repos: list[tuple[str, str]]) -> None:
         """Fails before any VM when the token cannot download an input's files.
@@ -338,6 +453,14 @@ def _last_published(dag_id: str) -> dict[str, Any] | None:
     from airflow.sdk import Variable
 
     return Variable.get(published_inputs_variable(dag_id), default=None, deserialize_json=True)
+
+
+def _model_place(model: dict[str, Any]) -> str:
+    """Where a published model is, as the export recorded it."""
+    hub = model.get("hub") or {}
+    places = [hub.get("url")] if hub.get("url") else []
+    places += [model[key] for key in ("storage_uri", "kept_uri") if model.get(key)]
+    return ", ".join(places) or "no copy recorded"
 
 
 def _comparable(value: Any) -> Any:

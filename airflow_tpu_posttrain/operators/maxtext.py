@@ -101,24 +101,32 @@ class MaxTextConvertOperator(MaxTextJobOperator):
     with checkpoint storage ``conversion_key`` and ``source_revision``.
 
     With ``checkpoint_storage`` the conversion is cached there under a key of (MaxText version, source revision,
-    conversion arguments): the source revision is the Hub's current commit of the model (asked with the
-    ``hf_conn_id`` token). Scheduled retraining and
+    conversion arguments): the source revision is the one the inputs check recorded for the run (``inputs``),
+    else the Hub's current commit of the model (asked with the ``hf_conn_id`` token). Scheduled retraining and
     backfills then convert once per new revision or MaxText release. What it converted, and how long the run took
     to a conversion it ran, are kept for the TPU VM's create (``operators/just_in_time.py``).
 
     :param maxtext_version: the MaxText release installed on the VM (default: the model profile's).
     :param use_pathways: the tutorials' USE_PATHWAYS (zarr3/ocdbt storage off when true).
+    :param inputs: the inputs check's record (its XComArg): the base model's revision of the run's date in its
+        ``revisions``.
     """
 
-    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version")
+    template_fields: Sequence[str] = (*MaxTextJobOperator.template_fields, "maxtext_version", "inputs")
     step_title = "Convert"
 
     def __init__(
-        self, *, maxtext_version: str | None = None, use_pathways: bool = False, **kwargs: Any
+        self,
+        *,
+        maxtext_version: str | None = None,
+        use_pathways: bool = False,
+        inputs: Any = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.maxtext_version = maxtext_version
         self.use_pathways = use_pathways
+        self.inputs = inputs
 
     def _profile(self) -> ModelProfile:
         """The model's profile at the run's MaxText release (the conversion's arguments may depend on it)."""
@@ -161,9 +169,12 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         )
 
     def _source_revision(self, model: ModelProfile) -> str:
-        """Which weights the conversion reads: the Hub's commit of the model now."""
+        """Which weights the conversion reads: the run's (its inputs'), else the Hub's commit of the model now."""
         from airflow_tpu_posttrain.hooks.hub import HuggingFaceHubHook
 
+        recorded = (self.inputs.get("revisions") or {}) if isinstance(self.inputs, dict) else {}
+        if recorded.get(f"model:{model.hf_source}"):
+            return recorded[f"model:{model.hf_source}"]
         return HuggingFaceHubHook(self.hf_conn_id).get_conn().model_info(model.hf_source).sha
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:

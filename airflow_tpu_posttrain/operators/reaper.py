@@ -136,10 +136,10 @@ class TpuVmReaperOperator(ComputeOperator):
 
     def _sweep_places(self, context: Context, now: datetime, counts: dict) -> None:
         """Give back the places whose VM (or slice) is gone and whose run is over: the VMs' evidence rule."""
-        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesHook
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
         from airflow_tpu_posttrain.recipes import places
 
-        hook = CapacityLinesHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        hook = StoredRecordHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
         deployment = deployment_id()
         for location in self.capacity_claims:
             try:

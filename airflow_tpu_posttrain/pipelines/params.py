@@ -8,6 +8,7 @@ from typing import Any
 
 from airflow.sdk import Param
 
+from airflow_tpu_posttrain.defaults import INPUTS_AS_OF
 from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 from airflow_tpu_posttrain.recipes import compute, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
@@ -184,7 +185,17 @@ FORM = (
         type="boolean",
         title="Train even if nothing changed",
         description="A run whose base model and dataset revisions, MaxText version and settings are those of "
-        "the last model this DAG published is skipped before any VM is created; tick to train anyway.",
+        "the last model this DAG published, or of a model another run published or is training, trains nothing "
+        "(it reuses that model) and creates no VM; tick to train anyway.",
+    ),
+    FormField(
+        "inputs_as_of",
+        type="string",
+        schema={"enum": list(INPUTS_AS_OF)},
+        title="Inputs as of",
+        description="run_date: the base model's and the dataset's revisions on the Hub at the run's logical date "
+        "(a backfill date trains what the Hub held that day; a re-run trains what its first try did); latest: "
+        "their revisions now.",
     ),
     FormField(
         "quality_gate",

@@ -23,7 +23,7 @@ from airflow.sdk import DAG, BaseOperator, TriggerRule, chain
 from airflow_tpu_posttrain.defaults import MAX_WAIT_IN_LINE_HOURS
 from airflow_tpu_posttrain.exceptions import StepFailedError
 from airflow_tpu_posttrain.operators.export import HfExportOperator
-from airflow_tpu_posttrain.operators.inputs_check import InputsCheckOperator
+from airflow_tpu_posttrain.operators.inputs_check import TRAINING_CLAIM_KEY, InputsCheckOperator
 from airflow_tpu_posttrain.operators.maxtext import (
     GrpoTrainOperator,
     MaxTextConvertOperator,
@@ -81,6 +81,7 @@ class Output:
     """An argument that is an earlier task's result (its XComArg): Airflow runs that task first."""
 
     task_id: str
+    key: str | None = None  # an XCom of that task other than its return value
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ STEPS = (
             "hf_conn_id": cfg.hf_conn_id,
             "hub_repo_id": "{{ params.hub_repo_id }}",
             "force": "{{ params.force }}",
+            "inputs_as_of": "{{ params.inputs_as_of }}",
+            "poll_interval": _poll(cfg, 15),
             # The buckets and the reservation the run names, looked up before any VM.
             "gcp_conn_id": cfg.gcp_conn_id,
             "project_id": cfg.project_id,
@@ -135,7 +138,8 @@ STEPS = (
             "accelerator_type": "{{ params.accelerator_type }}",
             "checkpoint_storage": cfg.checkpoint_storage,
             "storage_uri": "{{ params.storage_uri }}",
-            "execution_timeout": FIVE_MINUTES,
+            # Following a run that trains the same inputs lasts as long as that run may.
+            "execution_timeout": FIVE_MINUTES + _whole_run(cfg),
         },
     ),
     Step(
@@ -203,6 +207,7 @@ STEPS = (
         MaxTextConvertOperator,
         lambda cfg: {
             "maxtext_version": "{{ params.maxtext_version }}",
+            "inputs": Output("check_inputs"),
             "execution_timeout": cfg.timeouts.convert,
             "poll_interval": _poll(cfg, 15),
         },
@@ -254,6 +259,8 @@ STEPS = (
         lambda cfg: {
             "trained": Output("train"),
             "inputs": Output("check_inputs"),
+            "training_claim": Output("check_inputs", TRAINING_CLAIM_KEY),
+            "gcp_conn_id": cfg.gcp_conn_id,
             "prices": cfg.prices,
             "hub_repo_id": "{{ params.hub_repo_id }}",
             "storage_uri": "{{ params.storage_uri }}",
@@ -381,7 +388,8 @@ def _operator(step: Step, cfg: PipelineConfig, tasks: dict[str, BaseOperator]) -
         arguments |= _on_vm(cfg, step.vm)
     for name, value in arguments.items():
         if isinstance(value, Output):
-            arguments[name] = tasks[value.task_id].output
+            output = tasks[value.task_id].output
+            arguments[name] = output[value.key] if value.key else output
     return step.operator(task_id=step.task_id, **arguments)
 
 
@@ -455,6 +463,11 @@ SLICE_CREATE_ARGUMENTS = (
     "project_id", "gcp_conn_id", "poll_interval", "network", "subnetwork", "network_path", "ssh_conn_id",
     "service_account", "max_run_duration",
 )
+
+
+def _whole_run(cfg: PipelineConfig) -> timedelta:
+    """The longest a run may take: its place's wait, the conversion's, and its VM's lifetime."""
+    return _place_wait(cfg) + _conversion_wait(cfg) + cfg.timeouts.vm_lifetime(cfg.retries, MAX_RETRY_DELAY)
 
 
 def _conversion_wait(cfg: PipelineConfig) -> timedelta:

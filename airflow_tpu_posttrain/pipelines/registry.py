@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from airflow_tpu_posttrain import defaults
+from airflow_tpu_posttrain.defaults import INPUTS_AS_OF
 from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
@@ -224,6 +225,7 @@ class PipelineConfig:
         ),
     )
     quality_gate: str = gate.DEFAULT_RULE
+    inputs_as_of: str = "run_date"
     min_improvement_pct: float = gate.DEFAULT_MIN_IMPROVEMENT_PCT
     # Set by the loader, never by models.yaml (_LOADER_KEYS).
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
@@ -252,6 +254,7 @@ class PipelineConfig:
         check(validation.one_of, "recipe", self.recipe, RECIPES)
         check(validation.one_of, "layout", self.layout, LAYOUTS)
         check(validation.one_of, "quality_gate", self.quality_gate, gate.RULES)
+        check(validation.one_of, "inputs_as_of", self.inputs_as_of, INPUTS_AS_OF)
         check(accelerator, self.accelerator_type)
         if _is_slice(self.accelerator_type):
             problems.extend(PipelineConfig._slice_problems(self))

@@ -1,6 +1,6 @@
 """Places under the TPU cap: one line per capacity key, kept in one storage object, taken before any insert.
 
-Pure: what a line holds and how a request, a release or the reaper changes it. ``hooks/capacity.py`` reads the
+Pure: what a line holds and how a request, a release or the reaper changes it. ``hooks/stored_records.py`` reads the
 object and writes it back only if nobody wrote it in between (a generation precondition), so of two creates
 that ask at once one wins the write and the other asks again on what the winner wrote: a place is taken by
 exactly one create, before it inserts, across triggerers and Airflow deployments sharing the bucket.

@@ -28,8 +28,8 @@ from airflow_tpu_posttrain.triggers.compute import (
 from airflow_tpu_posttrain.triggers.places import give_place_back, take_place
 
 if TYPE_CHECKING:
-    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
 _REQUEST_NAMESPACE = uuid.UUID("0c5e7d4a-8f3b-4d21-a6e9-5b1f2c3d4e60")
 
@@ -81,7 +81,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     :param network_check: ``{"network", "subnetwork_given", "network_path", "egress": [[region, subnetwork]]}``.
     :param groups: the capacity label's value of each zone's line (``capacity.group_label``).
     :param cap: ``max_tpu_vms`` of a line; None: no cap.
-    :param lines: each zone's line of places (``gs://`` object, ``hooks/capacity.py``); with ``cap``.
+    :param lines: each zone's line of places (``gs://`` object, ``hooks/stored_records.py``); with ``cap``.
     :param request: the create's request for a place (``places.Request``'s fields); with ``cap``.
     :param capacity_wait: seconds to wait while first in line, or for a fully used reservation.
     :param oslogin: ``ssh_key_mode="oslogin"``: ``{"user", "public_key", "expires_at"}``, the key to import into
@@ -158,9 +158,9 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         }
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
-        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
-        lines = CapacityLinesAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
         run = _CreateRun(self, self._hook(), lines, uuid.uuid4().hex)
         yield self._event(await run.walk())
 
@@ -169,7 +169,7 @@ class _CreateRun:
     """One run of :class:`TpuVmCreateTrigger`: its hook, where the create stands, and the steps of each phase."""
 
     def __init__(
-        self, trigger: TpuVmCreateTrigger, hook: TpuVmAsyncHook, lines: CapacityLinesAsyncHook, nonce: str
+        self, trigger: TpuVmCreateTrigger, hook: TpuVmAsyncHook, lines: StoredRecordAsyncHook, nonce: str
     ) -> None:
         self.trigger = trigger
         self.hook = hook

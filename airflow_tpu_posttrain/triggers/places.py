@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 from airflow_tpu_posttrain.recipes import places
 
 if TYPE_CHECKING:
-    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
 
 async def take_place(
-    lines: CapacityLinesAsyncHook,
+    lines: StoredRecordAsyncHook,
     uri: str,
     request: places.Request,
     cap: int,
@@ -53,7 +53,7 @@ async def take_place(
         await asyncio.sleep(poll_interval)
 
 
-async def give_place_back(lines: CapacityLinesAsyncHook, uri: str, claim: str, log: logging.Logger) -> None:
+async def give_place_back(lines: StoredRecordAsyncHook, uri: str, claim: str, log: logging.Logger) -> None:
     """Leave the line at ``uri``: the place ``claim`` holds there, or its wait."""
     if await lines.change(uri, lambda line: places.release(line, claim)):
         log.info("Gave back the place of %s in %s", claim, uri)

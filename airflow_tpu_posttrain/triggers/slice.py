@@ -25,8 +25,8 @@ from airflow_tpu_posttrain.triggers.compute import (
 from airflow_tpu_posttrain.triggers.places import give_place_back, take_place
 
 if TYPE_CHECKING:
-    from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
 # The instance metadata key that tells a slice's VM its worker id. Google documents none for MIG-made TPU VMs:
 # JAX reads ``agent-worker-number`` on Cloud TPU API VMs; ``worker-id`` is what MIG-made TPU VMs were seen to carry.
@@ -103,7 +103,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     :param ssh_port: the port every VM's sshd must answer on.
     :param group: the capacity label's value of the slice's line (on every VM of the slice).
     :param cap: ``max_tpu_vms`` of the line, a slice counting once; None: no cap.
-    :param line: the zone's line of places (``gs://`` object, ``hooks/capacity.py``); with ``cap``.
+    :param line: the zone's line of places (``gs://`` object, ``hooks/stored_records.py``); with ``cap``.
     :param request: the slice's request for a place (``places.Request``'s fields); with ``cap``.
     :param capacity_wait: seconds to wait while first in line, and then for the slice's capacity.
     :param ready_timeout: seconds the RUNNING VMs have to publish their host keys and answer on ``ssh_port``.
@@ -164,10 +164,10 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         return self.bodies["template"]["name"], self.bodies["policy"]["name"]
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
-        from airflow_tpu_posttrain.hooks.capacity import CapacityLinesAsyncHook
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
         hook = self._hook()
-        lines = CapacityLinesAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+        lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
         try:
             earlier = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
             if earlier and slices.slice_state(earlier).state == slices.BROKEN:
@@ -201,7 +201,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         found = await self._poll(lambda: hook.list_instances(self.project_id, self.zone, label_filter))
         return [name for name in capacity.live_places(found) if name != self._group]
 
-    async def _take_place(self, hook: TpuVmAsyncHook, lines: CapacityLinesAsyncHook) -> None:
+    async def _take_place(self, hook: TpuVmAsyncHook, lines: StoredRecordAsyncHook) -> None:
         """Wait in the zone's line until a place under ``cap`` is the slice's; nothing is created meanwhile."""
         if self.cap is None or not self.line or not self.request:
             return

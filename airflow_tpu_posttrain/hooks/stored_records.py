@@ -1,7 +1,8 @@
-"""The lines for places under the TPU cap, in Cloud Storage: read, changed, written back only if unchanged.
+"""Records several runs and deployments share, in Cloud Storage: read, changed, written back only if unchanged.
 
-Each line is one JSON object (``recipes/places.py`` says what it holds) at ``<capacity_claims>/<line key>.json``.
-A change reads the object and its generation, computes the new line, and writes it with
+Each record is one JSON object: a line of places under the TPU cap (``recipes/places.py``, at
+``<capacity_claims>/<line key>.json``), a claim on a run's inputs (``recipes/trainings.py``). A change reads the
+object and its generation, computes the new record, and writes it with
 ``ifGenerationMatch`` = that generation (0: the object must not exist yet): Cloud Storage refuses the write with
 412 if anyone wrote the object in between, and the change is made again on what they wrote. Credentials come
 from providers-google's GCSHook (its connection, impersonation chain, and ``STORAGE_EMULATOR_HOST`` locally).
@@ -27,13 +28,13 @@ T = TypeVar("T")
 MAX_ROUNDS = 30
 
 
-class CapacityLinesHook(GCSHook):
-    """Change one line of places in Cloud Storage, as one compare-and-swap."""
+class StoredRecordHook(GCSHook):
+    """Change one record in Cloud Storage, as one compare-and-swap."""
 
     def change(self, uri: str, change: Callable[[dict[str, Any]], tuple[dict[str, Any], T]]) -> T:
-        """Apply ``change`` (the line -> the new line and a result) to the line at ``uri``; its result.
+        """Apply ``change`` (the record -> the new record and a result) to the record at ``uri``; its result.
 
-        The write is skipped when the line is unchanged. Raises :class:`CloudResourceError` when the bucket
+        The write is skipped when the record is unchanged. Raises :class:`CloudResourceError` when the bucket
         does not exist or the line stayed contended for ``MAX_ROUNDS`` rounds."""
         from google.api_core.exceptions import NotFound, PreconditionFailed
 
@@ -55,8 +56,8 @@ class CapacityLinesHook(GCSHook):
                 time.sleep(random.uniform(0.05, 0.5))
             except NotFound as err:
                 raise CloudResourceError(
-                    f"The capacity claims' bucket gs://{bucket_name} does not exist ({err}). Fix: create it, or "
-                    "point capacity_claims at a bucket every deployment sharing the TPU cap can write."
+                    f"The bucket gs://{bucket_name} of {uri} does not exist ({err}). Fix: create it, or point "
+                    "capacity_claims (checkpoint_storage) at a bucket every deployment sharing it can write."
                 ) from err
         raise CloudResourceError(f"{uri}: still contended after {MAX_ROUNDS} rounds; try again")
 
@@ -67,18 +68,22 @@ class CapacityLinesHook(GCSHook):
         return [f"gs://{bucket}/{name}" for name in self.list(bucket, prefix=prefix) if name.endswith(".json")]
 
     def read(self, uri: str) -> dict[str, Any]:
-        """The line at ``uri`` as it is now (empty when nobody asked yet)."""
+        """The record at ``uri`` as it is now (empty when nobody wrote it yet)."""
         bucket_name, _, name = uri.removeprefix("gs://").partition("/")
         blob = self.get_conn().bucket(bucket_name).get_blob(name)
         return json.loads(blob.download_as_bytes()) if blob is not None else {}
 
 
 
-class CapacityLinesAsyncHook(GoogleBaseAsyncHook):
+class StoredRecordAsyncHook(GoogleBaseAsyncHook):
     """The triggerer's view: the sync client's calls run in a thread so the event loop never blocks."""
 
-    sync_hook_class = CapacityLinesHook
+    sync_hook_class = StoredRecordHook
 
     async def change(self, uri: str, change: Callable[[dict[str, Any]], tuple[dict[str, Any], T]]) -> T:
         hook = await self.get_sync_hook()
         return await asyncio.to_thread(hook.change, uri, change)
+
+    async def read(self, uri: str) -> dict[str, Any]:
+        hook = await self.get_sync_hook()
+        return await asyncio.to_thread(hook.read, uri)
