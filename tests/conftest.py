@@ -194,7 +194,9 @@ def stack(airflow_db, tmp_path_factory):
     from airflow.models.pool import Pool
 
     from airflow_tpu_posttrain.local.stack import LocalStack
+    from airflow_tpu_posttrain.operators.inputs_check import published_inputs_variable
     from airflow_tpu_posttrain.operators.just_in_time import TIMINGS_VARIABLE
+    from airflow_tpu_posttrain.pipelines.registry import load_registry
 
     local = LocalStack(REPO / ".local", tmp_path_factory.mktemp("vm"), hf_token=HF_TOKEN)
     with local as env, pytest.MonkeyPatch.context() as mp:
@@ -207,6 +209,10 @@ def stack(airflow_db, tmp_path_factory):
         # runs. Else a module's first run would wait for a conversion measured in another module's world, and in
         # dag.test, which runs one task at a time, that wait holds up the whole run.
         Variable.delete(TIMINGS_VARIABLE)
+        # Nor any model published from another stack's Hub and storage: the models' seeds are the same commits in
+        # every stack (dated SEEDED_AT), so a module's first run would find "its" inputs already published.
+        for dag_id in {cfg.dag_id for cfg in load_registry(REPO / "dags" / "models.yaml", local=True)}:
+            Variable.delete(published_inputs_variable(dag_id))
         try:
             yield local
         finally:

@@ -109,8 +109,9 @@ def _sample_until_done(airflow, stack, runs: int, timeline: list) -> dict[str, d
 def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tmp_path, monkeypatch, fault_matrix):
     """Three dates, the model committed between the first and the second: two trainings, not three.
 
-    The third date reuses the second's model; the TPU VMs one at a time, oldest date first; no run failed; nothing
-    left behind. The dates end today (the newest is the DAG's latest tick, so unpausing it adds no scheduled run)."""
+    Of the second and third dates (the same inputs), the one whose check comes first trains and the other reuses
+    its model; the TPU VMs one at a time; no run failed; nothing left behind. The dates end today (the newest is
+    the DAG's latest tick, so unpausing it adds no scheduled run)."""
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
     from bench.local_airflow import LocalAirflow
 
@@ -145,10 +146,10 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
         inputs = [_xcom(airflow, run_id, "check_inputs", "inputs") for run_id in run_ids]
         trained = [_xcom(airflow, run_id, "train") for run_id in run_ids]
         converted = [_xcom(airflow, run_id, "convert_to_maxtext") for run_id in run_ids]
-        reused = _xcom(airflow, run_ids[2], "check_inputs", "reused_model")
-        published = [_xcom(airflow, run_id, "export_and_publish") for run_id in run_ids[:2]]
+        reused = [_xcom(airflow, run_id, "check_inputs", "reused_model") for run_id in run_ids]
+        published = [_xcom(airflow, run_id, "export_and_publish") for run_id in run_ids]
         tasks = [_tasks(airflow, run_id) for run_id in run_ids]
-        claims = [_xcom(airflow, run_id, "check_inputs", "training_claim") for run_id in run_ids[:2]]
+        claims = [_xcom(airflow, run_id, "check_inputs", "training_claim") for run_id in run_ids]
 
         # A re-run of the first date, cleared as from the UI: its inputs' model is the one it published.
         airflow.api(
@@ -167,25 +168,29 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     model = f"model:{TINY_LLAMA_REPO}"
     assert inputs[0]["revisions"][model] != revision_2, report
     assert inputs[1]["revisions"][model] == inputs[2]["revisions"][model] == revision_2, report
-    # Two trainings, of the first and second dates, each converting its own revision.
-    assert [t["reused"] for t in trained[:2]] == [False, False] and trained[2] is None, report
-    assert all(t["metrics"]["steps_completed"] == STEPS for t in trained[:2])
-    assert [c["source_revision"] for c in converted[:2]] == [inputs[0]["revisions"][model], revision_2]
-    assert [c["reused"] for c in converted[:2]] == [False, False]
-    # The third date followed the second and reuses its model; it made no VM.
-    assert tasks[2]["check_inputs"]["state"] == "skipped", report
-    assert {task["state"] for task_id, task in tasks[2].items() if task_id != "check_inputs"} == {"skipped"}, report
-    assert reused["run_id"] == run_ids[1] and reused["hub"]["commit_sha"] == published[1]["hub"]["commit_sha"], reused
+    # Two trainings: the first date's, and one of the two dates that share the new revision (the one whose check
+    # took the claim first); the other followed it, deferred, and reuses its model, having made no VM.
+    trainers = [i for i, t in enumerate(trained) if t is not None]
+    assert len(trainers) == 2 and trainers[0] == 0, report
+    leader = trainers[1]
+    follower = 3 - leader
+    assert all(trained[i]["reused"] is False and trained[i]["metrics"]["steps_completed"] == STEPS for i in trainers)
+    assert [converted[i]["source_revision"] for i in trainers] == [inputs[0]["revisions"][model], revision_2]
+    assert [converted[i]["reused"] for i in trainers] == [False, False]
+    assert tasks[follower]["check_inputs"]["state"] == "skipped", report
+    assert {t["state"] for task_id, t in tasks[follower].items() if task_id != "check_inputs"} == {"skipped"}, report
+    assert reused[follower]["run_id"] == run_ids[leader], reused[follower]
+    assert reused[follower]["hub"]["commit_sha"] == published[leader]["hub"]["commit_sha"], reused[follower]
     for name, value in stack.environment().items():  # the local stack's connections, to read the claims here
         monkeypatch.setenv(name, value)
     records = StoredRecordHook(gcp_conn_id="local_compute")
-    assert [records.read(uri)["state"] for uri in claims] == ["published", "published"]
-    # One TPU VM at a time, over every 0.5 s sample; the first date's first.
+    assert [records.read(claims[i])["state"] for i in trainers] == ["published", "published"]
+    # One TPU VM at a time, over every 0.5 s sample: one training's VM was gone before the other's trained. (Which
+    # came first is the order the creates asked in: a date whose create asks while the place is free takes it.)
     most = max(len(names) for _, names in timeline)
     assert most == 1, [sample for sample in timeline if len(sample[1]) > 1]
-    served = sorted(run_ids[:2], key=lambda run_id: tasks[run_ids.index(run_id)]["train"]["start_date"])
-    assert served == run_ids[:2]
-    assert tasks[0]["delete_tpu_vm"]["end_date"] <= tasks[1]["train"]["start_date"]
+    first, second = sorted(trainers, key=lambda i: tasks[i]["train"]["start_date"])
+    assert tasks[first]["delete_tpu_vm"]["end_date"] <= tasks[second]["train"]["start_date"]
     # The re-run of the first date trained nothing: its own published model is its date's.
     assert rerun_state == "success" and rerun_reused["run_id"] == run_ids[0], (rerun_state, rerun_reused)
     assert rerun_tasks["train"]["state"] == "skipped"
@@ -194,7 +199,7 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     fault_matrix.record(
         "backfill: 3 dates via Airflow's REST API, cap 1, the model committed between dates 1 and 2",
         stack.compute.instances() == [], "success", True,
-        f"2 trainings (dates 1, 2), date 3 reused date 2's model; never more than {most} TPU VM over "
-        f"{len(timeline)} samples 0.5 s apart",
+        f"2 trainings (dates 1, {leader + 1}), date {follower + 1} reused date {leader + 1}'s model; never more "
+        f"than {most} TPU VM over {len(timeline)} samples 0.5 s apart",
     )
     print(json.dumps({"samples": len(timeline), "most_tpu_vms": most}))
