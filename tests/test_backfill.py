@@ -61,6 +61,21 @@ def _commit_to_the_model(stack, when: datetime) -> str:
     return stack.hub.store.seed_repo(TINY_LLAMA_REPO, folder, gated="manual", date=when)
 
 
+def _create_backfill(airflow, body: dict) -> None:
+    """``POST /backfills``, asked again while it answers 503.
+
+    Airflow answers 503 when SQLite was locked by another writer ("Database is locked. Backfill creation is not
+    supported on SQLite under concurrent access", ``backfills.py``); nothing was created then. PostgreSQL, as in
+    docker-compose.yaml, has no such lock."""
+    for _ in range(30):
+        response = airflow.client.post("/backfills", json=body)
+        if response.status_code != 503:
+            response.raise_for_status()
+            return
+        time.sleep(1)
+    response.raise_for_status()
+
+
 def _tasks(airflow, run_id: str) -> dict[str, dict]:
     found = airflow.api("GET", f"/dags/{SFT}/dagRuns/{run_id}/taskInstances").json()["task_instances"]
     return {task["task_id"]: task for task in found}
@@ -126,10 +141,9 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
         assert airflow.wait_for_dags([SFT], present=SFT)[SFT]
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": False})
         conf = {"steps": STEPS, "quality_gate": "off"}
-        airflow.api(
-            "POST",
-            "/backfills",
-            json={
+        _create_backfill(
+            airflow,
+            {
                 "dag_id": SFT, "from_date": dates[0].isoformat(), "to_date": dates[-1].isoformat(),
                 "dag_run_conf": conf, "max_active_runs": 3, "reprocess_behavior": "none",
             },

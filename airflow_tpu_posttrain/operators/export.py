@@ -294,16 +294,16 @@ class HfExportOperator(MaxTextJobOperator):
         link = hub["url"] if hub else published.get("storage_uri")
         if link:
             PublishedModelLink().push(context, link)
+        model = {key: published[key] for key in ("hub", "storage_uri", "kept_uri") if published.get(key)}
         if isinstance(self.inputs, dict):
-            record_published(context, self.inputs)
+            record_published(context, self.inputs, model)
         if self.training_claim:
-            self._mark_claim_published(context, published)
+            self._mark_claim_published(context, model)
         return published
 
-    def _mark_claim_published(self, context: Context, published: dict[str, Any]) -> None:
+    def _mark_claim_published(self, context: Context, model: dict[str, Any]) -> None:
         from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
 
-        model = {key: published[key] for key in ("hub", "storage_uri", "kept_uri") if published.get(key)}
         now = datetime.now(UTC).isoformat()
         StoredRecordHook(gcp_conn_id=self.gcp_conn_id).change(
             self.training_claim, lambda claim: trainings.published(claim, context["run_id"], now, model)

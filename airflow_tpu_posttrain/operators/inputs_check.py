@@ -35,14 +35,17 @@ def published_inputs_variable(dag_id: str) -> str:
     return f"airflow_tpu_posttrain.published_inputs.{dag_id}"
 
 
-def record_published(context: Context, inputs: dict[str, Any]) -> None:
-    """After a publish: ``inputs`` are what the DAG's newest published model was trained from."""
-    from datetime import datetime
-
+def record_published(context: Context, inputs: dict[str, Any], model: dict[str, Any] | None = None) -> None:
+    """After a publish: ``inputs`` are what the DAG's newest published model (at ``model``'s places) was trained from."""
     from airflow.sdk import Variable
 
     dag_run = context["dag_run"]
-    record = {"inputs": inputs, "run_id": dag_run.run_id, "published_at": datetime.now(UTC).isoformat()}
+    record = {
+        "inputs": inputs,
+        "run_id": dag_run.run_id,
+        "published_at": datetime.now(UTC).isoformat(),
+        "model": model or {},
+    }
     Variable.set(
         published_inputs_variable(dag_run.dag_id),
         record,
@@ -195,9 +198,11 @@ class InputsCheckOperator(BaseOperator):
             elif force:
                 self.log.info("Inputs unchanged since the last published model; training anyway (force)")
             else:
+                model = last.get("model") or {}
+                context["ti"].xcom_push(key=REUSED_MODEL_KEY, value={"run_id": last["run_id"], **model})
                 raise AirflowSkipException(
-                    f"Inputs unchanged since the last published model (run {last['run_id']}): nothing to train, "
-                    "no VM created. Trigger with force=true to train anyway."
+                    f"Inputs unchanged since the last published model (run {last['run_id']}, {_model_place(model)}): "
+                    "nothing to train, no VM created. Trigger with force=true to train anyway."
                 )
         context["ti"].xcom_push(key="inputs", value=inputs)
         return self._claim(context, inputs, force)
