@@ -43,6 +43,12 @@ class CheckpointMissingError(AirflowException):
     """Training ended but its final checkpoint is not where it must be durable; a retry resumes."""
 
 
+class ConversionFailedError(AirflowFailException):
+    """The conversion the TPU VM's create waited for failed: no VM is requested, and no retry would convert it.
+
+    The create fails rather than skips, so its teardown runs and deletes a VM an earlier try may have made."""
+
+
 class StepFailedError(AirflowFailException):
     """Raised by the pipelines' watcher when a post-training step failed (teardowns do not fail a run)."""
 

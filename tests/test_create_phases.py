@@ -15,10 +15,11 @@ KINDS = (ErrorKind.CAPACITY, ErrorKind.QUOTA, ErrorKind.RESERVATION, ErrorKind.R
 @pytest.mark.parametrize(
     ("phase", "status", "kind", "action"),
     [
-        # Waiting for the conversion: due or ended, the VM is requested; failed, nothing is created.
+        # Waiting for the conversion: due or ended, the VM is requested; failed, nothing is created (and the
+        # create fails, so its teardown runs).
         (Phase.CONVERSION, "due", None, Action.START),
         (Phase.CONVERSION, "converted", None, Action.START),
-        (Phase.CONVERSION, "failed", None, Action.SKIP),
+        (Phase.CONVERSION, "failed", None, Action.FAIL_CONVERSION),
         # In line for a place: taken, or the wait is over with nothing created.
         (Phase.CAPACITY, "available", None, Action.INSERT),
         (Phase.CAPACITY, "timeout", None, Action.FAIL_NO_CAPACITY),

@@ -10,6 +10,7 @@ import copy
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -229,7 +230,9 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     # Each step is wired to its VM by the create's XComArg (``vm=create.output``): the create is its upstream.
     assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU, CREATE_CPU, CHECK}
     assert upstream["install_maxtext"] == {CREATE}
-    assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE}
+    # The training reads the dataset at the revision the check recorded (wired as the check's XComArg).
+    assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE, CHECK}
+    assert dag.get_task("train").inputs.operator.task_id == CHECK
     # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.
     assert upstream[DELETE] == {CREATE, INSTALL, "train"}
     # The quality gate judges the training before anything is exported or published.
@@ -424,9 +427,13 @@ def _rendered(dag, task_id: str, **values):
     return task
 
 
-def _script(task, dag) -> str:
+def _job(task, dag):
     context = _context(dag)
-    return task._job(task.run_spec(context), context).script
+    return task._job(task.run_spec(context), context)
+
+
+def _script(task, dag) -> str:
+    return _job(task, dag).script
 
 
 # An empty form field arrives as None (or, through a string template or REST conf, as "None" or ""): all mean
@@ -438,12 +445,36 @@ BLANKS = [None, "", "None"]
 def test_sft_blank_values_mean_the_models_defaults(dags, blank):
     dag = dags[SFT_GEMMA]
     fields = ("steps", "dataset", "train_split", "eval_split", "train_data_columns", "overrides")
-    script = _script(_rendered(dag, "train", **dict.fromkeys(fields, blank)), dag)
+    job = _job(_rendered(dag, "train", **dict.fromkeys(fields, blank)), dag)
+    script = job.script
     assert script == _script(_rendered(dag, "train", **dict.fromkeys(fields, None)), dag)
-    assert "steps=1000" in script and "hf_path=HuggingFaceH4/ultrachat_200k" in script
+    # UltraChat, read from the VM's copy of it (at the run's revision: without the inputs check's record, main).
+    assert "steps=1000" in script and "hf_path=/dev/shm/gemma3-4b/dataset" in script
+    assert '"repo_id":"HuggingFaceH4/ultrachat_200k","repo_type":"dataset","revision":null' in job.prefetch
     assert "train_split=train_sft" in script
     install = _rendered(dag, "install_maxtext", maxtext_version=blank)
     assert install._job(install.run_spec(_context(dag)), _context(dag)).outputs["maxtext_version"] == "0.2.2"
+
+
+@pytest.mark.parametrize(("dag_id", "dataset"), [(SFT_GEMMA, "HuggingFaceH4/ultrachat_200k"), (RL_LLAMA, "openai/gsm8k")])
+def test_training_reads_the_dataset_revision_the_inputs_check_recorded(dags, dag_id, dataset):
+    dag = dags[dag_id]
+    sha, model_sha = "1" * 40, "2" * 40
+    inputs = {"revisions": {f"dataset:{dataset}": sha, "model:elsewhere/model": "3" * 40}}
+    conversion = {"converted_params": "gs://b/converted/0/items", "source_revision": model_sha}
+    fields = dict.fromkeys(
+        ("steps", "dataset", "train_split", "eval_split", "train_data_columns", "num_batches", "num_test_batches", "overrides")
+    )
+    task = _rendered(dag, "train", inputs=inputs, conversion=conversion, **fields)
+    job = _job(task, dag)
+    fetches = [json.loads(arg) for arg in shlex.split(job.prefetch)[3:]]
+    assert [(f["repo_id"], f.get("repo_type"), f["revision"]) for f in fetches] == [
+        (task._profile().hf_source, None, model_sha),
+        (dataset, "dataset", sha),
+    ]
+    # The trainer reads only that copy.
+    dataset_dir = fetches[1]["local_dir"]
+    assert f"hf_path={dataset_dir}" in job.script or f"hf_train_files={dataset_dir}/main/train-*.parquet" in job.script
 
 
 @pytest.mark.parametrize("rule", ["off", "no_regression", "min_improvement"])
@@ -458,8 +489,9 @@ def test_sft_evaluates_only_for_a_quality_gate(dags, rule):
     assert "hf_eval_split" not in script
     # Another dataset's held-out split, named in the form.
     other = {**dict.fromkeys(fields), "dataset": "my-org/chats", "eval_split": "validation"}
-    script = _script(_rendered(dag, "train", evaluate=evaluate, **other), dag)
-    assert ("hf_path=my-org/chats" in script) and ("hf_eval_split=validation" in script) == (rule != "off")
+    job = _job(_rendered(dag, "train", evaluate=evaluate, **other), dag)
+    assert '"repo_id":"my-org/chats","repo_type":"dataset"' in job.prefetch
+    assert ("hf_eval_split=validation" in job.script) == (rule != "off")
 
 
 @pytest.mark.parametrize("blank", BLANKS, ids=repr)

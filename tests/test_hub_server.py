@@ -116,3 +116,43 @@ def test_a_token_writes_only_in_its_users_namespaces_and_reads_only_their_privat
             as_bob.model_info("alice/private-model")
         assert hidden.value.response.status_code == 404
         assert as_alice.model_info("alice/private-model").private
+
+
+def test_a_training_vm_copies_the_dataset_at_the_runs_revision(hub, tmp_path):
+    """The line the trainer's VM runs first (``maxtext.fetch_run_files``) copies the run's revisions.
+
+    The gated model's tokenizer files, and the whole dataset repo at the revision the run recorded, not at its main."""
+    import os
+    import subprocess
+    import sys
+    from datetime import UTC, datetime
+
+    from airflow_tpu_posttrain.recipes import maxtext
+    from airflow_tpu_posttrain.recipes.accelerators import accelerator
+    from airflow_tpu_posttrain.recipes.layout import RunLayout
+    from airflow_tpu_posttrain.recipes.models import ModelProfile
+    from airflow_tpu_posttrain.recipes.runtime import tpu_runtime
+
+    hub.grant(TOKEN, REPO)
+    data = tmp_path / "chats"
+    (data / "data").mkdir(parents=True)
+    revisions = []
+    for version in (1, 2):
+        (data / "data" / "train_sft-00000-of-00001.parquet").write_bytes(b"rows of version %d" % version)
+        revisions.append(hub.datasets.seed_repo("org/chats", data, date=datetime(2026, 1, version, tzinfo=UTC)))
+    model = ModelProfile(key="probe", maxtext_model_name="gemma3-4b", hf_source=REPO, maxtext_version="0.2.2")
+    spec = maxtext.RunSpec(
+        model=model,
+        accelerator=accelerator("v6e-8"),
+        runtime=tpu_runtime(venv=os.path.dirname(os.path.dirname(sys.executable))),
+        layout=RunLayout("probe", "run", root=str(tmp_path / "vm")),
+    )
+    line = maxtext.fetch_run_files(spec, dataset="org/chats", dataset_revision=revisions[0])
+    env = {**os.environ, "HF_TOKEN": TOKEN, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")}
+    result = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    copy = tmp_path / "vm" / "dataset" / "data" / "train_sft-00000-of-00001.parquet"
+    assert copy.read_bytes() == b"rows of version 1"
+    assert (tmp_path / "vm" / "base-model-files" / "config.json").read_text() == '{"model_type": "llama"}'
+    assert TOKEN not in line
+    assert revisions[0] in line

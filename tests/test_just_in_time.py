@@ -5,10 +5,12 @@ Airflow Variable the conversion and install tasks write (``operators/just_in_tim
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-from test_tpu_vm_operators import inserts, task_states, xcom
+from conftest import emulator_credentials
+from test_tpu_vm_operators import PROJECT, _client, inserts, task_states, this_deployment, xcom
 
 from airflow_tpu_posttrain.recipes import timings
 
@@ -17,7 +19,8 @@ INPUTS = {"model": "tiny-llama", "revisions": {"model:local/tiny-llama": REVISIO
 
 JIT_DAG = """
 from datetime import datetime
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, TriggerRule, task
+from airflow_tpu_posttrain.operators.tpu_delete import TpuDeleteOperator
 from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
@@ -37,6 +40,10 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
     )
     if {fails!r}:
         convert() >> create  # the conversion fails before the create looks
+        # The pipelines' teardown, wired as they wire it.
+        delete = TpuDeleteOperator(task_id="delete_tpu_vm", zones=["us-east5-b"], poll_interval=0.2)
+        create >> delete.as_teardown(setups=create)
+        delete.trigger_rule = TriggerRule.NONE_SKIPPED
     else:
         create >> convert()  # the conversion has not started when the create looks
 """
@@ -107,9 +114,44 @@ def test_nothing_measured_requests_the_vm_at_once(emulator, run_dag, capfd, meas
 def test_a_failed_conversion_creates_no_vm(emulator, run_dag, capfd, measured):
     measured(timings.with_conversion({}, "tiny-llama", "e2-standard-2", 3600.0))
     dr = run_dag("jit_failed", jit_dag("jit_failed", fails=True))
-    assert task_states(dr)["create_tpu_vm"] == "skipped"
+    assert task_states(dr)["create_tpu_vm"] == "failed"
     assert inserts(emulator) == [] and emulator.instances() == []
-    assert "The conversion (convert) ended failed: no TPU VM was created" in "".join(capfd.readouterr())
+    assert task_states(dr)["delete_tpu_vm"] == "success"  # ran, found nothing
+    assert "The conversion (convert) ended failed: this try requested no TPU VM" in "".join(capfd.readouterr())
+
+
+def test_a_failed_conversion_after_an_earlier_try_made_the_vm_deletes_that_vm(emulator, run_dag, capfd, measured):
+    """Try 1 requested the VM just in time and failed after the insert; the conversion then failed.
+
+    Try 2 of the create requests nothing and fails (a skip would skip the teardown too, leaving the v6e-8 to the
+    reaper's grace); the teardown finds the earlier try's VM by its deterministic name and deletes it."""
+    from google.cloud import compute_v1
+
+    from airflow_tpu_posttrain.recipes.access import ssh_keys_metadata
+    from airflow_tpu_posttrain.recipes.compute import (
+        TpuVmSpec,
+        instance_body,
+        instance_name,
+        ownership_labels,
+    )
+
+    measured(timings.with_conversion({}, "tiny-llama", "e2-standard-2", 3600.0))
+    dag_id, run_id = "jit_leftover", "manual__jit_leftover"
+    name = instance_name(dag_id, run_id, "tpu", this_deployment())
+    spec = TpuVmSpec(project_id=PROJECT, zones=("us-east5-b",), reservation="my-reservation")
+    labels = ownership_labels(dag_id, run_id, "create_tpu_vm", 2_000_000_000, this_deployment())
+    body = instance_body(spec, name, "us-east5-b", labels, ssh_keys=ssh_keys_metadata(*_client(), 2_000_000_000))
+    client = compute_v1.InstancesClient(
+        transport="rest", client_options={"api_endpoint": emulator.url}, credentials=emulator_credentials(emulator)
+    )
+    client.insert(project=PROJECT, zone="us-east5-b", instance_resource=compute_v1.Instance.from_json(json.dumps(body)))
+    assert [i["name"] for i in emulator.instances()] == [name]
+    dr = run_dag(dag_id, jit_dag(dag_id, fails=True), run_id=run_id)
+    states = task_states(dr)
+    assert (states["create_tpu_vm"], states["delete_tpu_vm"]) == ("failed", "success")
+    assert len(inserts(emulator)) == 1  # the earlier try's only
+    assert emulator.instances() == []
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True
 
 
 def test_the_request_goes_out_the_ready_time_before_the_conversion_ends():

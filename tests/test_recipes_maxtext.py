@@ -19,7 +19,7 @@ import pytest
 from airflow_tpu_posttrain.recipes import install, maxtext
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, SLICE_ACCELERATORS, accelerator, tpu_env
 from airflow_tpu_posttrain.recipes.layout import RunLayout, conversion_key, run_name
-from airflow_tpu_posttrain.recipes.models import SftDataset, model_profile, tiny_llama_profile
+from airflow_tpu_posttrain.recipes.models import RlDataset, SftDataset, model_profile
 from airflow_tpu_posttrain.recipes.runtime import cpu_runtime, tpu_runtime
 from airflow_tpu_posttrain.recipes.shell import ShellExpansion
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -158,9 +158,15 @@ def test_sft_seed_commands():
     spec = _seed_spec("gemma3-4b")
     assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_SFT_TO_MAXTEXT))
     sft = maxtext.train_sft(spec)
-    # The tokenizer from the VM's copy of the base model's files: the trainer runs without the token.
+    # The tokenizer from the VM's copy of the base model's files, the dataset from its copy at the run's revision
+    # (MaxText's input pipeline takes no revision): the trainer runs without the token.
     pipeline_extra = ["checkpoint_period=200", "tokenizer_path=/dev/shm/gemma3-4b/base-model-files"]
-    assert list(sft.argv) == _argv(SEED_SFT_TRAIN) + pipeline_extra
+    seed = [
+        "hf_path=/dev/shm/gemma3-4b/dataset" if arg == "hf_path=HuggingFaceH4/ultrachat_200k" else arg
+        for arg in _argv(SEED_SFT_TRAIN)
+    ]
+    assert seed != _argv(SEED_SFT_TRAIN)
+    assert list(sft.argv) == seed + pipeline_extra
     export = maxtext.to_huggingface(spec, spec.layout.sft_params(1000))
     assert list(export.argv) == _argv(SEED_SFT_TO_HUGGINGFACE)
 
@@ -168,7 +174,12 @@ def test_sft_seed_commands():
 def test_rl_seed_commands():
     spec = _seed_spec("llama3.1-8b-Instruct")
     assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_RL_TO_MAXTEXT))
-    rl_extra = ["tokenizer_path=/dev/shm/llama3.1-8b-Instruct/base-model-files"]
+    # GSM8K's main subset from the VM's copy at the run's revision (the recipe would read the Hub's main).
+    rl_extra = [
+        "hf_train_files=/dev/shm/llama3.1-8b-Instruct/dataset/main/train-*.parquet",
+        "hf_eval_files=/dev/shm/llama3.1-8b-Instruct/dataset/main/test-*.parquet",
+        "tokenizer_path=/dev/shm/llama3.1-8b-Instruct/base-model-files",
+    ]
     assert list(maxtext.train_rl(spec).argv) == _argv(SEED_RL_TRAIN) + rl_extra
     export = maxtext.to_huggingface(spec, spec.layout.rl_params(50))
     # Deliberate deviation: the trained model's name, so to_huggingface (0.2.3 knows it) takes the tokenizer
@@ -315,11 +326,10 @@ def test_cpu_runtime_commands():
         "load_parameters_path=/dev/shm/tiny-llama/mt-format/0/items",
         "per_device_batch_size=1",
         "steps=5",
-        "hf_path=json",
-        "train_split=train",
+        "hf_path=/dev/shm/tiny-llama/dataset",
+        "train_split=train_sft",
         "train_data_columns=['messages']",
         "profiler=xplane",
-        "hf_train_files=/dev/shm/tiny-llama/source/data/sft.jsonl",
         "checkpoint_period=200",
         "tokenizer_path=/dev/shm/tiny-llama/base-model-files",
         *dims,
@@ -344,8 +354,8 @@ def test_cpu_runtime_commands():
         "num_test_batches=2",
         "rollout_data_parallelism=1",
         "rollout_tensor_parallelism=-1",
-        "hf_train_files=/dev/shm/tiny-llama/source/data/gsm8k/train.parquet",
-        "hf_eval_files=/dev/shm/tiny-llama/source/data/gsm8k/test.parquet",
+        "hf_train_files=/dev/shm/tiny-llama/dataset/main/train-*.parquet",
+        "hf_eval_files=/dev/shm/tiny-llama/dataset/main/test-*.parquet",
         "tokenizer_path=/dev/shm/tiny-llama/base-model-files",
         *dims,
         "max_prefill_predict_length=128",
@@ -477,10 +487,10 @@ def test_names_refuse_hostile_values(value):
     assert _field_of(lambda: RunLayout("gemma3-4b", value)) == "run_name"
     assert _field_of(lambda: model_profile(value)) == "model"
     assert _field_of(lambda: accelerator(value)) == "accelerator_type"
-    assert _field_of(lambda: SftDataset(hf_path="json", train_split=value)) == "train_split"
+    assert _field_of(lambda: SftDataset(hf_path="owner/chats", train_split=value)) == "train_split"
 
 
-@pytest.mark.parametrize("value", [*HOSTILE, "/abs/dataset", ""])
+@pytest.mark.parametrize("value", [*HOSTILE, "/abs/dataset", "", "json", "a/b/c"])
 def test_dataset_id_refuses_hostile_values(value):
     assert _field_of(lambda: SftDataset(hf_path=value, train_split="train")) == "hf_path"
 
@@ -496,7 +506,6 @@ def test_paths_refuse_hostile_values(value):
     assert _field_of(lambda: RunLayout("gemma3-4b", "r", root=value)) == "root"
     assert _field_of(lambda: maxtext.to_huggingface(spec, value)) == "trained_params"
     assert _field_of(lambda: cpu_runtime(value, "/v")) == "launcher_dir"
-    assert _field_of(lambda: tiny_llama_profile(value)) == "tiny_llama_root"
 
 
 @pytest.mark.parametrize(
@@ -547,9 +556,11 @@ def test_counts_and_choices_are_validated(call, field):
 
 def test_dataset_columns_are_validated():
     assert (
-        _field_of(lambda: SftDataset("json", "train", train_data_columns="['a'];id")) == "train_data_columns"
+        _field_of(lambda: SftDataset("owner/chats", "train", train_data_columns="['a'];id")) == "train_data_columns"
     )
-    assert _field_of(lambda: SftDataset("json", "train", train_files="rel.jsonl")) == "hf_train_files"
+    assert _field_of(lambda: RlDataset("owner/maths", "main/../x-*.parquet", "t.parquet")) == "hf_train_files"
+    assert _field_of(lambda: RlDataset("owner/maths", "main/train.parquet", "/t.parquet")) == "hf_eval_files"
+    assert _field_of(lambda: RlDataset("maths", "a.parquet", "b.parquet")) == "rl_dataset"
 
 
 def test_unknown_values_list_the_valid_ones():

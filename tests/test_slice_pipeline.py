@@ -29,14 +29,14 @@ def _single_process_losses(tmp_path, converted_dir: str) -> dict[int, float]:
     """The twin's SFT steps in ONE process on this machine, with the slice's global batch (2 rows per step).
 
     Built by the same builder from the conversion the slice trained from (``converted_dir`` in checkpoint
-    storage, copied here), on the same MaxText release's venv (local/stack.py's ``maxtext-venv-0.2.2``), trained
+    storage, copied here) and the seeded dataset, on the same MaxText release's venv (local/stack.py's ``maxtext-venv-0.2.2``), trained
     with ``per_device_batch_size=2``."""
     from google.cloud import storage
 
     from airflow_tpu_posttrain.recipes import maxtext
     from airflow_tpu_posttrain.recipes.accelerators import accelerator
     from airflow_tpu_posttrain.recipes.layout import RunLayout
-    from airflow_tpu_posttrain.recipes.models import local_profile, model_profile
+    from airflow_tpu_posttrain.recipes.models import model_profile
     from airflow_tpu_posttrain.recipes.runtime import cpu_runtime
 
     bucket, _, prefix = converted_dir.removeprefix("gs://").partition("/")
@@ -46,7 +46,7 @@ def _single_process_losses(tmp_path, converted_dir: str) -> dict[int, float]:
         target.parent.mkdir(parents=True, exist_ok=True)
         blob.download_to_filename(target)
     local = REPO / ".local"
-    model = local_profile(model_profile(SFT_TWIN), str(local / "tiny"))
+    model = model_profile(SFT_TWIN)
     spec = maxtext.RunSpec(
         model=model,
         accelerator=accelerator("cpu"),
@@ -57,7 +57,9 @@ def _single_process_losses(tmp_path, converted_dir: str) -> dict[int, float]:
         spec, steps=STEPS, per_device_batch_size=2, overrides=[SAME_BATCHES],
         converted_params=str(local_copy / "0" / "items"),
     )
+    # The files the VM copied from the local Hub: the same repos' files as the local stack seeded them.
     script = train.script().replace(spec.layout.base_model_files_dir, str(local / "tiny" / "tiny-gemma3"))
+    script = script.replace(spec.layout.dataset_dir, str(local / "tiny" / "datasets" / "tiny-chats"))
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-3000:]

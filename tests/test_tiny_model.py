@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -35,10 +36,12 @@ ARTIFACTS = [
     "tiny-gemma3/model.safetensors",
     "tiny-gemma3/tokenizer.json",
     "tiny-gemma3/tokenizer_config.json",
-    "data/sft.jsonl",
-    "data/sft_eval.jsonl",
-    "data/gsm8k/train.parquet",
-    "data/gsm8k/test.parquet",
+    "datasets/tiny-chats/README.md",
+    "datasets/tiny-chats/data/train_sft-00000-of-00001.parquet",
+    "datasets/tiny-chats/data/test_sft-00000-of-00001.parquet",
+    "datasets/tiny-gsm8k/README.md",
+    "datasets/tiny-gsm8k/main/train-00000-of-00001.parquet",
+    "datasets/tiny-gsm8k/main/test-00000-of-00001.parquet",
 ]
 
 # Runs in the MaxText venv: loads everything the way MaxText and transformers would, prints JSON facts.
@@ -46,7 +49,7 @@ INSPECT = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    import pyarrow.parquet as pq
+    from datasets import load_dataset
     from safetensors.numpy import load_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -58,13 +61,23 @@ INSPECT = textwrap.dedent(
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     weights = load_file(f"{model_dir}/model.safetensors")
-    chats = [json.loads(line) for line in open(f"{out}/data/sft.jsonl")]
+    # As MaxText reads a run's copy of the repos: SFT by the copy's path and split names (hf_path, train_split,
+    # hf_eval_split), GRPO by file patterns (hf_train_files, hf_eval_files) with the parquet builder.
+    chats, held_out = (
+        load_dataset(f"{out}/datasets/tiny-chats", split=split, streaming=True) for split in ("train_sft", "test_sft")
+    )
+    chats, held_out = [dict(chat) for chat in chats], [dict(chat) for chat in held_out]
     messages = chats[0]["messages"]
     full_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     prompt_ids = tokenizer.apply_chat_template(
         messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True
     )["input_ids"]
-    gsm8k = {split: pq.read_table(f"{out}/data/gsm8k/{split}.parquet").to_pylist() for split in ("train", "test")}
+    gsm8k = {
+        split: load_dataset(
+            "parquet", data_files={split: f"{out}/datasets/tiny-gsm8k/main/{split}-*.parquet"}, split=split
+        ).to_list()
+        for split in ("train", "test")
+    }
     sample = "Ana has 12 apples and gets 7 more."
     print(json.dumps({
         "config": config.to_dict(),
@@ -87,6 +100,7 @@ INSPECT = textwrap.dedent(
             for rows in gsm8k.values() for row in rows
         ),
         "chats": chats,
+        "held_out": held_out,
         "gsm8k": gsm8k,
     }))
     """
@@ -134,7 +148,7 @@ def test_build_writes_every_artifact(built):
 def test_rebuild_skips_existing_artifacts(built):
     before = _digests(built)
     output = _build(built)
-    assert "built:" not in output and output.count("exists:") == 6
+    assert "built:" not in output and output.count("exists:") == 4
     assert _digests(built) == before
 
 
@@ -145,15 +159,15 @@ def test_build_is_deterministic(built, tmp_path):
 
 def test_partial_output_is_completed(built, tmp_path):
     _build(tmp_path)
-    (tmp_path / "data" / "gsm8k" / "test.parquet").unlink()
+    shutil.rmtree(tmp_path / "datasets" / "tiny-gsm8k")
     output = _build(tmp_path)
-    assert output.count("exists:") == 5 and "built:" in output and "test.parquet" in output
+    assert output.count("exists:") == 3 and "built:" in output and "tiny-gsm8k" in output
     assert _digests(tmp_path) == _digests(built)
 
 
-def test_the_sft_evaluation_chats_are_held_out(built):
-    """The quality gate's SFT evaluation reads chats the training never sees."""
-    train, held_out = ([json.loads(line) for line in open(built / "data" / name)] for name in ("sft.jsonl", "sft_eval.jsonl"))
+def test_the_sft_evaluation_chats_are_held_out(facts):
+    """The quality gate's SFT evaluation reads chats the training never sees (UltraChat's test_sft split)."""
+    train, held_out = facts["chats"], facts["held_out"]
     assert len(held_out) == 8 and all(chat["messages"][-1]["role"] == "assistant" for chat in held_out)
     assert not [chat for chat in held_out if chat in train]
 

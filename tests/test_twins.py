@@ -164,7 +164,6 @@ def test_a_twin_runs_its_cloud_entrys_commands_but_for_the_declared_differences(
         allowed_unused = {"argv sliding_window_size"} if "llama" in cloud_dag else set()
         # A slice's processes join through jax.distributed, which the twin's CPU path then does not skip.
         allowed_unused |= {"argv skip_jax_distributed_system"} if cloud_dag.endswith("__slice") else set()
-        allowed_unused |= {"argv hf_eval_split", "argv hf_eval_files"} - set(twin["args"]) if step is Step.TRAIN_SFT else set()
         assert unused <= allowed_unused, f"{twin_dag}.{task_id}: declared but not different {sorted(unused)}"
         # Same model, same Hub repo, same release: only the shape is the twin's.
         assert twin["args"]["model_name"] == cloud["args"]["model_name"]

@@ -88,11 +88,14 @@ _ROUTES = [
     ("GET", rf"/api/models/{_REPO}/tree/{_REV}(?:/(?P<path>.+))?", "list_tree"),
     ("GET", rf"/api/models/{_REPO}/commits/{_REV}", "list_commits"),
     ("GET", rf"/api/datasets/{_REPO}/commits/{_REV}", "dataset_list_commits"),
+    ("GET", rf"/api/datasets/{_REPO}/tree/{_REV}(?:/(?P<path>.+))?", "dataset_list_tree"),
     ("POST", rf"/api/models/{_REPO}/preupload/{_REV}", "preupload"),
     ("POST", rf"/api/models/{_REPO}/commit/{_REV}", "commit"),
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/batch", "lfs_batch"),
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/verify", "lfs_verify"),
     ("PUT", rf"/lfs-upload/{_REPO}/(?P<oid>[0-9a-f]{{64}})", "lfs_upload"),
+    ("GET", rf"/datasets/{_REPO}/resolve/{_REV}/(?P<path>.+)", "dataset_resolve"),
+    ("HEAD", rf"/datasets/{_REPO}/resolve/{_REV}/(?P<path>.+)", "dataset_resolve"),
     ("GET", rf"/{_REPO}/resolve/{_REV}/(?P<path>.+)", "resolve"),
     ("HEAD", rf"/{_REPO}/resolve/{_REV}/(?P<path>.+)", "resolve"),
 ]
@@ -483,9 +486,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._check_gate(repo, self._repo(repo, store=self.server.hub.datasets))
         self._send_json({})
 
-    def _head_commit(self, repo_id: str, rev: str) -> dict:
-        repo = self._repo(repo_id)
-        return self.store.load_commit(repo_id, self.store.resolve_revision(repo_id, repo, rev))
+    def _head_commit(self, repo_id: str, rev: str, store: RepoStore | None = None) -> dict:
+        store = store or self.store
+        repo = self._repo(repo_id, store=store)
+        return store.load_commit(repo_id, store.resolve_revision(repo_id, repo, rev))
 
     def _flag(self, name: str) -> bool:
         return self.query.get(name, [""])[0].lower() in ("1", "true")
@@ -619,8 +623,11 @@ class _Handler(BaseHTTPRequestHandler):
             }
         )
 
-    def _list_tree(self, repo: str, rev: str, path: str = "") -> None:
-        files = self._head_commit(repo, rev)["files"]
+    def _dataset_list_tree(self, repo: str, rev: str, path: str = "") -> None:
+        self._list_tree(repo, rev, path, self.server.hub.datasets)
+
+    def _list_tree(self, repo: str, rev: str, path: str = "", store: RepoStore | None = None) -> None:
+        files = self._head_commit(repo, rev, store)["files"]
         prefix = f"{path.strip('/')}/" if path.strip("/") else ""
         if prefix and not any(name.startswith(prefix) for name in files):
             raise HubError(404, f"{path} does not exist on {rev}", "EntryNotFound")
@@ -799,9 +806,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- downloads ------------------------------------------------------------------------------
 
-    def _resolve(self, repo: str, rev: str, path: str) -> None:
-        self._check_gate(repo, self._repo(repo))
-        commit = self._head_commit(repo, rev)
+    def _dataset_resolve(self, repo: str, rev: str, path: str) -> None:
+        self._resolve(repo, rev, path, self.server.hub.datasets)
+
+    def _resolve(self, repo: str, rev: str, path: str, store: RepoStore | None = None) -> None:
+        store = store or self.store
+        self._check_gate(repo, self._repo(repo, store=store))
+        commit = self._head_commit(repo, rev, store)
         entry = commit["files"].get(path)
         if entry is None:
             raise HubError(404, f"{path} does not exist on {rev}", "EntryNotFound")
@@ -811,7 +822,7 @@ class _Handler(BaseHTTPRequestHandler):
             b"", content_type="application/octet-stream", headers=headers, content_length=entry["size"]
         )
         if self.command == "GET":
-            with self.store.object_path(repo, entry["sha256"]).open("rb") as content:
+            with store.object_path(repo, entry["sha256"]).open("rb") as content:
                 while chunk := content.read(1 << 20):
                     self.wfile.write(chunk)
 

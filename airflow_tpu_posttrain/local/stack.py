@@ -41,10 +41,17 @@ from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.hub_server import HubServer
 from airflow_tpu_posttrain.local.iam import IAP_TUNNEL_USER, OS_ADMIN_LOGIN
 from airflow_tpu_posttrain.local.iap_tunnel import ENDPOINT_VARIABLE as IAP_ENDPOINT_VARIABLE
+from airflow_tpu_posttrain.local.tiny_model import CHATS_DIR, GSM8K_DIR
 from airflow_tpu_posttrain.pipelines.registry import LOCAL_BUCKET
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, SLICE_MACHINE_TYPE
 from airflow_tpu_posttrain.recipes.install import install_script
-from airflow_tpu_posttrain.recipes.models import LOCAL_HUB_SOURCES, MODELS, TINY_CHATS_REPO, model_profile
+from airflow_tpu_posttrain.recipes.models import (
+    LOCAL_HUB_SOURCES,
+    MODELS,
+    TINY_CHATS_REPO,
+    TINY_GSM8K_REPO,
+    model_profile,
+)
 from airflow_tpu_posttrain.recipes.runtime import (
     LOCAL_DIR_VARIABLE,
     LOCAL_LAUNCHERS,
@@ -264,19 +271,14 @@ class LocalStack:
             for token in (self.hf_token, self.hf_read_only_token):  # the pipeline's user asked and was granted
                 self.hub.grant(token, repo)
         self.seed_tiny_chats(SEEDED_AT)
+        self.hub.datasets.seed_repo(TINY_GSM8K_REPO, self.local_dir / LOCAL_MODELS / GSM8K_DIR, date=SEEDED_AT)
         return self.environment()
 
     def seed_tiny_chats(self, date: datetime | None = None) -> str:
-        """The tiny model's SFT chats as their dataset repo on the local Hub (what ``on_change`` watches).
+        """The local models' SFT chats as their dataset repo on the local Hub (what SFT reads, ``on_change`` watches).
 
-        Returns the new revision; seeding again (after changing the files) is a new commit by their owner, dated
-        ``date`` (default now)."""
-        chats = self.vm_dir / "hub-seed" / "tiny-chats"
-        shutil.rmtree(chats, ignore_errors=True)
-        chats.mkdir(parents=True)
-        for name in ("sft.jsonl", "sft_eval.jsonl"):
-            shutil.copy(self.local_dir / LOCAL_MODELS / "data" / name, chats / name)
-        return self.hub.datasets.seed_repo(TINY_CHATS_REPO, chats, date=date)
+        Returns the new revision; seeding again is a new commit by their owner, dated ``date`` (default now)."""
+        return self.hub.datasets.seed_repo(TINY_CHATS_REPO, self.local_dir / LOCAL_MODELS / CHATS_DIR, date=date)
 
     @property
     def google_key_file(self) -> Path:

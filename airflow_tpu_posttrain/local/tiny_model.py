@@ -8,9 +8,10 @@ writes
     DIR/tiny-llama/          save_pretrained-style: config.json, model.safetensors, tokenizer files
     DIR/tiny-gemma3/         shaped like the Hub's google/gemma-3-4b-it (Gemma3ForConditionalGeneration, text +
                              vision tower, the Hub file's tensor names, Gemma's specials and chat template)
-    DIR/data/sft.jsonl       {"messages": [...]} chats
-    DIR/data/sft_eval.jsonl  held-out chats of the same kind (the quality gate's SFT evaluation)
-    DIR/data/gsm8k/{train,test}.parquet   GSM8K-shaped: question, answer ending in "#### N"
+    DIR/datasets/tiny-chats/ laid out as the Hub's HuggingFaceH4/ultrachat_200k: {"messages": [...]} chats in
+                             data/train_sft-*.parquet, held-out ones (the quality gate's) in data/test_sft-*.parquet
+    DIR/datasets/tiny-gsm8k/ laid out as the Hub's openai/gsm8k: main/{train,test}-*.parquet, GSM8K-shaped
+                             (question, answer ending in "#### N")
 
 Everything is deterministic (fixed seeds). Each artifact is written under a temporary name and renamed
 into place, so an existing one is complete and is skipped on re-runs.
@@ -31,10 +32,11 @@ from pathlib import Path
 
 MODEL_DIR_NAME = "tiny-llama"
 GEMMA3_DIR_NAME = "tiny-gemma3"
-SFT_FILE = Path("data") / "sft.jsonl"
-SFT_EVAL_FILE = Path("data") / "sft_eval.jsonl"
-GSM8K_TRAIN_FILE = Path("data") / "gsm8k" / "train.parquet"
-GSM8K_TEST_FILE = Path("data") / "gsm8k" / "test.parquet"
+# The dataset repos, in their Hub originals' layouts: the twins' commands name the same splits and files.
+CHATS_DIR = Path("datasets") / "tiny-chats"
+GSM8K_DIR = Path("datasets") / "tiny-gsm8k"
+CHATS_FILES = {"train_sft": "data/train_sft-00000-of-00001.parquet", "test_sft": "data/test_sft-00000-of-00001.parquet"}
+GSM8K_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}
 
 SEED = 1234
 NUM_SFT_CHATS = 64
@@ -608,15 +610,17 @@ def _write_gemma3_dir(target: Path, corpus: list[str]) -> None:
     save_file(random_gemma3_weights(), str(target / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _write_jsonl(target: Path, records: list[dict]) -> None:
-    target.write_text("".join(json.dumps(record) + "\n" for record in records))
-
-
-def _write_parquet(target: Path, rows: list[dict]) -> None:
+def _write_dataset_repo(target: Path, config_name: str, splits: dict[str, tuple[str, list[dict]]]) -> None:
+    """A dataset repo as the Hub holds one: a parquet file per split and a README whose ``configs`` name them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(rows), target)
+    card = ["---", "configs:", f"- config_name: {config_name}", "  data_files:"]
+    for split, (path, rows) in splits.items():
+        (target / path).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), target / path)
+        card += [f"  - split: {split}", f"    path: {path.split('-00000-of-')[0]}-*"]
+    (target / "README.md").write_text("\n".join([*card, "---", "", "Tiny data for the local runs.", ""]))
 
 
 def _build_atomically(target: Path, write, *, is_dir: bool = False) -> bool:
@@ -651,15 +655,24 @@ def build_all(out_dir: Path) -> dict[str, bool]:
             lambda tmp: _write_gemma3_dir(tmp, _gemma3_corpus(chats, corpus)),
             is_dir=True,
         ),
-        str(SFT_FILE): _build_atomically(out_dir / SFT_FILE, lambda tmp: _write_jsonl(tmp, chats)),
-        str(SFT_EVAL_FILE): _build_atomically(
-            out_dir / SFT_EVAL_FILE, lambda tmp: _write_jsonl(tmp, make_sft_eval_chats())
+        str(CHATS_DIR): _build_atomically(
+            out_dir / CHATS_DIR,
+            lambda tmp: _write_dataset_repo(
+                tmp,
+                "default",
+                {
+                    "train_sft": (CHATS_FILES["train_sft"], chats),
+                    "test_sft": (CHATS_FILES["test_sft"], make_sft_eval_chats()),
+                },
+            ),
+            is_dir=True,
         ),
-        str(GSM8K_TRAIN_FILE): _build_atomically(
-            out_dir / GSM8K_TRAIN_FILE, lambda tmp: _write_parquet(tmp, train_rows)
-        ),
-        str(GSM8K_TEST_FILE): _build_atomically(
-            out_dir / GSM8K_TEST_FILE, lambda tmp: _write_parquet(tmp, test_rows)
+        str(GSM8K_DIR): _build_atomically(
+            out_dir / GSM8K_DIR,
+            lambda tmp: _write_dataset_repo(
+                tmp, "main", {"train": (GSM8K_FILES["train"], train_rows), "test": (GSM8K_FILES["test"], test_rows)}
+            ),
+            is_dir=True,
         ),
     }
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.exceptions import InvalidInputError
+from airflow_tpu_posttrain.exceptions import ConversionFailedError, InvalidInputError
 from airflow_tpu_posttrain.recipes import timings
 from airflow_tpu_posttrain.recipes.create_phases import Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
+from airflow_tpu_posttrain.triggers.conversion import FAILED
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -115,6 +116,9 @@ class JustInTimeMixin:
 
         delay, ends_at, why = self._conversion_schedule(context, spec)
         if delay <= 0:
+            conversion_state = self._conversion_state(context)
+            if conversion_state in FAILED:
+                self._conversion_waited(context, {"status": "failed", "conversion_state": conversion_state})
             self._log_request(context, why)
             return
         self.log.info("TPU VM to be requested in %.0f s: %s", delay, why)
@@ -132,17 +136,28 @@ class JustInTimeMixin:
             method_name="execute_complete",
         )
 
+    def _conversion_state(self, context: Context) -> str | None:
+        """The conversion task's state now (a retry may find it failed already)."""
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+        dag_run = context["dag_run"]
+        states = RuntimeTaskInstance.get_task_states(
+            dag_id=dag_run.dag_id, task_ids=[self.conversion_task_id], run_ids=[dag_run.run_id]
+        )
+        return (states.get(dag_run.run_id) or {}).get(self.conversion_task_id)
+
     def _log_request(self, context: Context, why: str) -> None:
         self.log.info("TPU VM requested at t+%.0f s: %s", run_elapsed_s(context), why)
 
     def _conversion_waited(self, context: Context, event: dict[str, Any]) -> None:
-        """The wait ended: log why the VM is requested now; a failed conversion skips the create."""
-        from airflow.sdk.exceptions import AirflowSkipException
+        """The wait ended: log why the VM is requested now; a failed conversion fails the create.
 
+        Failed, not skipped: an earlier try of this create may have made the VM (and lost it from its record:
+        a worker lost after the insert), and only a create that did not skip lets the teardown run and delete it."""
         if event["status"] == "failed":
-            raise AirflowSkipException(
-                f"The conversion ({self.conversion_task_id}) ended {event.get('conversion_state')}: no TPU VM was "
-                "created, nothing is left to delete"
+            raise ConversionFailedError(
+                f"The conversion ({self.conversion_task_id}) ended {event.get('conversion_state')}: this try "
+                "requested no TPU VM; the teardown deletes any an earlier try made"
             )
         if event["status"] == "converted":
             self._log_request(context, f"the conversion ({self.conversion_task_id}) has ended")

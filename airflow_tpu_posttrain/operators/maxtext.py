@@ -16,7 +16,7 @@ from airflow_tpu_posttrain.operators import just_in_time
 from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
-from airflow_tpu_posttrain.recipes.models import GSM8K_REPO, ModelProfile, SftDataset
+from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import LOCAL_DIR_VARIABLE, LOCAL_LAUNCHERS, Step, local_stack_dir
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -235,6 +235,8 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
     :param conversion: the convert task's record, wired as its XComArg (``convert.output``): its
         ``converted_params`` is the checkpoint training starts from.
     :param converted_params: that checkpoint, when it does not come from ``conversion``.
+    :param inputs: the inputs check's record (its XComArg): the training reads the dataset at the revision it
+        recorded for the run's date; without it, the dataset's main.
     :param stall_timeout_s: seconds without output after which the training is taken for hung (default 1800, as
         the registry's; 0: never).
     """
@@ -244,6 +246,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         "overrides",
         "conversion",
         "converted_params",
+        "inputs",
         "max_recoveries",
     )
     operator_extra_links = (CheckpointLink(),)
@@ -254,6 +257,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         overrides: Sequence[str] | None = None,
         conversion: Any = None,
         converted_params: str | None = None,
+        inputs: Any = None,
         max_recoveries: int | str = 3,
         stall_timeout_s: int = TRAINING_STALL_TIMEOUT_S,
         **kwargs: Any,
@@ -262,6 +266,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         self.overrides = overrides
         self.conversion = conversion
         self.converted_params = converted_params
+        self.inputs = inputs
         self.max_recoveries = max_recoveries
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
@@ -273,16 +278,26 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         """The Hub commit the conversion read (split layout), so the tokenizer comes from the same one."""
         return self.conversion.get("source_revision") if isinstance(self.conversion, dict) else None
 
+    def fetch_run_files(self, spec: maxtext.RunSpec, dataset: str) -> str:
+        """The base model's files at the conversion's revision and ``dataset`` at the one the run recorded."""
+        recorded = (self.inputs.get("revisions") or {}) if isinstance(self.inputs, dict) else {}
+        return maxtext.fetch_run_files(
+            spec,
+            model_revision=self._source_revision(),
+            dataset=dataset,
+            dataset_revision=recorded.get(f"dataset:{dataset}"),
+        )
+
     def provenance(self, spec: maxtext.RunSpec, dataset: str | None) -> dict[str, Any]:
         """What the export's model card says of this training.
 
-        Recipe, dataset (a Hub id, or None for local files), the accelerator, the base model's revision the
+        Recipe, dataset (its Hub id), the accelerator, the base model's revision the
         conversion read, and the VM that trained (for its cost: its machine, provisioning model and creation)."""
         conversion = self.conversion if isinstance(self.conversion, dict) else {}
         vm = self.vm if isinstance(self.vm, dict) else {}
         return {
             "recipe": self.step_title,
-            "dataset": dataset if dataset and "/" in dataset else None,
+            "dataset": dataset,
             "accelerator": spec.accelerator.type,
             "source_revision": conversion.get("source_revision"),
             "vm": {key: vm.get(key) for key in ("name", "machine_type", "provisioning_model", "created_at")},
@@ -369,7 +384,7 @@ class SftTrainOperator(_TrainOperator):
     XCom: ``checkpoint`` (the final ``model_params``), ``run_name``, ``metrics``.
 
     :param steps: training steps (tutorial: 1000).
-    :param dataset: Hub dataset id or ``json`` (tutorial: HuggingFaceH4/ultrachat_200k).
+    :param dataset: Hub dataset id owner/name (tutorial: HuggingFaceH4/ultrachat_200k).
     :param train_split: (tutorial: train_sft). :param train_data_columns: (tutorial: ``['messages']``).
     :param eval_split: the held-out split ``evaluate`` reads (default: the model's; for another dataset,
         MaxText's default, test_sft).
@@ -417,15 +432,13 @@ class SftTrainOperator(_TrainOperator):
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
         steps = validation.optional_count("steps", self.steps) or spec.model.sft_steps
         base = spec.model.sft_dataset
-        hf_path = validation.blank_to_none(self.dataset) or base.hf_path
+        hf_path = validation.hf_repo_id("dataset", validation.blank_to_none(self.dataset) or base.hf_path)
         dataset = SftDataset(
             hf_path=hf_path,
             train_split=validation.blank_to_none(self.train_split) or base.train_split,
             train_data_columns=validation.blank_to_none(self.train_data_columns) or base.train_data_columns,
-            train_files=base.train_files if hf_path == base.hf_path else None,
             eval_split=validation.blank_to_none(self.eval_split)
             or (base.eval_split if hf_path == base.hf_path else None),
-            eval_files=base.eval_files if hf_path == base.hf_path else None,
             eval_steps=base.eval_steps,
         )
         command = maxtext.train_sft(
@@ -445,9 +458,9 @@ class SftTrainOperator(_TrainOperator):
                 "checkpoint": spec.layout.sft_params(steps),
                 "run_name": spec.layout.run_name,
                 "steps": steps,
-                **self.provenance(spec, None if dataset.train_files else dataset.hf_path),
+                **self.provenance(spec, dataset.hf_path),
             },
-            prefetch=maxtext.fetch_base_model_files(spec, self._source_revision()),
+            prefetch=self.fetch_run_files(spec, dataset.hf_path),
             before_step=storage.drop_uncommitted_command(spec.layout.checkpoints_dir, self.storage_tool),
         )
 
@@ -495,8 +508,7 @@ class GrpoTrainOperator(_TrainOperator):
                 "checkpoint": spec.layout.rl_params(batches),
                 "run_name": spec.layout.run_name,
                 "num_batches": batches,
-                # MaxText reads GSM8K from the Hub unless the profile names local files.
-                **self.provenance(spec, None if spec.model.rl_dataset.train_files else GSM8K_REPO),
+                **self.provenance(spec, spec.model.rl_dataset.repo),
             },
-            prefetch=maxtext.fetch_base_model_files(spec, self._source_revision()),
+            prefetch=self.fetch_run_files(spec, spec.model.rl_dataset.repo),
         )

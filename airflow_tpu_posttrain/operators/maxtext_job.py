@@ -33,14 +33,12 @@ from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, Accelerator, accelerator
-from airflow_tpu_posttrain.recipes.models import ModelProfile, local_profile, model_profile
+from airflow_tpu_posttrain.recipes.models import ModelProfile, model_profile
 from airflow_tpu_posttrain.recipes.runtime import (
-    LOCAL_MODELS,
     LOCAL_VENV,
     Runtime,
     cpu_runtime,
     local_python,
-    local_stack_dir,
     tpu_runtime,
 )
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -249,12 +247,7 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         return tpu_runtime(self.maxtext_venv or "maxtext_venv")
 
     def _profile(self) -> ModelProfile:
-        """The model; a local one reads its files where the local stack keeps them (when it runs)."""
-        profile = model_profile(self.model)
-        stack_dir = local_stack_dir()
-        if profile.is_local and stack_dir:
-            return local_profile(profile, f"{stack_dir}/{LOCAL_MODELS}")
-        return profile
+        return model_profile(self.model)
 
     def run_spec(self, context: Context, conversion_key: str = "") -> maxtext.RunSpec:
         """Everything the user gave, validated; bad input fails the task at once, without retries."""

@@ -61,7 +61,9 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     With ``conversion_task_id`` (the split layout) the VM is requested just in time: when the run's conversion is
     cached (as far as earlier runs know), at once; else, deferred, once the conversion is expected to end within the
     VM's ready time, both as measured by earlier runs (``operators/just_in_time.py``), or once the conversion task
-    has ended. Never measured: at once. A conversion that fails before then skips this task: no VM is created.
+    has ended. Never measured: at once. A conversion that fails before then fails this task without retries
+    (``ConversionFailedError``): this try creates nothing, and the teardown runs, deleting a VM an earlier try
+    made (a skip would skip the teardown with it).
 
     :param zones: zones to try, in order (a list, or a comma-separated string).
     :param accelerator_type: ``v6e-1``, ``v6e-4`` or ``v6e-8`` (the machine type is derived from it), or
@@ -348,8 +350,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         name = self._name(context)
         if state["phase"] == Phase.CONVERSION.value:
             action = create_phases.next_action(Phase.CONVERSION, event["status"])
-            if action is Action.SKIP or action is Action.START:
-                self._conversion_waited(context, event)  # SKIP raises: the conversion failed, nothing is created
+            if action is Action.FAIL_CONVERSION or action is Action.START:
+                self._conversion_waited(context, event)  # raises if the conversion failed: nothing is created
                 return self._request(context, spec, name)
         zone = event["zone"]
         if event["status"] != "ready":

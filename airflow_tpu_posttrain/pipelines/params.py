@@ -234,7 +234,7 @@ FORM = (
         recipe="sft",
         type=["null", "string"],
         schema={
-            "pattern": _anchored(validation.SAFE_NAME_RE, f"(/{validation.SAFE_NAME_RE})?", empty_ok=True),
+            "pattern": _anchored(validation.SAFE_NAME_RE, f"/{validation.SAFE_NAME_RE}", empty_ok=True),
             "examples": ["HuggingFaceH4/ultrachat_200k"],
         },
         title="Dataset",

@@ -219,6 +219,7 @@ STEPS = (
         lambda cfg: {
             **_params(TRAINING_PARAMS["sft"]),
             "conversion": Output("convert_to_maxtext"),
+            "inputs": Output("check_inputs"),
             "checkpoint_period": cfg.checkpoint_period,
             "evaluate": "{{ params.quality_gate != 'off' }}",
             "max_recoveries": "{{ params.max_recoveries }}",
@@ -235,6 +236,7 @@ STEPS = (
         lambda cfg: {
             **_params(TRAINING_PARAMS["rl"]),
             "conversion": Output("convert_to_maxtext"),
+            "inputs": Output("check_inputs"),
             "max_recoveries": "{{ params.max_recoveries }}",
             "stall_timeout_s": cfg.stall_timeout_s,
             "execution_timeout": cfg.timeouts.train,

@@ -28,7 +28,9 @@ class Phase(StrEnum):
 
 class Action(StrEnum):
     START = "start"  # request the VM now: find an earlier try's instance, else insert
-    SKIP = "skip"  # the conversion failed before the VM was requested: create nothing
+    # The conversion failed before this try requested the VM: create nothing, and fail rather than skip, so the
+    # teardown (never run when its setup is skipped) deletes whatever an earlier try of the create made.
+    FAIL_CONVERSION = "fail: the conversion failed"
     INSERT = "insert"  # take a place in the current zone's line (waiting in it), then insert
     AWAIT_LOGIN = "await login"  # RUNNING: wait until its host keys are published and its sshd answers
     DONE = "done"  # logged in: record the VM
@@ -73,7 +75,7 @@ def next_action(phase: Phase, status: str, error_kind: str | None = None) -> Act
     wait's ``due``, ``converted`` and ``failed``);
     ``error_kind`` is the kind of its errors (``compute.ErrorKind``)."""
     if phase is Phase.CONVERSION:
-        return Action.SKIP if status == "failed" else Action.START
+        return Action.FAIL_CONVERSION if status == "failed" else Action.START
     if phase is Phase.CAPACITY:
         return Action.INSERT if status == "available" else Action.FAIL_NO_CAPACITY
     if status == "ready" and phase is Phase.READY:

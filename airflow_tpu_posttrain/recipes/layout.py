@@ -96,6 +96,11 @@ class RunLayout:
         return f"{self.root}/base-model-files"
 
     @property
+    def dataset_dir(self) -> str:
+        """The training VM's copy of the dataset repo at the run's revision (what the trainer reads)."""
+        return f"{self.root}/dataset"
+
+    @property
     def export_dir(self) -> str:
         """to_huggingface's output (HF_EXPORT), one per run so runs sharing a root never mix exports."""
         return f"{self.root}/hf-trained/{self.run_name}"

@@ -6,6 +6,7 @@ pipeline adds (dataset files, checkpoint period, model shape, runtime adaptation
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +37,10 @@ PROFILERS = ("xplane", "nsys", "")
 # the trainer itself runs without the token, because MaxText's pyconfig copies HF_TOKEN into hf_access_token and
 # add_config_to_summary_writer writes every config key, that one included, to TensorBoard in checkpoint storage.
 BASE_MODEL_FILES = ("*.json", "*.model", "*.jinja", "*.txt", "*.tiktoken")
+# Each argument: one snapshot_download's keyword arguments, as JSON.
 _FETCH_FILES = (
-    "import sys; from huggingface_hub import snapshot_download; "
-    "snapshot_download(sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3], allow_patterns=sys.argv[4:])"
+    "import json, sys; from huggingface_hub import snapshot_download\n"
+    "for fetch in sys.argv[1:]: snapshot_download(**json.loads(fetch))"
 )
 
 
@@ -126,13 +128,31 @@ def _command(
     return RemoteCommand(argv=argv, env=env, venv=spec.runtime.venv)
 
 
-def fetch_base_model_files(spec: RunSpec, revision: str | None = None) -> str:
-    """The shell line that copies the base model's ``BASE_MODEL_FILES`` into ``layout.base_model_files_dir``.
+def fetch_run_files(
+    spec: RunSpec, *, model_revision: str | None = None, dataset: str, dataset_revision: str | None = None
+) -> str:
+    """The shell line that copies what the trainer reads from the Hub onto the VM, at the run's revisions.
 
-    At ``revision`` (default: its main). Run with ``HF_TOKEN`` set, before the trainer, which gets no token."""
+    The base model's ``BASE_MODEL_FILES`` into ``layout.base_model_files_dir``, and the whole ``dataset`` repo into
+    ``layout.dataset_dir``: MaxText's input pipelines take no revision, so they read that copy. A revision of
+    None is the repo's main. Run with ``HF_TOKEN`` set, before the trainer, which gets no token (and reads a
+    gated dataset from the copy)."""
     python = remote_path(f"{spec.runtime.venv}/bin/python")
-    revision = validation.hub_revision("revision", revision) if revision else ""
-    arguments = [spec.model.hf_source, revision, spec.layout.base_model_files_dir, *BASE_MODEL_FILES]
+    fetches = [
+        {
+            "repo_id": spec.model.hf_source,
+            "revision": validation.hub_revision("revision", model_revision) if model_revision else None,
+            "local_dir": spec.layout.base_model_files_dir,
+            "allow_patterns": list(BASE_MODEL_FILES),
+        },
+        {
+            "repo_id": validation.hf_repo_id("dataset", dataset),
+            "repo_type": "dataset",
+            "revision": validation.hub_revision("dataset_revision", dataset_revision) if dataset_revision else None,
+            "local_dir": spec.layout.dataset_dir,
+        },
+    ]
+    arguments = [json.dumps(fetch, separators=(",", ":")) for fetch in fetches]
     return f"{python} -c {shlex.quote(_FETCH_FILES)} {shlex.join(arguments)}"
 
 
@@ -187,8 +207,9 @@ def train_sft(
 ) -> RemoteCommand:
     """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``).
 
-    Deviation from the tutorial: ``tokenizer_path`` is the VM's copy of the base model's files
-    (:func:`fetch_base_model_files`), so the trainer needs no token. Steps and dataset default to the model's.
+    Deviations from the tutorial: ``tokenizer_path`` is the VM's copy of the base model's files, and
+    ``hf_path`` the VM's copy of the dataset at the run's revision (:func:`fetch_run_files`), so the trainer needs
+    no token and reads the revision the run recorded. Steps and dataset default to the model's.
     ``evaluate``: MaxText evaluates on the dataset's held-out rows
     (``eval_steps`` batches) before the first step and after the last (``eval_interval`` = the steps), for the
     quality gate; the tutorial does not."""
@@ -200,7 +221,7 @@ def train_sft(
         "load_parameters_path": _checkpoint(converted_params or spec.layout.converted_params),
         "per_device_batch_size": str(validation.positive_int("per_device_batch_size", per_device_batch_size)),
         "steps": _count("steps", steps, spec.model.sft_steps),
-        "hf_path": data.hf_path,
+        "hf_path": spec.layout.dataset_dir,
         "train_split": data.train_split,
         "train_data_columns": data.train_data_columns,
     }
@@ -208,13 +229,9 @@ def train_sft(
     # MaxText 0.2.5 as None, which its config refuses ("Input should be '', 'xplane' or 'nsys'").
     if validation.one_of("profiler", profiler, PROFILERS):
         args["profiler"] = profiler
-    if data.train_files is not None:
-        args["hf_train_files"] = data.train_files
     if evaluate:
         args["eval_interval"] = args["steps"]
         args["eval_steps"] = str(data.eval_steps)
-        if data.eval_files is not None:
-            args["hf_eval_files"] = data.eval_files
         if data.eval_split is not None:
             args["hf_eval_split"] = data.eval_split
     args["checkpoint_period"] = str(validation.positive_int("checkpoint_period", checkpoint_period))
@@ -233,8 +250,9 @@ def train_rl(
 ) -> RemoteCommand:
     """GRPO from the converted checkpoint (default: ``layout.converted_params``).
 
-    The batch counts and dataset default to the model's. Deviation from the tutorial: ``tokenizer_path``, as for
-    :func:`train_sft`."""
+    The batch counts and dataset default to the model's. Deviations from the tutorial: ``tokenizer_path``, as for
+    :func:`train_sft`, and ``hf_train_files`` / ``hf_eval_files``: the dataset's files in the VM's copy of it
+    at the run's revision (the recipe would read GSM8K's main from the Hub)."""
     data = dataset or spec.model.rl_dataset
     args = {
         "model_name": spec.model.maxtext_model_name,
@@ -247,10 +265,8 @@ def train_rl(
         "rollout_data_parallelism": "1",
         "rollout_tensor_parallelism": "-1",  # -1: inferred from the rollout's chips
     }
-    if data.train_files is not None:
-        args["hf_train_files"] = data.train_files
-    if data.eval_files is not None:
-        args["hf_eval_files"] = data.eval_files
+    args["hf_train_files"] = f"{spec.layout.dataset_dir}/{data.train_files}"
+    args["hf_eval_files"] = f"{spec.layout.dataset_dir}/{data.eval_files}"
     args["tokenizer_path"] = spec.layout.base_model_files_dir
     return _command(spec, Step.TRAIN_RL, args, training=True, overrides=overrides)
 

@@ -12,48 +12,46 @@ from airflow_tpu_posttrain.recipes.validation import SpecError
 
 @dataclass(frozen=True)
 class SftDataset:
-    """The MaxText dataset keys of an SFT run (``hf_*`` keys of MaxText's Hugging Face input pipeline)."""
+    """An SFT dataset: a Hub dataset repo and the keys of MaxText's Hugging Face input pipeline that read it.
 
-    hf_path: str  # a Hub dataset id, or a `datasets` builder name such as 'json' for local files
+    MaxText's pipeline takes no revision, so the trainer reads the VM's copy of the repo at the run's revision
+    (``hf_path`` = that copy, whose files and README resolve splits as the Hub's repo does)."""
+
+    hf_path: str  # the Hub dataset id, e.g. HuggingFaceH4/ultrachat_200k
     train_split: str
     train_data_columns: str = "['messages']"
-    train_files: str | None = None  # hf_train_files: a local file for builders such as 'json'
     eval_split: str | None = None  # hf_eval_split; None keeps MaxText's default (UltraChat's test_sft)
-    eval_files: str | None = None  # hf_eval_files: a local file of held-out rows for builders such as 'json'
     eval_steps: int = 50  # batches each evaluation reads (the quality gate's, before the first and after the last step)
-    source_repo: str | None = None  # the Hub dataset local files were taken from (watched by schedule: on_change)
 
     def __post_init__(self) -> None:
-        validation.safe_relative_path("hf_path", self.hf_path)
+        validation.hf_repo_id("hf_path", self.hf_path)
         validation.safe_name("train_split", self.train_split)
         validation.column_list("train_data_columns", self.train_data_columns)
-        if self.train_files is not None:
-            validation.safe_absolute_path("hf_train_files", self.train_files)
         if self.eval_split:
             validation.safe_name("hf_eval_split", self.eval_split)
-        if self.eval_files is not None:
-            validation.safe_absolute_path("hf_eval_files", self.eval_files)
         validation.positive_int("eval_steps", self.eval_steps)
 
 
 @dataclass(frozen=True)
 class RlDataset:
-    """Local parquet files in GSM8K's shape; ``None`` keeps MaxText's default (GSM8K from the Hub)."""
+    """GRPO's dataset: a Hub dataset repo in GSM8K's shape and its splits' files in it (globs).
 
-    train_files: str | None = None
-    eval_files: str | None = None
-    source_repo: str | None = None  # the Hub dataset the files were taken from (watched by schedule: on_change)
+    MaxText's GRPO recipe reads GSM8K by name unless ``hf_train_files`` names files; it gets the VM's copy of the
+    repo at the run's revision, as SFT does."""
+
+    repo: str
+    train_files: str
+    eval_files: str
 
     def __post_init__(self) -> None:
-        if self.train_files is not None:
-            validation.safe_absolute_path("hf_train_files", self.train_files)
-        if self.eval_files is not None:
-            validation.safe_absolute_path("hf_eval_files", self.eval_files)
+        validation.hf_repo_id("rl_dataset", self.repo)
+        validation.file_glob("hf_train_files", self.train_files)
+        validation.file_glob("hf_eval_files", self.eval_files)
 
 
 ULTRACHAT_200K = SftDataset(hf_path="HuggingFaceH4/ultrachat_200k", train_split="train_sft")
-GSM8K = RlDataset()
-GSM8K_REPO = "openai/gsm8k"  # what MaxText's GRPO recipe reads when no files are given
+# GSM8K's "main" subset (rl.yml's hf_subset) as the Hub lays it out.
+GSM8K = RlDataset(repo="openai/gsm8k", train_files="main/train-*.parquet", eval_files="main/test-*.parquet")
 
 
 @dataclass(frozen=True)
@@ -107,52 +105,33 @@ TINY_LLAMA_DIMS: Mapping[str, str] = MappingProxyType(
         "vocab_size": "512",
     }
 )
-DEFAULT_TINY_LLAMA_ROOT = "/dev/shm/tiny-llama/source"
 # The tiny model's repo on the local Hub: gated, as Gemma and Llama are, so every step reads it with the token.
 TINY_LLAMA_REPO = "local/tiny-llama"
-# The tiny model's SFT chats as a dataset repo on the local Hub, uploaded with them: what on_change watches.
+# The local models' datasets on the local Hub (local/tiny_model.py writes them in UltraChat's and GSM8K's layouts,
+# the local stack uploads them): chats in the tiny tokenizer's vocabulary, and GSM8K-shaped problems.
 TINY_CHATS_REPO = "local/tiny-chats"
-
-
-def _local_sft_dataset(root: str) -> SftDataset:
-    # A JSON file loads as the split "train"; the held-out chats are a file of their own.
-    return SftDataset(
-        hf_path="json",
-        train_split="train",
-        train_files=f"{root}/data/sft.jsonl",
-        eval_split="train",
-        eval_files=f"{root}/data/sft_eval.jsonl",
-        eval_steps=2,
-        source_repo=TINY_CHATS_REPO,
-    )
-
-
-def _local_rl_dataset(root: str) -> RlDataset:
-    return RlDataset(train_files=f"{root}/data/gsm8k/train.parquet", eval_files=f"{root}/data/gsm8k/test.parquet")
-
+TINY_GSM8K_REPO = "local/tiny-gsm8k"
+# UltraChat's split names: the twins' SFT commands read the same splits as their cloud entries'.
+TINY_CHATS = SftDataset(hf_path=TINY_CHATS_REPO, train_split="train_sft", eval_steps=2)
+TINY_GSM8K = RlDataset(repo=TINY_GSM8K_REPO, train_files=GSM8K.train_files, eval_files=GSM8K.eval_files)
 
 # What a local model trains for: a few steps, enough to checkpoint, resume and evaluate (the GRPO twin runs the
 # tutorial's 50 batches: a tiny model's batch takes a fraction of a second).
 _LOCAL_SFT_STEPS = 5
 
 
-def tiny_llama_profile(root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
-    """The local CPU model of the fault tests: its weights and tokenizer on the local Hub, its datasets under ``root``.
+def tiny_llama_profile() -> ModelProfile:
+    """The local CPU model of the fault tests: its weights, tokenizer and datasets on the local Hub.
 
-    The weights and tokenizer are ``TINY_LLAMA_REPO``, uploaded from ``<root>/tiny-llama`` by the local stack.
-
-    Expected files, as ``local/tiny_model.py --out <root>`` writes them: ``<root>/tiny-llama`` (a
-    save_pretrained-style directory with its tokenizer), ``<root>/data/sft.jsonl`` (``{"messages": [...]}``
-    chats) and ``<root>/data/sft_eval.jsonl`` (held-out ones), ``<root>/data/gsm8k/{train,test}.parquet`` (GSM8K's ``question``/``answer`` columns).
-    """
-    root = validation.safe_absolute_path("tiny_llama_root", root)
+    The weights and tokenizer are ``TINY_LLAMA_REPO``, the datasets ``TINY_CHATS_REPO`` and ``TINY_GSM8K_REPO``,
+    uploaded by the local stack from what ``local/tiny_model.py`` builds."""
     return ModelProfile(
         key="tiny-llama",
         maxtext_model_name="llama3.1-8b",
         hf_source=TINY_LLAMA_REPO,
         maxtext_version="0.2.5",
-        sft_dataset=_local_sft_dataset(root),
-        rl_dataset=_local_rl_dataset(root),
+        sft_dataset=TINY_CHATS,
+        rl_dataset=TINY_GSM8K,
         maxtext_overrides=TINY_LLAMA_DIMS,
         is_local=True,
         hf_source_in_maxtext_table=False,
@@ -197,26 +176,18 @@ def twin_key(cloud_key: str) -> str:
     return f"tiny-{cloud_key}"
 
 
-def twin_profile(cloud: ModelProfile, root: str = DEFAULT_TINY_LLAMA_ROOT) -> ModelProfile:
-    """The local twin of the cloud model ``cloud``: its commands, shrunk to run on a CPU from files under ``root``."""
-    root = validation.safe_absolute_path("model_source_dir", root)
+def twin_profile(cloud: ModelProfile) -> ModelProfile:
+    """The local twin of the cloud model ``cloud``: its commands, shrunk to run on a CPU, on the local datasets."""
     return replace(
         cloud,
         key=twin_key(cloud.key),
-        sft_dataset=_local_sft_dataset(root),
-        rl_dataset=_local_rl_dataset(root),
+        sft_dataset=TINY_CHATS,
+        rl_dataset=TINY_GSM8K,
         maxtext_overrides=TWIN_DIMS[cloud.key],
         is_local=True,
         twin_of=cloud.key,
         sft_steps=_LOCAL_SFT_STEPS,
     )
-
-
-def local_profile(profile: ModelProfile, root: str) -> ModelProfile:
-    """A local profile with its files under ``root`` (where the local stack put them)."""
-    if profile.twin_of:
-        return twin_profile(CLOUD_MODELS[profile.twin_of], root)
-    return tiny_llama_profile(root)
 
 
 # The tutorials' models.
@@ -336,16 +307,8 @@ def define_models(profiles: list[ModelProfile]) -> None:
 
 
 def input_repos(profile: ModelProfile, recipe: str, dataset: str | None = None) -> list[tuple[str, str]]:
-    """``(repo_id, repo_type)`` of a run's inputs on the Hub: the base model, and the dataset if it is one.
+    """``(repo_id, repo_type)`` of a run's inputs on the Hub: the base model and the dataset.
 
     ``dataset``: the run's SFT dataset, when not the model's."""
-    repos = [(profile.hf_source, "model")]
-    if recipe == "sft":
-        data = profile.sft_dataset
-        dataset = dataset or data.source_repo or data.hf_path
-    else:
-        data = profile.rl_dataset
-        dataset = data.source_repo or (None if data.train_files else GSM8K_REPO)
-    if dataset and "/" in dataset:
-        repos.append((dataset, "dataset"))
-    return repos
+    dataset = (dataset or profile.sft_dataset.hf_path) if recipe == "sft" else profile.rl_dataset.repo
+    return [(profile.hf_source, "model"), (dataset, "dataset")]

@@ -113,12 +113,6 @@ LOCAL_DIFFERENCES: tuple[LocalDifference, ...] = (
         frozenset({Step.TO_MAXTEXT, Step.TRAIN_SFT, Step.TO_HUGGINGFACE}),
         "Gemma 3's local attention window (the SFT twin), shrunk with the model",
     ),
-    *_argv(
-        "hf_path train_split hf_train_files hf_eval_files hf_eval_split",
-        frozenset({Step.TRAIN_SFT}),
-        "local chats in the tiny tokenizer's vocabulary (local/tiny_model.py), not UltraChat's 200k",
-    ),
-    *_argv("hf_train_files hf_eval_files", frozenset({Step.TRAIN_RL}), "local GSM8K-shaped problems"),
     *_argv("steps", frozenset({Step.TRAIN_SFT}), "a few steps on a CPU: enough to checkpoint, resume and evaluate"),
     *_argv(
         "eval_interval eval_steps",

@@ -26,7 +26,8 @@ VERSION_RE = r"\d+\.\d+\.\d+"
 COLUMN_LIST_RE = r"\['[A-Za-z0-9_]+'(, ?'[A-Za-z0-9_]+')*\]"
 
 _SAFE_NAME = re.compile(f"^{SAFE_NAME_RE}$")
-_SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")  # a path segment may be hidden ('.local'), never '.' or '..'
+_SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+_FILE_GLOB_SEGMENT = re.compile(r"^[A-Za-z0-9._*-]+$")  # a path segment may be hidden ('.local'), never '.' or '..'
 _GCE_NAME = re.compile(f"^{GCE_NAME_RE}$")
 _ZONE = re.compile(f"^{ZONE_RE}$")
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -105,6 +106,18 @@ def safe_relative_path(field: str, value: str) -> str:
         raise SpecError(field, value, "is an absolute path where a name is expected", "give a relative name")
     _no_shell_meta(field, value)
     return "/".join(_path_segments(field, value))
+
+
+def file_glob(field: str, value: str) -> str:
+    """Files in a repo, by a relative pattern such as 'main/train-*.parquet' (plain segments; '*' matches)."""
+    if not isinstance(value, str) or not value or value.startswith("/"):
+        raise SpecError(field, value, "is not a relative file pattern", "give one such as 'main/train-*.parquet'")
+    for segment in value.split("/"):
+        if segment in ("", ".", "..") or not _FILE_GLOB_SEGMENT.fullmatch(segment):
+            raise SpecError(
+                field, value, f"has an invalid segment {segment!r}", "use letters, digits, '.', '_', '-' and '*'"
+            )
+    return value
 
 
 def hf_repo_id(field: str, value: str) -> str:
