@@ -71,6 +71,13 @@ def dags(dagbag):
     return dagbag.dags
 
 
+@pytest.fixture(autouse=True)
+def deployment(monkeypatch):
+    """The tasks rendered here run outside a task process: the deployment id is configured, not a Variable."""
+    monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", "airflow-staging")
+    return "airflow-staging"
+
+
 def _task_ids(tasks) -> set[str]:
     return {t.task_id for t in tasks}
 
@@ -919,3 +926,39 @@ def test_the_registry_reference_is_rendered_from_the_code_that_reads_the_registr
     entry_section = page.split("## Keys of `defaults`")[1].split("\n## ")[0]
     rows = [line.split("|")[1].strip().strip("`") for line in entry_section.splitlines() if line.startswith("| `")]
     assert rows == keys
+
+
+def test_two_deployments_share_a_conversion_and_nothing_of_a_run(dags, monkeypatch):
+    """Staging and production run the same DAG run id on one bucket: they share the conversion and no run path.
+
+    Each run's checkpoints, done markers, export and Hub branch (all named from the run name) are its deployment's
+    own, and so is its claim on the conversion; the conversion itself (keyed by content) is shared by design."""
+    dag = dags[SFT_GEMMA]
+    fields = dict.fromkeys(("steps", "dataset", "train_split", "eval_split", "train_data_columns", "overrides"))
+    task = _rendered(dag, "train", checkpoint_storage="gs://shared-bucket/posttrain", **fields)
+    jobs, layouts = {}, {}
+    for deployment in ("airflow-staging", "airflow-production"):
+        monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", deployment)
+        spec = task.run_spec(_context(dag), conversion_key="same-content")
+        layouts[deployment], jobs[deployment] = spec.layout, task._job(spec, _context(dag))
+    staging, production = layouts.values()
+    assert staging.converted_dir == production.converted_dir
+    assert staging.run_name != production.run_name
+    assert {staging.checkpoints_dir, production.checkpoints_dir} == {
+        f"gs://shared-bucket/posttrain/post-train/{layout.run_name}/checkpoints" for layout in (staging, production)
+    }
+    assert staging.kept_export_dir != production.kept_export_dir
+    done = [job.done_marker for job in jobs.values()]
+    assert done[0] != done[1]
+    convert = _rendered(
+        dag, "convert_to_maxtext", checkpoint_storage="gs://shared-bucket/posttrain", inputs=None, maxtext_version=None
+    )
+    claims = {}
+    for deployment in ("airflow-staging", "airflow-production"):
+        monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", deployment)
+        spec = convert.run_spec(_context(dag), conversion_key="same-content")
+        claims[deployment] = convert._claim(spec, _context(dag))
+    assert all(f"{deployment}/{SFT_GEMMA}/" in claim[0] for deployment, claim in claims.items())
+    # The same deployment names the same run again: a retry resumes it.
+    monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", "airflow-staging")
+    assert task.run_spec(_context(dag), conversion_key="same-content").layout == staging

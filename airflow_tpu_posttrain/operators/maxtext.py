@@ -13,6 +13,7 @@ from airflow_tpu_posttrain.defaults import TRAINING_STALL_TIMEOUT_S
 from airflow_tpu_posttrain.exceptions import CheckpointMissingError, InvalidInputError
 from airflow_tpu_posttrain.links import CheckpointLink
 from airflow_tpu_posttrain.operators import just_in_time
+from airflow_tpu_posttrain.operators.compute_base import deployment_id
 from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
@@ -218,7 +219,7 @@ class MaxTextConvertOperator(MaxTextJobOperator):
         Runs of several DAGs (or backfills) converting the same model wait for the first and reuse its
         conversion instead of writing the same checkpoint at once. A claim older than this step's timeout is a dead run's and is taken over."""
         converted = spec.layout.converted_dir
-        owner = f"{context['dag'].dag_id}/{context['run_id']}"
+        owner = f"{deployment_id()}/{context['dag'].dag_id}/{context['run_id']}"
         stale_s = int((self.execution_timeout or CLAIM_STALE_DEFAULT).total_seconds())
         tool = self.storage_tool if storage.is_gcs(converted) else None
         uri = f"{converted}/.claim"

@@ -29,6 +29,7 @@ from airflow.sdk import BaseOperator
 
 from airflow_tpu_posttrain.defaults import HF_CONN_ID, SSH_CONN_ID
 from airflow_tpu_posttrain.exceptions import InvalidInputError, RemoteJobError
+from airflow_tpu_posttrain.operators.compute_base import deployment_id
 from airflow_tpu_posttrain.operators.recovery import VmRecoveryMixin
 from airflow_tpu_posttrain.operators.vm_connection import VmConnectionMixin
 from airflow_tpu_posttrain.recipes import compute, layout, maxtext, remote_job, storage, validation
@@ -254,7 +255,9 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         try:
             validation.safe_absolute_path("workdir", self.workdir)
             dag_run = context["dag_run"]
-            name = layout.run_name(dag_run.dag_id, dag_run.run_id, getattr(dag_run, "logical_date", None))
+            name = layout.run_name(
+                dag_run.dag_id, dag_run.run_id, getattr(dag_run, "logical_date", None), deployment_id()
+            )
             profile = self._profile()
             return maxtext.RunSpec(
                 model=profile,

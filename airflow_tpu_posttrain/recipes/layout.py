@@ -116,11 +116,13 @@ def conversion_key(maxtext_version: str, source_revision: str, options: Sequence
     return f"mt{version}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None) -> str:
-    """A MaxText run name for one DAG run: ``<dag>[-<logical date, UTC>]-<hash of dag_id and run_id>``.
+def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None, deployment: str = "") -> str:
+    """A MaxText run name for one DAG run: ``<dag>[-<logical date, UTC>]-<hash of deployment, dag_id and run_id>``.
 
     Deterministic, so a retried task resumes the same run directory; the hash keeps different runs apart even
-    when the DAG id is cut short or two runs share a logical date. The date is written as the tutorials'
+    when the DAG id is cut short or two runs share a logical date, and the same run of two Airflow deployments
+    sharing checkpoint storage (staging and production on one schedule) apart: every path of a run, its done
+    markers, export and Hub branch derive from this name. The date is written as the tutorials'
     ``$(date +%Y-%m-%d-%H-%M-%S)`` run names, so a backfill's runs are readable; a naive date is taken
     as UTC. At most 64 characters.
     """
@@ -132,5 +134,6 @@ def run_name(dag_id: str, run_id: str, logical_date: datetime | None = None) -> 
     if logical_date is not None:
         utc = logical_date.astimezone(UTC) if logical_date.tzinfo else logical_date
         parts.append(utc.strftime("%Y-%m-%d-%H-%M-%S"))
-    parts.append(hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:_HASH_LEN])
+    key = f"{deployment}\0{dag_id}\0{run_id}" if deployment else f"{dag_id}\0{run_id}"
+    parts.append(hashlib.sha256(key.encode()).hexdigest()[:_HASH_LEN])
     return "-".join(parts)
