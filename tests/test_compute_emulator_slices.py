@@ -374,7 +374,13 @@ def test_the_template_and_policy_are_deleted_only_after_the_mig(gce, emulator):
     )
     assert template_refused.value.errors[0]["reason"] == "resourceInUseByAnotherResource"
     assert policy_refused.value.errors[0]["reason"] == "resourceInUseByAnotherResource"
+    emulator.set_faults(references_linger_seconds=1.0)
     assert delete_mig(gce).status == DONE
+    # A moment after its MIG is gone, Compute still calls them in use: a teardown must ask again.
+    with pytest.raises(exceptions.BadRequest) as still_in_use:
+        gce.templates.delete(project=PROJECT, instance_template="slice-it")
+    assert still_in_use.value.errors[0]["reason"] == "resourceInUseByAnotherResource"
+    time.sleep(1.0)
     operation = gce.templates.delete(project=PROJECT, instance_template="slice-it")
     assert gce.global_operations.wait(project=PROJECT, operation=operation.name).status == DONE
     operation = gce.policies.delete(project=PROJECT, region=REGION, resource_policy="slice-wp")

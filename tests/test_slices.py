@@ -60,6 +60,67 @@ def test_each_vm_of_a_slice_is_made_from_the_single_host_vms_body():
         slices.slice_bodies(TpuVmSpec(project_id=PROJECT, zones=(ZONE,), reservation="r"), RUN_VM, ZONE, {})
 
 
+def _group(*, stable: bool, topology: str | None, counts: dict[str, int], bulk: dict | None = None) -> dict:
+    """A bulk v6e-16 group as ``instanceGroupManagers.get`` answers (v1 ``InstanceGroupManagerStatus``)."""
+    status: dict = {"isStable": stable, "currentInstanceStatuses": counts}
+    if topology is not None:
+        status["appliedAcceleratorTopologies"] = [{"acceleratorTopology": "4x4", "state": topology}]
+    if bulk is not None:
+        status["bulkInstanceOperation"] = bulk
+    return {"targetSize": 4, "status": status}
+
+
+def _check(code: str, message: str) -> dict:
+    return {"inProgress": True, "lastProgressCheck": {"error": {"errors": [{"code": code, "message": message}]}}}
+
+
+STOCKOUT = "The zone 'projects/p/zones/us-east5-b' does not have enough resources available to fulfill the request."
+ALL_RUNNING = {"running": 4}
+
+
+@pytest.mark.parametrize(
+    ("group", "state"),
+    [
+        pytest.param(_group(stable=True, topology="ACTIVE", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.WHOLE, id="whole"),
+        # Not yet whole, and no evidence against it: waited on.
+        pytest.param(_group(stable=False, topology=None, counts={"nonExistent": 4}), slices.CREATING,
+                     id="just-inserted-no-bulk-operation-shown-yet"),
+        pytest.param(_group(stable=False, topology="ACTIVATING", counts={"nonExistent": 4}, bulk={"inProgress": True}),
+                     slices.CREATING, id="bulk-in-progress"),
+        pytest.param(_group(stable=True, topology="ACTIVATING", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.CREATING, id="every-vm-running-topology-activating"),
+        pytest.param(_group(stable=False, topology="ACTIVE", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.CREATING, id="active-while-actions-settle"),
+        pytest.param(_group(stable=False, topology="REACTIVATING", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.CREATING, id="reactivating"),
+        pytest.param(_group(stable=False, topology="INCOMPLETE", counts={"running": 2, "staging": 2},
+                            bulk={"inProgress": True}), slices.CREATING, id="incomplete-while-vms-start"),
+        # Capacity that may come, or a refusal no wait mends.
+        pytest.param(_group(stable=False, topology=None, counts={"nonExistent": 4},
+                            bulk=_check("ZONE_RESOURCE_POOL_EXHAUSTED", STOCKOUT)), slices.NO_CAPACITY, id="stock-out"),
+        pytest.param(_group(stable=False, topology=None, counts={"nonExistent": 4},
+                            bulk=_check("QUOTA_EXCEEDED", "Quota 'TPUS_V6E' exceeded. Limit: 8.0 in region us-east5.")),
+                     slices.REFUSED, id="quota"),
+        pytest.param(_group(stable=False, topology=None, counts={"nonExistent": 4},
+                            bulk=_check("RESOURCE_NOT_FOUND", "The resource 'projects/p/zones/us-east5-b/reservations/r' "
+                                        "was not found")), slices.REFUSED, id="missing-reservation"),
+        # Evidence of a loss.
+        pytest.param(_group(stable=True, topology="INCOMPLETE", counts={"running": 3, "terminated": 1},
+                            bulk={"inProgress": False}), slices.BROKEN, id="vm-terminated"),
+        pytest.param(_group(stable=False, topology="ACTIVE", counts={"running": 3, "stopping": 1},
+                            bulk={"inProgress": False}), slices.BROKEN, id="vm-stopping"),
+        pytest.param(_group(stable=False, topology="INCOMPLETE", counts={"running": 3, "nonExistent": 1},
+                            bulk={"inProgress": False}), slices.BROKEN, id="vm-deleted-after-the-bulk-creation"),
+        pytest.param(_group(stable=True, topology="FAILED", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.BROKEN, id="topology-failed"),
+    ],
+)
+def test_a_slice_is_judged_on_evidence_only(group, state):
+    """Whole only when every VM runs, the topology is ACTIVE and the group stable; broken only on evidence."""
+    assert slices.slice_state(group).state == state
+
+
 @pytest.fixture
 def hook(monkeypatch):
     from airflow_tpu_posttrain.hooks.compute import TpuVmHook
@@ -82,6 +143,18 @@ def _done(hook, operation: str | None, **location) -> None:
             return
         assert time.monotonic() < deadline, answer
         time.sleep(0.1)
+
+
+def _deleted(hook, delete, *args, **location) -> None:
+    """Delete a template or policy, asking again while Compute still calls it in use by its deleted group."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return _done(hook, delete(PROJECT, *args, str(uuid.uuid4())), **location)
+        except Exception as err:
+            assert "resourceInUseByAnotherResource" in str(err) or "already being used" in str(err), err
+            assert time.monotonic() < deadline, err
+            time.sleep(0.1)
 
 
 def _make_slice(hook) -> slices.SliceNames:
@@ -127,8 +200,8 @@ def test_a_v6e_16_slice_comes_up_whole_as_the_run_made_it_and_is_deleted_in_reve
 
     for _ in range(2):  # the second time: a retried delete, every resource already gone
         _done(hook, hook.delete_instance_group(PROJECT, ZONE, names.group, str(uuid.uuid4())), zone=ZONE)
-        _done(hook, hook.delete_instance_template(PROJECT, names.template, str(uuid.uuid4())))
-        _done(hook, hook.delete_workload_policy(PROJECT, REGION, names.policy, str(uuid.uuid4())), region=REGION)
+        _deleted(hook, hook.delete_instance_template, names.template)
+        _deleted(hook, hook.delete_workload_policy, REGION, names.policy, region=REGION)
     assert emulator.instances() == [] and hook.get_instance_group(PROJECT, ZONE, names.group) is None
 
 
@@ -274,3 +347,21 @@ def test_a_failed_slice_job_shows_the_end_of_every_workers_log_however_it_ended(
     shown = "".join(capfd.readouterr())
     assert "[worker 0] Started load checkpoint" in shown
     assert re.findall(r"\[worker 1\] [^\n\[]*\w", shown) == ["[worker 1] Restoring", "[worker 1] Gloo context failed"]
+
+
+def test_the_teardown_asks_again_while_compute_still_calls_the_template_and_policy_in_use(hook):
+    """Compute refuses the template's and policy's deletes for a while after their group is gone: asked again."""
+    from airflow_tpu_posttrain.triggers.slice import TpuSliceDeleteTrigger
+
+    hook, emulator = hook
+    emulator.set_faults(references_linger_seconds=2.0)
+    names = _make_slice(hook)
+    _state_when(hook, {slices.CREATING, slices.WHOLE})
+    trigger = TpuSliceDeleteTrigger(
+        PROJECT, ZONE, names.group, names.template, names.policy, api_endpoint=emulator.url, poll_interval=0.2
+    )
+    event = _event(TpuSliceDeleteTrigger(**trigger.serialize()[1]))
+    assert (event["status"], event["errors"]) == ("success", [])
+    assert _nothing_left(hook, emulator)
+    asked = [r for r in emulator.requests if r["method"] == "DELETE" and "/instanceTemplates/" in r["path"]]
+    assert len(asked) > 1, "the template was deleted at the first ask: the in-use answer was not exercised"

@@ -147,6 +147,14 @@ class Faults:
     refuse_max_run_duration: list[str] = dataclasses.field(default_factory=list)
     """Provisioning models whose inserts with ``scheduling.maxRunDuration`` are answered 400 (no Google document
     says whether RESERVATION_BOUND accepts it; the wording is modelled on the API's other field errors)."""
+    references_linger_seconds: float | None = None
+    """How long a deleted group's template and policy are still "in use" after its delete is DONE (None: three
+    times ``operation_seconds``). No Google statement of how long; Google's cluster-toolkit expects the error and
+    retries the delete on its next pass, and so must a client."""
+    topology_activation_seconds: float | None = None
+    """How long a slice's topology stays ACTIVATING, and its group unstable, once every VM is RUNNING (None:
+    ``operation_seconds``). The v1 reference names ACTIVATING and ACTIVE and documents no order or timing; a
+    client must not take "every VM running" for a usable slice, so here the two are apart."""
     flex_start_capacity_after: float | None = None
     """Seconds until capacity comes for a FLEX_START VM with a wait time (``params.requestValidForDuration``):
     it is PENDING meanwhile, and its insert fails if the wait time ends first. None: at once."""
@@ -277,6 +285,8 @@ class _ManagedGroup:
     next_check: float = 0.0
     last_check: float | None = None
     bulk_error: _OperationError | None = None
+    all_running_since: float | None = None
+    """When every member was last seen RUNNING together (the topology activates from then on); None: not all."""
     member_errors: dict[str, _OperationError] = dataclasses.field(default_factory=dict)
     """Why the last attempt to create each instance failed (a MIG without bulk mode creates them one by one)."""
 
@@ -818,6 +828,8 @@ class ComputeEmulator:
             self._resource_policies: dict[tuple[str, str, str], dict[str, Any]] = {}  # (project, region, name)
             self._instance_templates: dict[tuple[str, str], dict[str, Any]] = {}  # (project, name)
             self._groups: dict[tuple[str, str, str], _ManagedGroup] = {}  # (project, zone, name)
+            # Deleted groups whose template and policy Compute still calls in use: (until, key, group).
+            self._deleted_groups: list[tuple[float, tuple[str, str, str], _ManagedGroup]] = []
             self._creating_members = False  # guards _advance_groups against itself (creating starts operations)
             self.oslogin = OsLoginDirectory()
 
@@ -1686,7 +1698,7 @@ class ComputeEmulator:
             path = _resource_path(project, None, "resourcePolicies", name, region)
             if policy is None:
                 raise _not_found(path)
-            for (group_project, zone, group_name), group in self._groups.items():
+            for (group_project, zone, group_name), group in self._referring_groups():
                 if self._group_policy_key(group_project, zone, group.resource) == key:
                     user = _resource_path(group_project, zone, "instanceGroupManagers", group_name)
                     raise _in_use("resource_policy", path, user)
@@ -1758,7 +1770,7 @@ class ComputeEmulator:
             path = _resource_path(project, None, "instanceTemplates", name)
             if template is None:
                 raise _not_found(path)
-            for (group_project, zone, group_name), group in self._groups.items():
+            for (group_project, zone, group_name), group in self._referring_groups():
                 if group_project == project and group.template is template:
                     user = _resource_path(project, zone, "instanceGroupManagers", group_name)
                     raise _in_use("instance_template", path, user)
@@ -1770,6 +1782,12 @@ class ComputeEmulator:
             return 200, self._start_operation(project, None, "delete", template, query, on_done=on_done)
 
     # ------------------------------------------------ managed instance groups
+
+    def _referring_groups(self) -> list[tuple[tuple[str, str, str], _ManagedGroup]]:
+        """The groups whose template and policy are in use: the live ones, and those deleted a moment ago."""
+        now = time.time()
+        self._deleted_groups = [entry for entry in self._deleted_groups if entry[0] > now]
+        return [*self._groups.items(), *((key, group) for _, key, group in self._deleted_groups)]
 
     @staticmethod
     def _group_policy_key(project: str, zone: str, group: dict[str, Any]) -> tuple[str, str, str] | None:
@@ -2055,12 +2073,20 @@ class ComputeEmulator:
             statuses[state] = statuses.get(state, 0) + 1
         running = statuses.get("running", 0)
         creating = actions["creating"] > 0
+        now = time.time()
+        if running != len(members):
+            group.all_running_since = None
+        elif group.all_running_since is None:
+            group.all_running_since = now
+        settle = self._faults.topology_activation_seconds
+        settle = self._faults.operation_seconds if settle is None else settle
+        activated = group.all_running_since is not None and now >= group.all_running_since + settle
         status: dict[str, Any] = {
-            "isStable": group.creating and not group.deleting and running == len(members)
-            and actions["none"] == len(members),
+            "isStable": group.creating and not group.deleting and activated and actions["none"] == len(members),
             "currentInstanceStatuses": statuses,  # "Currently only shown for TPU MIGs" (the v1 reference)
         }
-        if group.bulk:
+        # Shown once the manager made its first progress check (not at the insert): inferred, the stricter reading.
+        if group.bulk and (group.last_check is not None or group.created):
             # In progress until the whole slice is created and running (its instances' creation is part of it).
             in_progress = not group.deleting and running < len(members) and (not group.created or creating)
             check: dict[str, Any] = {}
@@ -2076,9 +2102,9 @@ class ComputeEmulator:
         if group.topology:
             if group.deleting:
                 state = "DEACTIVATING"
-            elif running == len(members):
+            elif activated:
                 state = "ACTIVE"
-            elif creating:
+            elif creating or running == len(members):
                 state = "ACTIVATING"
             else:  # "cannot be activated due to insufficient number of running VMs" (the v1 reference)
                 state = "INCOMPLETE"
@@ -2173,6 +2199,9 @@ class ComputeEmulator:
                         self._remove_instance((project, zone, member))
                 if self._groups.get(key) is group:
                     del self._groups[key]
+                    linger = self._faults.references_linger_seconds
+                    linger = 3 * self._faults.operation_seconds if linger is None else linger
+                    self._deleted_groups.append((time.time() + linger, key, group))
 
             failure = None
             if self._faults.fail_deletes:

@@ -10,6 +10,8 @@ from airflow_tpu_posttrain.defaults import MAX_WAIT_FOR_CAPACITY_MINUTES, MAX_WA
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     InvalidInputError,
+    QuotaExceededError,
+    ReservationError,
     VmCreateError,
     VmDeleteError,
     VmLostError,
@@ -310,6 +312,11 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
             return VmLostError(f"Slice {name} lost a VM before it could be used ({detail}); it was deleted whole.")
         if reason == "not-ready":
             return VmNotReadyError(f"{detail}. The slice was deleted whole; a retry creates a new one.")
+        kind = event.get("kind")
+        if kind == compute.ErrorKind.QUOTA:
+            return QuotaExceededError(f"Compute refused slice {name} for a quota: {detail}. Nothing was left.")
+        if kind == compute.ErrorKind.RESERVATION:
+            return ReservationError(f"The reservation cannot serve slice {name}: {detail}. Nothing was left.")
         return VmCreateError(f"Compute refused slice {name}: {detail}. Nothing was left.")
 
     def _refused(self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, error: Exception) -> None:

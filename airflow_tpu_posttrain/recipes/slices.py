@@ -139,34 +139,62 @@ class SliceState(NamedTuple):
     detail: str = ""
 
 
-WHOLE = "whole"  # every VM RUNNING, the topology ACTIVE: the slice can be trained on
-CREATING = "creating"  # the group creates its VMs (bulk: all at once)
-NO_CAPACITY = "no-capacity"  # bulk mode waits for the whole slice's capacity (a stock-out, a short reservation)
-BROKEN = "broken"  # a VM is gone or stopped and will not come back (bulk mode creates once): never trained on
+WHOLE = "whole"  # every VM RUNNING, the topology ACTIVE, the group stable: the slice can be trained on
+CREATING = "creating"  # no evidence against it: the group creates its VMs, or its topology and actions settle
+NO_CAPACITY = "no-capacity"  # bulk mode waits for the whole slice's capacity (a stock-out, a fully used reservation)
+REFUSED = "refused"  # the bulk creation's last check names an error no wait mends (quota, a missing reservation)
+BROKEN = "broken"  # evidence that a VM is gone or stopped for good (bulk mode creates once): never trained on
+
+# Per-instance statuses (``currentInstanceStatuses``) of a VM that will not run again in a bulk group with
+# ``defaultActionOnFailure: DO_NOTHING``: stopped, suspended, terminated, or on their way there.
+_LOST_STATUSES = ("stopping", "stopped", "suspending", "suspended", "terminated", "deprovisioning", "pendingStop")
+# Capacity that may come: a stock-out, or a reservation whose VMs are all in use.
+_WAITED_FOR = (compute.ErrorKind.CAPACITY, compute.ErrorKind.RESERVATION_FULL)
 
 
 def slice_state(group: dict) -> SliceState:
-    """What a group (``instanceGroupManagers.get``, REST JSON) says of its slice.
+    """What a group (``instanceGroupManagers.get``, REST JSON) says of its slice, on evidence only.
 
-    The fields Compute documents for TPU MIGs (v1 reference): ``status.isStable``,
-    ``status.appliedAcceleratorTopologies[].state`` (ACTIVE, ACTIVATING, INCOMPLETE: "cannot be activated due to
-    insufficient number of running VMs"), ``status.bulkInstanceOperation`` (``inProgress``, and the reason the
-    last progress check made nothing: ``lastProgressCheck.error``) and ``status.currentInstanceStatuses``."""
+    The fields Compute documents for TPU MIGs (v1 reference, ``InstanceGroupManagerStatus``): ``isStable``
+    ("none of the instances ... is currently undergoing any type of change ... no future changes are scheduled"),
+    ``appliedAcceleratorTopologies[].state`` (ACTIVATING, ACTIVE, DEACTIVATING, FAILED, INCOMPLETE: "cannot be
+    activated due to insufficient number of running VMs", REACTIVATING), ``bulkInstanceOperation`` (``inProgress``,
+    and ``lastProgressCheck.error``, Compute's ``Error``) and ``currentInstanceStatuses`` (counts by instance
+    status). The slice is broken only on evidence: its topology FAILED, a VM stopped, suspended or terminated, or
+    the bulk creation over with VMs missing. Anything else short of whole (a topology still activating with every
+    VM running, an unstable group, no bulk operation shown yet, a topology reactivating) is waited on, bounded by
+    the create's deadline. A bulk check's error is capacity to wait for, or a refusal no wait mends."""
     status = group.get("status") or {}
-    topology = ((status.get("appliedAcceleratorTopologies") or [{}])[0]).get("state")
+    topologies = status.get("appliedAcceleratorTopologies") or []
+    topology = topologies[0].get("state") if topologies else None
     counts = status.get("currentInstanceStatuses") or {}
     running = counts.get("running", 0)
     target = int(group.get("targetSize", 0))
-    if status.get("isStable") and topology == "ACTIVE" and running == target:
+    bulk = status.get("bulkInstanceOperation")
+    lost = {state: n for state, n in counts.items() if state in _LOST_STATUSES and n}
+    missing = counts.get("nonExistent", 0)
+
+    def broken(why: str) -> SliceState:
+        others = {state: n for state, n in counts.items() if state != "running" and n}
+        listed = ", ".join(f"{n} {state}" for state, n in sorted(others.items()))
+        return SliceState(
+            BROKEN, f"{running} of {target} VMs running ({listed or why}); topology {topology or 'not shown'}"
+        )
+
+    if topology == "FAILED":
+        details = ((topologies[0].get("stateDetails") or {}).get("error") or {}).get("errors") or []
+        return broken(compute.describe_errors(details) if details else "its topology failed")
+    if lost:
+        return broken("lost")
+    if bulk is not None and not bulk.get("inProgress") and missing:
+        return broken("the bulk creation is over")
+    if status.get("isStable") and running == target and topology in (None, "ACTIVE"):
         return SliceState(WHOLE)
-    bulk = status.get("bulkInstanceOperation") or {}
-    if bulk.get("inProgress"):
-        errors = ((bulk.get("lastProgressCheck") or {}).get("error") or {}).get("errors") or []
-        if errors:
-            return SliceState(NO_CAPACITY, "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors))
-        return SliceState(CREATING)
-    lost = {state: n for state, n in counts.items() if state != "running" and n}
+    errors = ((bulk or {}).get("lastProgressCheck") or {}).get("error", {}).get("errors") or []
+    if bulk and bulk.get("inProgress") and errors:
+        detail = compute.describe_errors(errors)
+        return SliceState(NO_CAPACITY if compute.classify_errors(errors) in _WAITED_FOR else REFUSED, detail)
     return SliceState(
-        BROKEN, f"{running} of {target} VMs running ({', '.join(f'{n} {s}' for s, n in sorted(lost.items()))}); "
-        f"topology {topology or 'unknown'}"
+        CREATING, f"{running} of {target} VMs running, topology {topology or 'not shown'}"
+        f"{'' if status.get('isStable') else ', the group not stable yet'}"
     )

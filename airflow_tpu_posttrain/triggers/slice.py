@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import TriggerEvent
 
-from airflow_tpu_posttrain.recipes import access, capacity, places, slices
+from airflow_tpu_posttrain.recipes import access, capacity, compute, places, slices
 from airflow_tpu_posttrain.triggers.compute import (
     _billed,
     _OperationsTrigger,
@@ -34,10 +34,11 @@ WORKER_ID_KEYS = ("worker-id", "agent-worker-number")
 
 
 class _SliceFailed(Exception):  # noqa: N818 - a control-flow signal inside the trigger, never raised out of it
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, kind: str | None = None) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        self.kind = kind
 
 
 def worker_id(instance: dict) -> int | None:
@@ -45,6 +46,19 @@ def worker_id(instance: dict) -> int | None:
     metadata = {item["key"]: item.get("value") for item in (instance.get("metadata") or {}).get("items", [])}
     value = next((metadata[key] for key in WORKER_ID_KEYS if metadata.get(key) is not None), None)
     return int(value) if value is not None else None
+
+
+# How long the teardown asks again to delete a template or policy Compute still calls in use once its group is
+# gone (no Google statement of how long that lasts; Google's cluster-toolkit retries such deletes on its next pass).
+IN_USE_RETRY_S = 300.0
+
+
+def _still_in_use(errors: list[dict]) -> bool:
+    """Compute's "resourceInUseByAnotherResource": 'The instance_template resource ... is already being used by ...'."""
+    return any(
+        "resourceInUseByAnotherResource" in f"{e.get('code')} {e.get('message')}" or "already being used by" in str(e.get("message"))
+        for e in errors
+    )
 
 
 class _SliceTrigger(_OperationsTrigger):
@@ -65,14 +79,21 @@ class _SliceTrigger(_OperationsTrigger):
         )
         group_ended = None
         for index, (delete, args, location) in enumerate(steps):
-            try:
-                operation = await self._poll(
-                    lambda delete=delete, args=args: delete(self.project_id, *args, str(uuid.uuid4()))
-                )
-                finished = await self._finished(hook, [{"name": operation, **location}]) if operation else []
-                errors = next((op["error"]["errors"] for op in finished if op.get("error", {}).get("errors")), [])
-            except Exception as err:
-                finished, errors = [], self._raised(err)
+            asked_until = time.monotonic() + IN_USE_RETRY_S
+            while True:
+                try:
+                    operation = await self._poll(
+                        lambda delete=delete, args=args: delete(self.project_id, *args, str(uuid.uuid4()))
+                    )
+                    finished = await self._finished(hook, [{"name": operation, **location}]) if operation else []
+                    errors = next((op["error"]["errors"] for op in finished if op.get("error", {}).get("errors")), [])
+                except Exception as err:
+                    finished, errors = [], self._raised(err)
+                # A template or policy stays "in use" for a while after its group is gone: asked again.
+                if not (index and _still_in_use(errors) and time.monotonic() < asked_until):
+                    break
+                self.log.info("%s is still in use by its deleted group: asking again", args[-1])
+                await asyncio.sleep(self.poll_interval)
             if errors:
                 return group_ended, f"{args[-1]}: " + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
             if index == 0 and finished:  # the group's
@@ -94,7 +115,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
 
     Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "worker_id", "instance",
     "host_keys"}] by worker id, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
-    "not-ready" | "refused" | "no-place", "detail", "state"}``.
+    "not-ready" | "refused" | "no-place", "detail", "kind" (``compute.ErrorKind`` of a refusal Compute explained, or
+    None), "state"}``.
 
     :param project_id: the slice's project.
     :param zone: the slice's zone.
@@ -186,7 +208,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             if self.cap is not None and self.line and not left:
                 await give_place_back(lines, self.line, self._group, self.log)
             detail = f"{failed.detail}; not deleted: {left}" if left else failed.detail
-            yield self._event({"status": "failed", "reason": failed.reason, "detail": detail})
+            yield self._event({"status": "failed", "reason": failed.reason, "detail": detail, "kind": failed.kind})
             return
         yield self._event({"status": "ready", "zone": self.zone, "vms": vms})
 
@@ -232,7 +254,10 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                     raise _SliceFailed("refused", "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors))
 
     async def _whole(self, hook: TpuVmAsyncHook, deadline: float) -> list[dict]:
-        """Wait for the group's VMs, all RUNNING (capacity waited for until ``deadline``); its managed instances."""
+        """Wait for the group's VMs, all RUNNING and its topology ACTIVE; its managed instances.
+
+        Capacity and a group still creating or settling are waited for until ``deadline``; a refusal no wait
+        mends (quota, a missing reservation) and evidence of a lost VM end the wait at once."""
         logged = ""
         while True:
             group = await self._poll(lambda: hook.get_instance_group(self.project_id, self.zone, self._group))
@@ -243,10 +268,16 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                 )
             if state.state == slices.BROKEN:
                 raise _SliceFailed("broken", state.detail)
-            if state.state == slices.NO_CAPACITY and time.monotonic() > deadline:
-                raise _SliceFailed("no-capacity", f"no capacity within {self.capacity_wait:.0f} s: {state.detail}")
+            if state.state == slices.REFUSED:
+                errors = group["status"]["bulkInstanceOperation"]["lastProgressCheck"]["error"]["errors"]
+                raise _SliceFailed("refused", state.detail, compute.classify_errors(errors))
+            if time.monotonic() > deadline:
+                if state.state == slices.NO_CAPACITY:
+                    raise _SliceFailed("no-capacity", f"no capacity within {self.capacity_wait:.0f} s: {state.detail}")
+                raise _SliceFailed("not-ready", f"slice {self._group} not whole within {self.capacity_wait:.0f} s: {state.detail}")
             if state.detail and state.detail != logged:
-                self.log.info("Slice %s waits for capacity: %s", self._group, state.detail)
+                waits = "waits for capacity" if state.state == slices.NO_CAPACITY else "is being created"
+                self.log.info("Slice %s %s: %s", self._group, waits, state.detail)
                 logged = state.detail
             await asyncio.sleep(self.poll_interval)
 
