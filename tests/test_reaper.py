@@ -338,3 +338,53 @@ def test_first_creates_drawing_the_deployment_id_at_once_all_use_the_last_draw(m
     first = compute_base.deployment_id()
     assert other_draws == []  # the racers did write while this create was reading
     assert first == "airflow-third" == compute_base.deployment_id() == store[compute_base.DEPLOYMENT_VARIABLE]
+
+
+def test_a_slice_group_waiting_for_capacity_with_no_vm_is_reaped_when_its_run_is_gone(emulator, run_dag, fault_matrix):
+    """A run marked failed while its bulk group waited for capacity: the group has no VM for the VM sweep to find.
+
+    Left alone it would make the whole slice when capacity comes. The reaper judges it as its VMs would be (its
+    template's labels and metadata): its run no longer exists, so the group goes, then its template and policy."""
+    from test_slices import slice_spec
+    from test_tpu_vm_operators import this_deployment
+
+    from airflow_tpu_posttrain.hooks.compute import TpuVmHook
+    from airflow_tpu_posttrain.recipes import compute, slices
+
+    dag_id, run_id = "slice_marked_failed", "manual__slice_marked_failed"
+    name = compute.instance_name(dag_id, run_id, "tpu", this_deployment())
+    labels = compute.ownership_labels(dag_id, run_id, "create_tpu_vm", 2_000_000_000, this_deployment())
+    emulator.add_reservation("slice-reservation", "us-east5-b", 4, machine_type="ct6e-standard-4t")
+    emulator.set_faults(stockout_zones=["us-east5-b"])
+    bodies = slices.slice_bodies(
+        slice_spec(), name, "us-east5-b", labels, {"airflow-dag-id": dag_id, "airflow-run-id": run_id}
+    )
+    hook = TpuVmHook(api_endpoint=emulator.url, retry_initial_delay=0.2, retry_deadline=30)
+    hook.insert_workload_policy("test-project", "us-east5", bodies.policy, "p-1")
+    hook.insert_instance_template("test-project", bodies.template, "t-1")
+    assert _wait_until(lambda: hook.list_instance_templates("test-project") != [])
+    hook.insert_instance_group("test-project", "us-east5-b", bodies.group, "g-1")
+    assert _wait_until(lambda: (hook.get_instance_group("test-project", "us-east5-b", name) or {}).get("status", {})
+                       .get("bulkInstanceOperation", {}).get("lastProgressCheck"))
+    assert emulator.instances() == []
+
+    reaped = run_dag("reaper_group_1", REAPER.format(mode="group_1", dry_run=False))
+    first = reap_counts(reaped)
+    assert (first["seen"], first["slices_deleted"]) == (0, 1)
+    assert _wait_until(lambda: hook.get_instance_group("test-project", "us-east5-b", name) is None, 30)
+    emulator.set_faults(stockout_zones=[])  # capacity comes: nothing is made any more
+    time.sleep(5 * emulator.faults["operation_seconds"])  # a group that still existed would have made its VMs by now
+    assert emulator.instances() == []
+    parts = 0
+    for attempt in range(10):  # the template and policy stay "in use" a moment after the group is gone
+        parts += reap_counts(run_dag(f"reaper_group_{attempt + 2}", REAPER.format(mode=f"group_{attempt + 2}", dry_run=False)))[
+            "slice_parts_deleted"
+        ]
+        if parts == 2:
+            break
+    assert parts == 2
+    assert _wait_until(lambda: hook.list_instance_templates("test-project") == [], 30)
+    fault_matrix.record(
+        "reaper: a slice group waiting for capacity with no VM, its run gone -> deleted, then its template and policy",
+        True, reaped.state, None, f"first pass {first['slices_deleted']} group, 0 VMs; template and policy: {parts} on later passes"[:80],
+    )

@@ -362,6 +362,15 @@ class TpuVmHook(GoogleBaseHook):
         )
         return [_message_to_dict(group) for _, scoped in pages for group in scoped.instance_group_managers]
 
+    def list_instance_groups(self, project: str) -> list[tuple[str, dict]]:
+        """The project's zonal groups in every zone: ``(zone, group)`` (``instanceGroupManagers.aggregatedList``)."""
+        pages = self.instance_groups.aggregated_list(request={"project": project}, retry=self.retry)
+        return [
+            (scope.rsplit("/", 1)[-1], _message_to_dict(group))
+            for scope, scoped in pages
+            for group in scoped.instance_group_managers
+        ]
+
     def list_instance_templates(self, project: str) -> list[dict]:
         pages = self.instance_templates.list(request={"project": project}, retry=self.retry)
         return [_message_to_dict(template) for template in pages]

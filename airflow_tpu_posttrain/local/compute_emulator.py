@@ -1437,6 +1437,7 @@ class ComputeEmulator:
     def _aggregated_resource_policies(self, query: dict, body: dict, project: str):
         """``resourcePolicies.aggregatedList``: the project's policies of every region, keyed ``regions/<region>``."""
         with self._lock:
+            self._advance()  # Compute's operations end in time, whatever is asked
             found = [(f"regions/{region}", r) for (p, region, _), r in self._resource_policies.items() if p == project]
             return _aggregated("resourcePolicy", "resourcePolicies", project, found, query)
 
@@ -1674,6 +1675,7 @@ class ComputeEmulator:
 
     def _get_resource_policy(self, query: dict, body: dict, project: str, region: str, name: str):
         with self._lock:
+            self._advance()  # Compute's operations end in time, whatever is asked
             policy = self._resource_policies.get((project, region, name))
             if policy is None:
                 raise _not_found(_resource_path(project, None, "resourcePolicies", name, region))
@@ -1682,6 +1684,7 @@ class ComputeEmulator:
     def _list_resource_policies(self, query: dict, body: dict, project: str, region: str):
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
+            self._advance()  # Compute's operations end in time, whatever is asked
             items = _matching(self._resource_policies, (project, region), terms)
         return _listing(
             "compute#resourcePolicyList", f"projects/{project}/regions/{region}/resourcePolicies", items
@@ -1749,6 +1752,7 @@ class ComputeEmulator:
 
     def _get_instance_template(self, query: dict, body: dict, project: str, name: str):
         with self._lock:
+            self._advance()  # Compute's operations end in time, whatever is asked
             template = self._instance_templates.get((project, name))
             if template is None:
                 raise _not_found(_resource_path(project, None, "instanceTemplates", name))
@@ -1757,6 +1761,7 @@ class ComputeEmulator:
     def _list_instance_templates(self, query: dict, body: dict, project: str):
         terms = _parse_filter(query.get("filter", ""))
         with self._lock:
+            self._advance()  # Compute's operations end in time, whatever is asked
             items = _matching(self._instance_templates, (project,), terms)
         return _listing("compute#instanceTemplateList", f"projects/{project}/global/instanceTemplates", items)
 

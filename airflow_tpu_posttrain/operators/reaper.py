@@ -112,8 +112,40 @@ class TpuVmReaperOperator(ComputeOperator):
             self.log.warning("Cannot look up instance group %s: %s", name, err)
             return None
 
+    def _sweep_groups(
+        self, context: Context, now: datetime, counts: dict, deployment: str, judged: set[tuple[str, str]]
+    ) -> None:
+        """Delete our slice groups that have no VM (waiting for capacity, or every VM lost) by the VMs' rule.
+
+        A group without VMs keeps trying to make its slice: when capacity comes it makes every VM, and it may hold
+        the reservation the next run needs. It is judged as its VMs would be, on its template's labels and
+        metadata (expiry, deployment, DAG run) and its own age."""
+        templates = {template["name"]: template for template in self.hook.list_instance_templates(self.project)}
+        for zone, group in self.hook.list_instance_groups(self.project):
+            if (zone, group["name"]) in judged:
+                continue
+            template = templates.get((group.get("instanceTemplate") or "").rsplit("/", 1)[-1])
+            as_instance = reaper.group_as_instance(group, template)
+            if as_instance is None:
+                if (group.get("description") or "").startswith(f"{compute.MANAGED_BY}:"):
+                    self.log.info("keep   slice %s in %s: its template cannot be read", group["name"], zone)
+                continue
+            ours = reaper.of_deployment(as_instance, deployment)
+            run_state = self._run_state(context, as_instance) if ours else None
+            decision = reaper.decide(as_instance, run_state, now, self.grace_period_s, deployment)
+            if not decision.delete:
+                self.log.info("keep   slice %s in %s (no VM): %s", group["name"], zone, decision.reason)
+            elif self.dry_run:
+                self.log.info("WOULD delete slice %s in %s (no VM): %s (dry run)", group["name"], zone, decision.reason)
+            else:
+                self.log.warning("delete slice %s in %s (no VM): %s", group["name"], zone, decision.reason)
+                self.hook.delete_instance_group(self.project, zone, group["name"], str(uuid.uuid4()))
+                counts["slices_deleted"] += 1
+
     def _sweep_slice_parts(self, now: datetime, counts: dict) -> None:
         """Delete our slices' templates and workload policies whose group is gone (after the grace period)."""
+        from google.api_core.exceptions import GoogleAPICallError
+
         parts = [(None, t) for t in self.hook.list_instance_templates(self.project)]
         parts += self.hook.list_workload_policies(self.project)
         for region, part in parts:
@@ -128,10 +160,17 @@ class TpuVmReaperOperator(ComputeOperator):
                 self.log.info("WOULD delete %s %s: %s (dry run)", kind, part["name"], decision.reason)
             else:
                 self.log.warning("delete %s %s: %s", kind, part["name"], decision.reason)
-                if region:
-                    self.hook.delete_workload_policy(self.project, region, part["name"], str(uuid.uuid4()))
-                else:
-                    self.hook.delete_instance_template(self.project, part["name"], str(uuid.uuid4()))
+                try:
+                    if region:
+                        self.hook.delete_workload_policy(self.project, region, part["name"], str(uuid.uuid4()))
+                    else:
+                        self.hook.delete_instance_template(self.project, part["name"], str(uuid.uuid4()))
+                except GoogleAPICallError as err:
+                    if "already being used by" not in str(err):
+                        raise
+                    # Compute still calls it in use a while after its group is gone: the next pass deletes it.
+                    self.log.info("keep   %s %s: still in use (%s); asked again next pass", kind, part["name"], err)
+                    continue
                 counts["slice_parts_deleted"] += 1
 
     def _sweep_places(self, context: Context, now: datetime, counts: dict) -> None:
@@ -179,8 +218,11 @@ class TpuVmReaperOperator(ComputeOperator):
         }
         deployment = deployment_id()
         groups: set[tuple[str, str]] = set()
+        judged_groups: set[tuple[str, str]] = set()  # the groups of the VMs judged here: judged with them
         for zone, instance in self.hook.list_project_instances(self.project, reaper.LABEL_FILTER):
             counts["seen"] += 1
+            if compute.slice_group_of(instance):
+                judged_groups.add((zone, compute.slice_group_of(instance)))
             ours = reaper.of_deployment(instance, deployment)
             run_state = self._run_state(context, instance) if ours else None
             decision = reaper.decide(instance, run_state, now, self.grace_period_s, deployment)
@@ -219,6 +261,7 @@ class TpuVmReaperOperator(ComputeOperator):
                 self.log.warning("delete firewall %s: %s", rule["name"], decision.reason)
                 self.hook.delete_firewall(self.project, rule["name"], str(uuid.uuid4()))
                 counts["firewalls_deleted"] += 1
+        self._sweep_groups(context, now, counts, deployment, judged_groups)
         self._sweep_slice_parts(now, counts)
         self._sweep_places(context, now, counts)
         self.log.info("Reaper: %s", counts)

@@ -100,6 +100,23 @@ def decide_firewall(rule: dict, instance_exists: bool | None, now: datetime, gra
     return _decide_leftover(rule, firewall_instance(rule), "instance", instance_exists, now, grace_s)
 
 
+def group_as_instance(group: dict, template: dict | None) -> dict | None:
+    """A slice's group as the reaper judges a VM: its template's labels and metadata, the group's age.
+
+    A group has no labels of its own (v1 ``InstanceGroupManager``); every VM it makes carries its template's, so
+    a group waiting for capacity with no VM yet is judged on exactly what its VMs would be. None: not ours, or its
+    template (and so its run) cannot be read."""
+    if not (group.get("description") or "").startswith(f"{MANAGED_BY}:") or template is None:
+        return None
+    properties = template.get("properties") or {}
+    return {
+        "name": group["name"],
+        "labels": properties.get("labels") or {},
+        "metadata": properties.get("metadata") or {},
+        "creationTimestamp": group["creationTimestamp"],
+    }
+
+
 def slice_part_group(resource: dict) -> str | None:
     """The group a slice's instance template or workload policy serves; None when it is not ours.
 
