@@ -298,6 +298,34 @@ def test_a_slice_without_capacity_in_time_fails_and_leaves_nothing(hook):
     assert _nothing_left(hook, emulator)
 
 
+def test_a_quota_refusal_fails_the_slice_at_once_not_after_the_capacity_window(hook):
+    """A quota is no stock-out: no wait mends it, so the create fails at once, naming Compute's reason."""
+    hook, emulator = hook
+    emulator.set_faults(quota_exceeded_zones=[ZONE])
+    started = time.monotonic()
+    event = _event(_trigger(emulator, capacity_wait=600))
+    assert (event["status"], event["reason"], event["kind"]) == ("failed", "refused", compute.ErrorKind.QUOTA)
+    assert "QUOTA" in event["detail"] and time.monotonic() - started < 120
+    assert _nothing_left(hook, emulator)
+
+
+def test_a_slice_whose_max_run_duration_compute_refuses_is_made_again_without_it(hook):
+    """As a single VM's create does: the VMs' cloud-side deadline is dropped, the reaper's expiry is the backstop.
+
+    (No guest environment here: the slice made again is then refused as not ready, which is not this test's.)"""
+    hook, emulator = hook
+    emulator.set_faults(refuse_max_run_duration=["RESERVATION_BOUND"])
+    spec = TpuVmSpec(
+        project_id=PROJECT, zones=(ZONE,), accelerator_type="v6e-16", reservation="slice-reservation",
+        max_run_duration_s=3600,
+    )
+    event = _event(_trigger(emulator, spec=spec, ready_timeout=1))
+    assert (event["status"], event["reason"]) == ("failed", "not-ready"), event
+    templates = [r["body"] for r in emulator.requests if r["method"] == "POST" and r["path"].endswith("/instanceTemplates")]
+    assert ["maxRunDuration" in t["properties"]["scheduling"] for t in templates] == [True, False]
+    assert _nothing_left(hook, emulator)
+
+
 def test_a_slice_whose_vms_never_answer_is_deleted_whole(hook):
     """No guest environment here (no local fleet): no host keys, so no VM can be verified, and none is kept."""
     hook, emulator = hook

@@ -200,7 +200,12 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                 await self._take_place(hook, lines)
             deadline = time.monotonic() + self.capacity_wait
             await self._insert(hook)
-            members = await self._whole(hook, deadline)
+            try:
+                members = await self._whole(hook, deadline)
+            except _SliceFailed as failed:
+                if failed.reason != "refused" or "maxRunDuration" not in failed.detail:
+                    raise
+                members = await self._again_without_max_run_duration(hook, deadline, failed.detail)
             vms = await self._ready(hook, members)
         except _SliceFailed as failed:
             self.log.warning("Slice %s cannot be completed (%s): deleting it whole", self._group, failed.detail)
@@ -211,6 +216,24 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             yield self._event({"status": "failed", "reason": failed.reason, "detail": detail, "kind": failed.kind})
             return
         yield self._event({"status": "ready", "zone": self.zone, "vms": vms})
+
+    async def _again_without_max_run_duration(self, hook: TpuVmAsyncHook, deadline: float, refusal: str) -> list[dict]:
+        """Compute refused ``scheduling.maxRunDuration`` for the slice's VMs: the slice made again without it.
+
+        As the single VM's create does: the backstop is then the reaper, which deletes the VMs after their
+        ``expires-at`` label. The refused group, template and policy are deleted first (a template cannot be
+        changed, only replaced)."""
+        self.log.warning(
+            "Compute refused scheduling.maxRunDuration for the VMs of slice %s: making it once more without it; its "
+            "backstop is then the reaper, which deletes it after its expires-at label. (%s)", self._group, refusal,
+        )
+        await self._delete_whole(hook, "the slice Compute refused could not be deleted")
+        template = self.bodies["template"]
+        scheduling = {k: v for k, v in template["properties"]["scheduling"].items() if k != "maxRunDuration"}
+        properties = {**template["properties"], "scheduling": scheduling}
+        self.bodies = {**self.bodies, "template": {**template, "properties": properties}}
+        await self._insert(hook)
+        return await self._whole(hook, deadline)
 
     async def _delete_whole(self, hook: TpuVmAsyncHook, failure: str) -> None:
         _, left = await self._delete_slice(hook, self.zone, self._group, *self._template_and_policy)
