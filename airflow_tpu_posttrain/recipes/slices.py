@@ -22,7 +22,11 @@ from airflow_tpu_posttrain.recipes.accelerators import Accelerator, accelerator
 
 BASE_NAME_ROOM = 52  # a MIG's baseInstanceName before its "-###": `[a-z][-a-z0-9]{0,51}-#{1,10}` (v1 reference)
 # What an instances.insert body holds that an instance template's properties do not (InstanceProperties, v1):
-# the instance's own name, and the FLEX_START wait, which a MIG takes from a resize request instead.
+# the instance's own name, and ``params`` (a single FLEX_START VM's ``requestValidForDuration``). A FLEX_START
+# slice is a bulk MIG of ``targetSize`` VMs, as Google's bulk-mode sample makes one (terraform-docs-samples
+# ``compute_bulk_per_instance_config``: a FLEX_START template with ``maxRunDuration``, ``targetSizePolicy`` BULK):
+# bulk mode supports no resize request that creates VMs all at once (about-bulk-mode, limitations), and v1 has
+# no validity for a MIG's wait; ``max_wait_for_capacity`` bounds the wait from the create instead.
 NOT_IN_TEMPLATE = ("name", "params")
 
 # What a slice is made with (compute/docs/instance-groups/about-bulk-mode: bulk mode takes these two only).
