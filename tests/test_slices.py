@@ -49,7 +49,17 @@ def test_each_vm_of_a_slice_is_made_from_the_single_host_vms_body():
     single = compute.instance_body(spec, RUN_VM, ZONE, LABELS, {"airflow-dag-id": "d"}, SSH_KEYS)
     properties = bodies.template["properties"]
     assert properties.pop("machineType") == "ct6e-standard-4t"
+    # And the run's VM name as every VM's tag: the target of the rule between them (a single VM gets it only with
+    # an SSH rule of its own).
+    assert properties.pop("tags") == {"items": [RUN_VM]} and "tags" not in single
     assert properties == {k: v for k, v in single.items() if k not in ("name", "machineType")}
+    [between] = bodies.firewalls  # no SSH rule: the run opens none
+    assert (between["sourceTags"], between["targetTags"]) == ([RUN_VM], [RUN_VM]) and "sourceRanges" not in between
+    assert {a["IPProtocol"] for a in between["allowed"]} == {"tcp", "udp", "icmp"}
+    assert compute.firewall_instance(between) == RUN_VM  # the reaper's: kept while the slice's group exists
+    opened = slices.slice_bodies(slice_spec(ssh_source_ranges=("203.0.113.0/24",)), RUN_VM, ZONE, LABELS)
+    assert [rule["name"] for rule in opened.firewalls] == list(opened.names.firewalls)
+    assert opened.firewalls[1]["sourceRanges"] == ["203.0.113.0/24"]
     assert bodies.policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "4x4"}
     group = bodies.group
     assert (group["targetSize"], group["targetSizePolicy"], group["baseInstanceName"]) == (
@@ -243,7 +253,8 @@ def _trigger(emulator, spec: TpuVmSpec | None = None, capacity_wait: float = 30,
 
     bodies = slices.slice_bodies(spec or slice_spec(), RUN_VM, ZONE, LABELS, None, SSH_KEYS)
     trigger = TpuSliceCreateTrigger(
-        PROJECT, ZONE, {"policy": bodies.policy, "template": bodies.template, "group": bodies.group},
+        PROJECT, ZONE,
+        {"policy": bodies.policy, "template": bodies.template, "group": bodies.group, "firewalls": list(bodies.firewalls)},
         network_path="internal", ssh_port=22, capacity_wait=capacity_wait, ready_timeout=ready_timeout,
         api_endpoint=emulator.url, poll_interval=0.2,
     )
@@ -262,9 +273,10 @@ def _event(trigger) -> dict:
 
 
 def _nothing_left(hook, emulator) -> bool:
-    """No VM, group, template or policy of the slice, as Compute lists them."""
+    """No VM, group, template, policy or firewall rule of the slice, as Compute lists them."""
     return (
         emulator.instances() == []
+        and emulator.firewalls() == []
         and hook.get_instance_group(PROJECT, ZONE, RUN_VM) is None
         and list(hook.instance_templates.list(project=PROJECT)) == []
         and list(hook.resource_policies.list(project=PROJECT, region=REGION)) == []
@@ -279,6 +291,7 @@ def test_the_slice_create_hands_on_every_vm_reachable_by_worker_id(hook, tmp_pat
     emulator.fleet = LocalFleet(tmp_path / "disks", boot_delay=0)
     event = _event(_trigger(emulator))
     assert event["status"] == "ready", event
+    assert [rule["name"] for rule in emulator.firewalls()] == [compute.firewall_name(RUN_VM, "int")]
     assert [vm["worker_id"] for vm in event["vms"]] == [0, 1, 2, 3]
     assert sorted(vm["name"] for vm in event["vms"]) == [slices.slice_names(RUN_VM).member(i) for i in range(4)]
     assert all(set(vm["host_keys"]) >= {"ssh-ed25519"} for vm in event["vms"])
@@ -388,6 +401,7 @@ def test_the_teardown_asks_again_while_compute_still_calls_the_template_and_poli
     trigger = TpuSliceDeleteTrigger(
         PROJECT, ZONE, names.group, names.template, names.policy, api_endpoint=emulator.url, poll_interval=0.2
     )
+    _done(hook, hook.insert_firewall(PROJECT, compute.slice_firewall_body(slice_spec(), RUN_VM), str(uuid.uuid4())))
     event = _event(TpuSliceDeleteTrigger(**trigger.serialize()[1]))
     assert (event["status"], event["errors"]) == ("success", [])
     assert _nothing_left(hook, emulator)

@@ -252,7 +252,8 @@ class TpuVmReaperOperator(ComputeOperator):
             instance = compute.firewall_instance(rule)
             if instance is None:
                 continue
-            decision = reaper.decide_firewall(rule, self._instance_exists(instance), now, self.grace_period_s)
+            # A slice's rules are named for it: kept while its group (or a VM of that name) exists.
+            decision = reaper.decide_firewall(rule, self._made(instance), now, self.grace_period_s)
             if not decision.delete:
                 self.log.info("keep   firewall %s: %s", rule["name"], decision.reason)
             elif self.dry_run:

@@ -245,7 +245,10 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         self.defer(
             trigger=TpuSliceCreateTrigger(
                 zone=self.zone,
-                bodies={"policy": bodies.policy, "template": bodies.template, "group": bodies.group},
+                bodies={
+                    "policy": bodies.policy, "template": bodies.template, "group": bodies.group,
+                    "firewalls": list(bodies.firewalls),
+                },
                 network_path=self.network_path,
                 ssh_port=self._ssh_port(),
                 group=group,
@@ -342,8 +345,8 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
 class TpuSliceDeleteOperator(ComputeOperator):
     """Delete the multi-host slice of this DAG run, from the triggerer: the teardown of a slice's pipeline.
 
-    The group with every VM, then the template and the workload policy, named by the create task's XCom (the
-    partial record a failed create leaves included), else by the run's deterministic name. What is already gone
+    The group with every VM, then the template, the workload policy and the slice's firewall rules, named by the
+    create task's XCom (the partial record a failed create leaves included), else by the run's deterministic name. What is already gone
     counts as deleted. Returns (XCom) ``{"deleted": bool, "name", "zone", "vms": n, "cost_usd", "vm_seconds"}``:
     the cost sums every VM's (None when ``prices`` has no price for it).
 

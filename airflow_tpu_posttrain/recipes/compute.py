@@ -71,28 +71,30 @@ def instance_name(dag_id: str, run_id: str, prefix: str = "tpu", deployment: str
     return "-".join(part for part in (prefix, middle, digest) if part)
 
 
-def firewall_name(instance: str) -> str:
-    """The SSH firewall rule of ``instance`` (<= 63 chars): one per instance, whatever the name's length.
+def firewall_name(instance: str, suffix: str = "ssh") -> str:
+    """A firewall rule of ``instance`` (<= 63 chars): its SSH rule, or a slice's rule ``suffix``.
 
     A long instance name is cut, never its tail alone: the run's hash at its end is what keeps two runs' rules
     (and two instances') apart, so a cut name carries a hash of the whole name."""
-    if len(instance) + len("-ssh") <= 63:
-        return f"{instance}-ssh"
+    if len(instance) + len(suffix) + 1 <= 63:
+        return f"{instance}-{suffix}"
     digest = hashlib.sha256(instance.encode()).hexdigest()[:10]
-    return f"{instance[:48].rstrip('-')}-{digest}-ssh"
+    return f"{instance[:48].rstrip('-')}-{digest}-{suffix}"
 
 
 _FIREWALL_DESCRIPTION = f"{MANAGED_BY}: SSH to instance "
+_SLICE_FIREWALL_DESCRIPTION = f"{MANAGED_BY}: between the VMs of slice "
 
 
 def firewall_instance(rule: dict) -> str | None:
-    """The instance an SSH rule of ours was made for, or None for any other rule.
+    """The instance (or slice) a rule of ours was made for, or None for any other rule.
 
     Firewall rules carry no labels: the description says."""
     description = rule.get("description") or ""
-    if not description.startswith(_FIREWALL_DESCRIPTION):
-        return None
-    return description.removeprefix(_FIREWALL_DESCRIPTION) or None
+    for prefix in (_FIREWALL_DESCRIPTION, _SLICE_FIREWALL_DESCRIPTION):
+        if description.startswith(prefix):
+            return description.removeprefix(prefix) or None
+    return None
 
 
 DEPLOYMENT_LABEL = "airflow-deployment"
@@ -413,6 +415,25 @@ def ssh_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
         "sourceRanges": [access.IAP_SOURCE_RANGE]
         if spec.network_path == "iap"
         else list(spec.ssh_source_ranges),
+        "targetTags": [instance],
+    }
+
+
+def slice_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
+    """Every protocol between the VMs of the slice ``instance`` (their tag), and from nowhere else.
+
+    The processes of one training talk over the VPC: JAX's coordinator on worker 0 (port 8482 since JAX 0.8.1,
+    8476 before: jax-ml/jax#35905), libtpu's and the collectives' ports between hosts (8471 and others; no Google
+    page lists them for Compute Engine TPU slices). Google's MaxText multislice recipe opens tcp, udp and icmp
+    within its network; here only among the slice's own VMs, so the slice does not depend on a network's
+    ``default-allow-internal`` (a custom-mode network has none)."""
+    return {
+        "name": firewall_name(instance, "int"),
+        "description": _SLICE_FIREWALL_DESCRIPTION + instance,
+        "network": f"global/networks/{spec.network}",
+        "direction": "INGRESS",
+        "allowed": [{"IPProtocol": "tcp"}, {"IPProtocol": "udp"}, {"IPProtocol": "icmp"}],
+        "sourceTags": [instance],
         "targetTags": [instance],
     }
 

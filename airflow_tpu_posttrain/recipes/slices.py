@@ -41,6 +41,7 @@ class SliceNames:
     template: str
     group: str
     base_instance_name: str
+    firewalls: tuple[str, ...] = ()  # the rule between its VMs, and its SSH rule (when the run opens one)
 
     def member(self, index: int) -> str:
         """The name of the group's ``index``-th VM (from 0), as the group numbers them (``-001`` …)."""
@@ -56,7 +57,8 @@ def slice_names(name: str) -> SliceNames:
     if len(base) > BASE_NAME_ROOM:
         digest = hashlib.sha256(name.encode()).hexdigest()[:10]
         base = f"{name[: BASE_NAME_ROOM - 11].rstrip('-')}-{digest}"
-    return SliceNames(policy=name, template=name, group=name, base_instance_name=f"{base}-###")
+    firewalls = (compute.firewall_name(name, "int"), compute.firewall_name(name))
+    return SliceNames(policy=name, template=name, group=name, base_instance_name=f"{base}-###", firewalls=firewalls)
 
 
 def region_of(zone: str) -> str:
@@ -104,12 +106,13 @@ def group_body(project: str, zone: str, names: SliceNames, acc: Accelerator) -> 
 
 @dataclass(frozen=True)
 class SliceBodies:
-    """What a slice's create sends, in order: the policy, the template, the group."""
+    """What a slice's create sends, in order: its firewall rules, the policy, the template, the group."""
 
     names: SliceNames
     policy: dict
     template: dict
     group: dict
+    firewalls: tuple[dict, ...] = ()
 
 
 def slice_bodies(
@@ -125,14 +128,20 @@ def slice_bodies(
     if not acc.is_multi_host:
         raise ValueError(f"{spec.accelerator_type} is one VM, not a slice")
     names = slice_names(name)
-    # Named as the run's VM: the name itself is left out of the template, and the SSH firewall rule's target tag
-    # (the run's VM name, ``compute.ssh_firewall_body``) is then on every VM of the slice.
+    # Named as the run's VM: the name itself is left out of the template, and the run's VM name is every VM's tag,
+    # the target of its firewall rules (between the VMs, and SSH's when the run opens one).
     member = compute.instance_body(spec, name, zone, labels, metadata, ssh_keys)
+    tags = (member.get("tags") or {}).get("items") or []
+    member["tags"] = {"items": [*tags, name] if name not in tags else tags}
+    firewalls = [compute.slice_firewall_body(spec, name)]
+    if spec.opens_firewall:
+        firewalls.append(compute.ssh_firewall_body(spec, name))
     return SliceBodies(
         names,
         workload_policy_body(names, acc),
         instance_template_body(names, member),
         group_body(spec.project_id, zone, names, acc),
+        tuple(firewalls),
     )
 
 

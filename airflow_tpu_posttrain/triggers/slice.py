@@ -67,7 +67,7 @@ class _SliceTrigger(_OperationsTrigger):
     async def _delete_slice(
         self, hook: TpuVmAsyncHook, zone: str, group: str, template: str, policy: str
     ) -> tuple[str | None, str]:
-        """The group (with its VMs), then the template, then the policy: each gone before the next is asked.
+        """The group (with its VMs), then the template, the policy and the firewall rules: each gone before the next.
 
         Returns when the group's delete ended (its operation's ``endTime``; None when it was gone already) and
         what could not be deleted, with Compute's reason ("" when all is gone: else the reaper's to end)."""
@@ -76,6 +76,7 @@ class _SliceTrigger(_OperationsTrigger):
             (hook.delete_instance_group, (zone, group), {"zone": zone}),
             (hook.delete_instance_template, (template,), {}),
             (hook.delete_workload_policy, (region, policy), {"region": region}),
+            *((hook.delete_firewall, (rule,), {}) for rule in slices.slice_names(group).firewalls),
         )
         group_ended = None
         for index, (delete, args, location) in enumerate(steps):
@@ -106,12 +107,12 @@ class TpuSliceCreateTrigger(_SliceTrigger):
 
     In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
     without one, a place under ``cap`` is taken in the zone's line (``recipes/places.py``: the slice holds one
-    place), waiting in line first; the workload policy, the instance template and the group are inserted (each
-    insert's 409 is "there already"); the group is polled while it creates its VMs (bulk mode: all at once or
+    place), waiting in line first; the firewall rules (between the slice's VMs, and SSH's when the run opens one),
+    the workload policy, the instance template and the group are inserted (each insert's 409 is "there already"); the group is polled while it creates its VMs (bulk mode: all at once or
     none) or waits for capacity, up to ``capacity_wait`` seconds; then every VM must publish its host keys and
     answer on ``ssh_port`` within ``ready_timeout``. A slice that cannot be completed (no capacity in time, a VM lost, a
-    VM that never answers, an insert refused) is deleted whole, the group with its VMs, then the template and
-    the policy, and its place given back, before the event: a partial slice is never handed on.
+    VM that never answers, an insert refused) is deleted whole, the group with its VMs, then the template, the
+    policy and the firewall rules, and its place given back, before the event: a partial slice is never handed on.
 
     Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "worker_id", "instance",
     "host_keys"}] by worker id, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
@@ -258,8 +259,9 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             raise _SliceFailed("no-place", timed_out)
 
     async def _insert(self, hook: TpuVmAsyncHook) -> None:
-        """The policy, the template, the group, each waited for; one Compute refuses fails the slice."""
+        """The firewall rules, the policy, the template, the group, each waited for; one Compute refuses fails the slice."""
         steps = (
+            *((hook.insert_firewall, (rule,), {}) for rule in self.bodies.get("firewalls") or ()),
             (hook.insert_workload_policy, (self._region, self.bodies["policy"]), {"region": self._region}),
             (hook.insert_instance_template, (self.bodies["template"],), {}),
             (hook.insert_instance_group, (self.zone, self.bodies["group"]), {"zone": self.zone}),
