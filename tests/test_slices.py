@@ -339,6 +339,20 @@ def test_a_slice_whose_max_run_duration_compute_refuses_is_made_again_without_it
     assert _nothing_left(hook, emulator)
 
 
+def test_a_slice_whose_vms_name_no_worker_id_is_never_handed_on(hook, tmp_path):
+    """Without worker ids every training command would fail on the billed slice: the create fails at once instead,
+    naming the metadata keys it read, and deletes the slice whole."""
+    from airflow_tpu_posttrain.local.fleet import LocalFleet
+
+    hook, emulator = hook
+    emulator.fleet = LocalFleet(tmp_path / "disks", boot_delay=0)
+    emulator.set_faults(no_worker_id_metadata=True)
+    event = _event(_trigger(emulator))
+    assert (event["status"], event["reason"]) == ("failed", "not-ready"), event
+    assert "worker ids in their metadata (worker-id or agent-worker-number) are not 0 to 3" in event["detail"]
+    assert _nothing_left(hook, emulator)
+
+
 def test_a_slice_whose_vms_never_answer_is_deleted_whole(hook):
     """No guest environment here (no local fleet): no host keys, so no VM can be verified, and none is kept."""
     hook, emulator = hook

@@ -151,6 +151,9 @@ class Faults:
     """How long a deleted group's template and policy are still "in use" after its delete is DONE (None: three
     times ``operation_seconds``). No Google statement of how long; Google's cluster-toolkit expects the error and
     retries the delete on its next pass, and so must a client."""
+    no_worker_id_metadata: bool = False
+    """A slice's VMs carry no ``worker-id`` in the metadata ``instances.get`` shows: where Google documents the
+    worker ids of MIG-made TPU VMs is their guest's metadata server (if anywhere), not the API's view."""
     topology_activation_seconds: float | None = None
     """How long a slice's topology stays ACTIVATING, and its group unstable, once every VM is RUNNING (None:
     ``operation_seconds``). The v1 reference names ACTIVATING and ACTIVE and documents no order or timing; a
@@ -1983,7 +1986,7 @@ class ComputeEmulator:
             "created-by": _resource_path(project, zone, "instanceGroupManagers", group.resource["name"]),
             "instance-template": group.template["selfLink"],
         }
-        if group.members[name] is not None:
+        if group.members[name] is not None and not self._faults.no_worker_id_metadata:
             added["worker-id"] = str(group.members[name])
         metadata = body.setdefault("metadata", {})
         metadata["items"] = [item for item in metadata.get("items") or [] if item.get("key") not in added] + [

@@ -327,7 +327,17 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                 await asyncio.sleep(self.poll_interval)
             reached = {"status": status, "networkInterfaces": instance.get("networkInterfaces"), **(_billed(instance) or {})}
             vms.append({"name": name, "worker_id": worker_id(instance), "instance": reached, "host_keys": host_keys})
-        return sorted(vms, key=lambda vm: (vm["worker_id"] is None, vm["worker_id"], vm["name"]))
+        ids = sorted(vm["worker_id"] for vm in vms if vm["worker_id"] is not None)
+        if ids != list(range(len(vms))):
+            # Never handed on: every training command names its worker, and a slice without them is billed for
+            # nothing until its first MaxText step fails.
+            found = ", ".join(f"{vm['name']}: {vm['worker_id']}" for vm in sorted(vms, key=lambda vm: vm["name"]))
+            raise _SliceFailed(
+                "not-ready",
+                f"slice {self._group}: its VMs' worker ids in their metadata ({' or '.join(WORKER_ID_KEYS)}) are not "
+                f"0 to {len(vms) - 1} ({found})",
+            )
+        return sorted(vms, key=lambda vm: vm["worker_id"])
 
 
 class TpuSliceDeleteTrigger(_SliceTrigger):
