@@ -340,8 +340,9 @@ def test_a_slice_whose_max_run_duration_compute_refuses_is_made_again_without_it
 
 
 def test_a_slice_whose_vms_name_no_worker_id_is_never_handed_on(hook, tmp_path):
-    """Without worker ids every training command would fail on the billed slice: the create fails at once instead,
-    naming the metadata keys it read, and deletes the slice whole."""
+    """A slice without worker ids is deleted whole at its create, the keys it read named.
+
+    Every training command on it would fail, on a billed slice."""
     from airflow_tpu_posttrain.local.fleet import LocalFleet
 
     hook, emulator = hook
