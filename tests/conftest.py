@@ -156,6 +156,16 @@ def capacity_claims(gcs_server, monkeypatch, request) -> str:
 
 
 @pytest.fixture
+def configured_deployment(monkeypatch) -> str:
+    """Tasks run outside a task process (their ``execute`` called directly): the deployment id is configured.
+
+    In a task it is the Variable the deployment's first create draws; outside one, Airflow's Variables cannot be
+    written."""
+    monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", "airflow-staging")
+    return "airflow-staging"
+
+
+@pytest.fixture
 def run_dag(airflow_db, monkeypatch):
     """Write a DAG file into the dags folder, parse it as the scheduler would, and run it with dag.test()."""
 

@@ -72,10 +72,8 @@ def dags(dagbag):
 
 
 @pytest.fixture(autouse=True)
-def deployment(monkeypatch):
-    """The tasks rendered here run outside a task process: the deployment id is configured, not a Variable."""
-    monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", "airflow-staging")
-    return "airflow-staging"
+def _deployment(configured_deployment):
+    """The tasks rendered here run outside a task process."""
 
 
 def _task_ids(tasks) -> set[str]:

@@ -264,10 +264,12 @@ def test_reaper_gives_back_the_place_of_a_finished_runs_vm_once_it_is_gone(
     [held] = StoredRecordHook().read(line)["holders"]
     reaping = REAPER.replace("grace_period_s=0,", f"grace_period_s=0, capacity_claims=[{capacity_claims!r}],")
     first = reap_counts(run_dag("reaper_places_1", reaping.format(mode="places_1", dry_run=False)))
-    assert (first["deleted"], first["places_given_back"]) == (1, 0)  # its VM may still be going: kept
+    # The place goes back once the VM's delete has ended: in the same pass if it ended by the places' sweep, else
+    # on the next one (kept meanwhile, the log says why).
+    assert first["deleted"] == 1 and first["places_given_back"] in (0, 1)
     assert _wait_until(lambda: emulator.instances() == [])
     second = reap_counts(run_dag("reaper_places_2", reaping.format(mode="places_2", dry_run=False)))
-    assert second["places_given_back"] == 1
+    assert first["places_given_back"] + second["places_given_back"] == 1
     assert StoredRecordHook().read(line)["holders"] == {}
     logs = "".join(capfd.readouterr())
     assert f"give back the place of {held} in {line}: its DAG run is success" in logs

@@ -30,6 +30,11 @@ class FakeTaskInstance:
         self.xcom[key] = value
 
 
+@pytest.fixture(autouse=True)
+def _deployment(configured_deployment):
+    """The steps' ``execute`` is called here outside a task process."""
+
+
 def context(run_id: str = "manual__reattach"):
     dag_run = SimpleNamespace(dag_id="reattach_dag", run_id=run_id, logical_date=None)
     return {"dag_run": dag_run, "ti": FakeTaskInstance()}

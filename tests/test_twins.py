@@ -35,6 +35,11 @@ LOCAL_SLICE_VMS = 2  # the local stack's slices: 2 VMs standing for v6e-16's 4 (
 LOGICAL_DATE = datetime(2026, 12, 1, tzinfo=UTC)
 
 
+@pytest.fixture(autouse=True)
+def _deployment(configured_deployment):
+    """The commands are rendered outside a task process."""
+
+
 @pytest.fixture(scope="module")
 def dags(tmp_path_factory):
     from airflow.dag_processing.dagbag import DagBag

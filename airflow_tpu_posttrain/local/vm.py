@@ -180,6 +180,19 @@ def _namespace_members(mount_ns: str) -> dict[int, tuple[int, str]]:
     return members
 
 
+def _started(pid: int) -> int | None:
+    """When the live process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22); None: gone.
+
+    With its pid, the process's identity: a pid, and a namespace's number, are reused once freed. A zombie counts
+    as gone (dead, waiting for its parent to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def _kill(pids: Iterable[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -414,11 +427,15 @@ class LocalVm:
             process, self._process = self._process, None
         if process is not None and self._mount_ns:
             deadline = time.monotonic() + DESTROY_TIMEOUT_S
-            # Killing the init kills its pid namespace; the loop also covers `unshare` and any straggler.
-            while members := _namespace_members(self._mount_ns):
+            # The VM's processes, taken once: once they are gone the kernel frees the namespace's number, and
+            # another VM booting meanwhile may get it; a scan by namespace then would kill that VM's processes
+            # (seen as a VM that "stopped" with nothing on its console). Killing the init kills its pid namespace,
+            # what it forked after this snapshot included; the snapshot also covers `unshare` itself.
+            members = {pid: _started(pid) for pid in _namespace_members(self._mount_ns)}
+            while alive := [pid for pid, started in members.items() if started is not None and _started(pid) == started]:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"VM {self.name}: processes {sorted(members)} outlived destroy()")
-                _kill(members)
+                    raise TimeoutError(f"VM {self.name}: processes {sorted(alive)} outlived destroy()")
+                _kill(alive)
                 time.sleep(0.02)
         if process is not None:
             process.kill()
@@ -595,7 +612,8 @@ class LocalVm:
         process = self._process
         while not self._destroying.is_set():
             if process is None or process.poll() is not None:
-                raise RuntimeError(f"VM {self.name} stopped: {self.console_path.read_text().strip()}")
+                code = None if process is None else process.returncode
+                raise RuntimeError(f"VM {self.name} stopped (exit {code}): {self.console_path.read_text().strip()}")
             # Read the banner too: a connection alone could reach another server.
             try:
                 with socket.create_connection((self.address, self.port), timeout=1) as conn:
