@@ -166,7 +166,7 @@ class TpuVmReaperOperator(ComputeOperator):
                     else:
                         self.hook.delete_instance_template(self.project, part["name"], str(uuid.uuid4()))
                 except GoogleAPICallError as err:
-                    if "already being used by" not in str(err):
+                    if not compute.still_in_use([{"message": str(err)}]):
                         raise
                     # Compute still calls it in use a while after its group is gone: the next pass deletes it.
                     self.log.info("keep   %s %s: still in use (%s); asked again next pass", kind, part["name"], err)
@@ -221,8 +221,8 @@ class TpuVmReaperOperator(ComputeOperator):
         judged_groups: set[tuple[str, str]] = set()  # the groups of the VMs judged here: judged with them
         for zone, instance in self.hook.list_project_instances(self.project, reaper.LABEL_FILTER):
             counts["seen"] += 1
-            if compute.slice_group_of(instance):
-                judged_groups.add((zone, compute.slice_group_of(instance)))
+            if slice_group := compute.slice_group_of(instance):
+                judged_groups.add((zone, slice_group))
             ours = reaper.of_deployment(instance, deployment)
             run_state = self._run_state(context, instance) if ours else None
             decision = reaper.decide(instance, run_state, now, self.grace_period_s, deployment)

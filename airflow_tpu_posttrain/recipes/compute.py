@@ -472,6 +472,17 @@ def classify_errors(errors: list[dict]) -> str:
     return ErrorKind.OTHER
 
 
+def still_in_use(errors: list[dict]) -> bool:
+    """Compute's "resourceInUseByAnotherResource": 'The instance_template resource ... is already being used by ...'.
+
+    A template or policy is refused so for a while after its group is gone too (``docs/research``, Q5)."""
+    return any(
+        "resourceInUseByAnotherResource" in f"{e.get('code')} {e.get('message')}"
+        or "already being used by" in str(e.get("message"))
+        for e in errors
+    )
+
+
 def describe_errors(errors: list[dict]) -> str:
     return (
         "; ".join(f"{e.get('code', '?')}: {e.get('message', '')}".strip() for e in errors) or "unknown error"

@@ -53,14 +53,6 @@ def worker_id(instance: dict) -> int | None:
 IN_USE_RETRY_S = 300.0
 
 
-def _still_in_use(errors: list[dict]) -> bool:
-    """Compute's "resourceInUseByAnotherResource": 'The instance_template resource ... is already being used by ...'."""
-    return any(
-        "resourceInUseByAnotherResource" in f"{e.get('code')} {e.get('message')}" or "already being used by" in str(e.get("message"))
-        for e in errors
-    )
-
-
 class _SliceTrigger(_OperationsTrigger):
     """What the slice's create and delete share: its deletion, in the order Compute allows."""
 
@@ -91,7 +83,7 @@ class _SliceTrigger(_OperationsTrigger):
                 except Exception as err:
                     finished, errors = [], self._raised(err)
                 # A template or policy stays "in use" for a while after its group is gone: asked again.
-                if not (index and _still_in_use(errors) and time.monotonic() < asked_until):
+                if not (index and compute.still_in_use(errors) and time.monotonic() < asked_until):
                     break
                 self.log.info("%s is still in use by its deleted group: asking again", args[-1])
                 await asyncio.sleep(self.poll_interval)
