@@ -61,10 +61,14 @@ for server in servers[1:]:
 serve(servers[0])
 """
 # A connection to ADDRESS:PORT (argv), within 3 s; prints what the listener said.
+# Prints what the listener said, or "dropped" when the connection timed out (a firewall drops, never refuses).
 CONNECT = """
 import socket, sys
-with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3) as connection:
-    print(connection.recv(16).decode())
+try:
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3) as connection:
+        print(connection.recv(16).decode())
+except TimeoutError:
+    print("dropped")
 """
 WHO_AM_I = "import socket; name = socket.gethostname(); print(name, socket.gethostbyname(name))"
 # Each process joins the job as MaxText's CPU path does, then all gather one number from every process.
@@ -130,13 +134,20 @@ def start_listener(worker_0: dict) -> int:
     return int(said)
 
 
-def reaches(hook, address: str, port: int) -> bool:
-    """Whether a connection from the hook's VM to ``address:port`` is answered by the listener on that port."""
-    status, said = hook.run_status(python(CONNECT, address, port), timeout=30)
-    return status == 0 and said.strip() == str(port)
+def reaches(hook, address: str, port: int) -> bool | None:
+    """Whether a connection from the hook's VM to ``address:port`` is answered by the listener on that port.
+
+    False only when the connection was dropped; None when the probe itself gave no answer in time (its SSH
+    command still running on a loaded machine): the caller asks again."""
+    try:
+        status, said = hook.run_status(python(CONNECT, address, port), timeout=30)
+    except TimeoutError:
+        return None
+    assert status == 0, said
+    return {str(port): True, "dropped": False}[said.strip()]
 
 
-def wait_for(condition, timeout: float = 15.0) -> bool:
+def wait_for(condition, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -191,7 +202,7 @@ def test_the_vms_of_a_local_slice_reach_each_other_on_every_port_the_network_all
     address = worker_0["internal_ip"]
     gce = compute_clients(local_slices)
     with login(worker_1) as hook:
-        assert reaches(hook, address, COORDINATOR_PORT) and reaches(hook, address, picked)
+        assert wait_for(lambda: reaches(hook, address, COORDINATOR_PORT)) and wait_for(lambda: reaches(hook, address, picked))
 
         rule = compute_v1.Firewall(
             name="deny-coordinator", network="global/networks/default", direction="INGRESS", priority=1000,
@@ -199,8 +210,8 @@ def test_the_vms_of_a_local_slice_reach_each_other_on_every_port_the_network_all
         )  # fmt: skip
         operation = gce.firewalls.insert(project=PROJECT, firewall_resource=rule)
         assert gce.global_operations.wait(project=PROJECT, operation=operation.name).status == DONE
-        assert wait_for(lambda: not reaches(hook, address, COORDINATOR_PORT))
-        assert reaches(hook, address, picked)
+        assert wait_for(lambda: reaches(hook, address, COORDINATOR_PORT) is False)
+        assert wait_for(lambda: reaches(hook, address, picked))
 
         operation = gce.firewalls.delete(project=PROJECT, firewall="deny-coordinator")
         assert gce.global_operations.wait(project=PROJECT, operation=operation.name).status == DONE
