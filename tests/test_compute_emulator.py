@@ -587,7 +587,7 @@ class _RecordingFleet:
     def allocate(self, key) -> str:
         return "10.77.0.9"
 
-    def boot(self, key, instance, oslogin_url, oslogin_logins, egress) -> None:
+    def boot(self, key, instance, oslogin_url, oslogin_logins, egress, **_) -> None:
         self.booted[key[2]] = egress
 
     def end(self, key) -> None: ...

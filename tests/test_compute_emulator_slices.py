@@ -173,7 +173,9 @@ def test_a_bulk_v6e_16_slice_on_its_reservation_comes_up_whole(gce, emulator):
         assert metadata["created-by"] == f"projects/{PROJECT}/zones/{ZONE}/instanceGroupManagers/slice-mig"
         assert metadata["instance-template"].endswith("/global/instanceTemplates/slice-it")
         assert metadata["enable-oslogin"] == "TRUE"  # the template's own metadata
-        worker_ids.add(metadata["worker-id"])
+        # Not in the API's view: only the VM's metadata server tells it (asked from the VM's own address).
+        assert "worker-id" not in metadata and "agent-worker-number" not in metadata
+        worker_ids.add(emulator.guest_attributes((PROJECT, ZONE, name))["worker-id"])
     assert worker_ids == {"0", "1", "2", "3"}
 
 

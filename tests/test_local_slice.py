@@ -105,9 +105,9 @@ def local_slices(monkeypatch, tmp_path, client_key):
         yield emu
 
 
-def make_slice(run_dag, dag_id: str) -> dict:
+def make_slice(run_dag, dag_id: str, **dag_args) -> dict:
     """A v6e-16 made by the slice's create operator in a DAG (no teardown: the test's emulator ends its VMs)."""
-    dr = run_dag(dag_id, slice_dag(dag_id).split("    @task")[0])
+    dr = run_dag(dag_id, slice_dag(dag_id, **dag_args).split("    @task")[0])
     assert dr.state == "success", task_states(dr)
     return xcom(dr, "create_tpu_vm")
 
@@ -176,10 +176,7 @@ def test_a_local_slice_is_checked_as_compute_checks_it_but_makes_its_n_vms():
         assert slices.slice_state(json.loads(type(mig).to_json(mig, preserving_proto_field_name=False))).state == (
             slices.WHOLE
         )
-        worker_ids = set()
-        for name in ("slice-001", "slice-002"):
-            instance = gce.instances.get(project=PROJECT, zone=ZONE, instance=name)
-            worker_ids.add({item.key: item.value for item in instance.metadata.items}["worker-id"])
+        worker_ids = {emulator.guest_attributes((PROJECT, ZONE, name))["worker-id"] for name in ("slice-001", "slice-002")}
         assert worker_ids == {"0", "1"}
 
 
@@ -216,6 +213,28 @@ def test_the_vms_of_a_local_slice_reach_each_other_on_every_port_the_network_all
         operation = gce.firewalls.delete(project=PROJECT, firewall="deny-coordinator")
         assert gce.global_operations.wait(project=PROJECT, operation=operation.name).status == DONE
         assert wait_for(lambda: reaches(hook, address, COORDINATOR_PORT))
+
+
+def test_a_slice_on_a_custom_mode_network_reaches_itself_through_its_own_rule(local_slices, run_dag):
+    """A custom-mode network has no default-allow-internal: the slice's VMs reach each other by its ``-int`` rule.
+
+    Worker 1 reaches worker 0 on the coordinator's port and on one the kernel picked (as gloo's are); with the
+    rule deleted, neither (nothing else in the network lets them in)."""
+    local_slices.add_network("isolated", custom_mode=True)
+    local_slices.add_subnetwork("isolated-east", "us-east5", network="isolated")
+    record = make_slice(run_dag, "local_slice_custom_network", network="isolated", subnetwork="isolated-east")
+    worker_0, worker_1 = record["vms"]
+    gce = compute_clients(local_slices)
+    [internal] = [rule for rule in gce.firewalls.list(project=PROJECT) if rule.name.endswith("-int")]
+    assert internal.network.endswith("global/networks/isolated") and internal.source_tags == internal.target_tags
+    picked, address = start_listener(worker_0), worker_0["internal_ip"]
+    with login(worker_1) as hook:
+        assert wait_for(lambda: reaches(hook, address, COORDINATOR_PORT)) and wait_for(lambda: reaches(hook, address, picked))
+
+        operation = gce.firewalls.delete(project=PROJECT, firewall=internal.name)
+        assert gce.global_operations.wait(project=PROJECT, operation=operation.name).status == DONE
+        assert wait_for(lambda: reaches(hook, address, COORDINATOR_PORT) is False)
+        assert wait_for(lambda: reaches(hook, address, picked) is False)
 
 
 def _in_namespace(address: str, program: str, *args: object, **kwargs) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
     create = TpuSliceCreateOperator(
         task_id="create_tpu_vm", zone="us-east5-b", accelerator_type={accelerator!r},
         reservation="slice-reservation", poll_interval=0.2, max_wait_for_capacity={wait}, max_tpu_vms={cap!r},
-        capacity_claims={claims!r},
+        capacity_claims={claims!r}, network={network!r}, subnetwork={subnetwork!r},
     )
 
     @task
@@ -45,9 +45,13 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 
 
 def slice_dag(
-    dag_id: str, accelerator: str = "v6e-16", wait: int = 60, cap: int | None = None, claims: str | None = None
+    dag_id: str, accelerator: str = "v6e-16", wait: int = 60, cap: int | None = None, claims: str | None = None,
+    network: str = "default", subnetwork: str | None = None,
 ) -> str:
-    return SLICE_DAG.format(dag_id=dag_id, accelerator=accelerator, wait=wait, cap=cap, claims=claims)
+    return SLICE_DAG.format(
+        dag_id=dag_id, accelerator=accelerator, wait=wait, cap=cap, claims=claims, network=network,
+        subnetwork=subnetwork,
+    )
 
 
 @pytest.fixture
@@ -108,6 +112,21 @@ def test_a_slice_whose_host_keys_are_not_its_vms_is_deleted_whole(sliced, run_da
     logs = "".join(capfd.readouterr())
     assert task_states(dr)["create_tpu_vm"] == "failed"
     assert "Deleting slice" in logs and "VmHostKeyMismatchError" in logs
+    assert _nothing_left(sliced)
+
+
+def test_a_slice_whose_vms_are_told_no_worker_id_is_never_handed_on(sliced, run_dag, capfd):
+    """Each VM is asked its worker id over SSH, from its metadata server (the API's view shows none).
+
+    A slice whose metadata servers tell none fails its create, naming the keys asked, and the teardown deletes it
+    whole: every training command on it would fail, on a billed slice."""
+    sliced.set_faults(no_worker_id_metadata=True)
+    dr = run_dag("slice_no_ids", slice_dag("slice_no_ids"))
+    logs = "".join(capfd.readouterr())
+    assert task_states(dr)["create_tpu_vm"] == "failed" and task_states(dr)["on_every_vm"] == "upstream_failed"
+    assert "the worker ids its VMs' metadata servers tell (agent-worker-number or worker-id) are not 0 to 3" in logs
+    assert "metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number" in logs
+    assert task_states(dr)["delete_tpu_vm"] == "success" and xcom(dr, "delete_tpu_vm")["deleted"] is True
     assert _nothing_left(sliced)
 
 

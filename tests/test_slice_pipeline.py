@@ -113,7 +113,7 @@ def _committed_steps(skip: set[str]) -> list[int]:
 class _SliceBreaker(threading.Thread):
     """Preempts worker 1 of the slice once worker 0 has logged step ``at_step`` and a checkpoint is committed.
 
-    The committed training checkpoint in storage is what the resume must start from. Worker ids are the instances' ``worker-id`` metadata (not their names' order). It looks twice a second, at
+    The committed training checkpoint in storage is what the resume must start from. Worker ids are what the instances' metadata servers tell (not their names' order). It looks twice a second, at
     worker 0's log only: the VMs' processes share this machine's two CPUs with it."""
 
     def __init__(self, stack, at_step: int) -> None:
@@ -131,9 +131,10 @@ class _SliceBreaker(threading.Thread):
         """The slice's live instances by worker id."""
         workers = {}
         for instance in self.stack.compute.instances():
-            items = {m["key"]: m.get("value") for m in (instance.get("metadata") or {}).get("items", [])}
-            if instance["name"].startswith("tpu-") and items.get("worker-id") is not None:
-                workers[int(items["worker-id"])] = instance
+            _, project, _, zone, _, name = instance["selfLink"].rsplit("/", 5)
+            told = self.stack.compute.guest_attributes((project, zone, name)).get("worker-id")  # its metadata server's
+            if name.startswith("tpu-") and told is not None:
+                workers[int(told)] = instance
         return workers
 
     def _train_log(self, name: str) -> bytes:

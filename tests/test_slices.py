@@ -104,6 +104,10 @@ ALL_RUNNING = {"running": 4}
                      slices.CREATING, id="active-while-actions-settle"),
         pytest.param(_group(stable=False, topology="REACTIVATING", counts=ALL_RUNNING, bulk={"inProgress": False}),
                      slices.CREATING, id="reactivating"),
+        pytest.param(_group(stable=True, topology="ACTIVE_DEGRADED", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.CREATING, id="active-degraded"),
+        pytest.param(_group(stable=False, topology="DEACTIVATING", counts=ALL_RUNNING, bulk={"inProgress": False}),
+                     slices.CREATING, id="deactivating"),
         pytest.param(_group(stable=False, topology="INCOMPLETE", counts={"running": 2, "staging": 2},
                             bulk={"inProgress": True}), slices.CREATING, id="incomplete-while-vms-start"),
         # Capacity that may come, or a refusal no wait mends.
@@ -205,7 +209,8 @@ def test_a_v6e_16_slice_comes_up_whole_as_the_run_made_it_and_is_deleted_in_reve
         assert vm["labels"] == {**LABELS} and metadata["ssh-keys"] == SSH_KEYS
         assert metadata["enable-guest-attributes"] == "TRUE"  # its host keys are published, as a single VM's
         assert vm["reservationAffinity"]["values"] == ["slice-reservation"]
-        worker_ids.add(metadata["worker-id"])
+        assert "worker-id" not in metadata  # only the VM's metadata server tells it
+        worker_ids.add(emulator.guest_attributes((PROJECT, ZONE, member["name"]))["worker-id"])
     assert worker_ids == {"0", "1", "2", "3"}
 
     for _ in range(2):  # the second time: a retried delete, every resource already gone
@@ -283,8 +288,10 @@ def _nothing_left(hook, emulator) -> bool:
     )
 
 
-def test_the_slice_create_hands_on_every_vm_reachable_by_worker_id(hook, tmp_path):
-    """Four local VMs booted with their sshds: each published its host keys and answers; worker 0 first."""
+def test_the_slice_create_hands_on_every_vm_reachable(hook, tmp_path):
+    """Four local VMs booted with their sshds: each published its host keys and answers.
+
+    Not their worker ids: those are each VM's to tell (test_slice_operators.py asks them)."""
     from airflow_tpu_posttrain.local.fleet import LocalFleet
 
     hook, emulator = hook
@@ -292,8 +299,7 @@ def test_the_slice_create_hands_on_every_vm_reachable_by_worker_id(hook, tmp_pat
     event = _event(_trigger(emulator))
     assert event["status"] == "ready", event
     assert [rule["name"] for rule in emulator.firewalls()] == [compute.firewall_name(RUN_VM, "int")]
-    assert [vm["worker_id"] for vm in event["vms"]] == [0, 1, 2, 3]
-    assert sorted(vm["name"] for vm in event["vms"]) == [slices.slice_names(RUN_VM).member(i) for i in range(4)]
+    assert [vm["name"] for vm in event["vms"]] == [slices.slice_names(RUN_VM).member(i) for i in range(4)]
     assert all(set(vm["host_keys"]) >= {"ssh-ed25519"} for vm in event["vms"])
     assert len({vm["instance"]["networkInterfaces"][0]["networkIP"] for vm in event["vms"]}) == 4
     assert "metadata" not in event["vms"][0]["instance"]  # only what reaching and billing the VM needs
@@ -339,18 +345,24 @@ def test_a_slice_whose_max_run_duration_compute_refuses_is_made_again_without_it
     assert _nothing_left(hook, emulator)
 
 
-def test_a_slice_whose_vms_name_no_worker_id_is_never_handed_on(hook, tmp_path):
-    """A slice without worker ids is deleted whole at its create, the keys it read named.
-
-    Every training command on it would fail, on a billed slice."""
-    from airflow_tpu_posttrain.local.fleet import LocalFleet
-
+def test_a_slice_whose_topology_failed_is_deleted_whole_naming_computes_words(hook):
+    """Every VM running and the topology FAILED, with its state details: broken at once, not waited on."""
     hook, emulator = hook
-    emulator.fleet = LocalFleet(tmp_path / "disks", boot_delay=0)
-    emulator.set_faults(no_worker_id_metadata=True)
-    event = _event(_trigger(emulator))
+    emulator.set_faults(settled_topology=("FAILED", "the ICI links of host 2 did not come up"))
+    event = _event(_trigger(emulator, capacity_wait=600))
+    assert (event["status"], event["reason"]) == ("failed", "broken"), event
+    assert "the ICI links of host 2 did not come up" in event["detail"] and "topology FAILED" in event["detail"]
+    assert _nothing_left(hook, emulator)
+
+
+@pytest.mark.parametrize("state", ["ACTIVE_DEGRADED", "REACTIVATING"])
+def test_a_slice_whose_topology_never_becomes_active_is_not_trained_on(hook, state):
+    """Degraded or reactivating with every VM running: waited on, never handed on, deleted at the deadline."""
+    hook, emulator = hook
+    emulator.set_faults(settled_topology=(state, None))
+    event = _event(_trigger(emulator, capacity_wait=3))
     assert (event["status"], event["reason"]) == ("failed", "not-ready"), event
-    assert "worker ids in their metadata (worker-id or agent-worker-number) are not 0 to 3" in event["detail"]
+    assert f"4 of 4 VMs running, topology {state}" in event["detail"]
     assert _nothing_left(hook, emulator)
 
 

@@ -79,6 +79,11 @@ GUEST_OSLOGIN_PATH = "/computeMetadata/v1/oslogin/"
 """Where a local VM's sshd looks up OS Login keys, as a real one asks its metadata server (under
 ``/_vm/<project>``: the metadata server knows the VM's project, which the login's authorization is asked in)."""
 _GUEST_PREFIX = r"/_vm/(?P<project>[^/]+)" + GUEST_OSLOGIN_PATH
+GUEST_ATTRIBUTES_PATH = "/computeMetadata/v1/instance/attributes/"
+"""The metadata server's view of the asking VM's own metadata (cloud.google.com/compute/docs/metadata/querying-
+metadata: ``instance/attributes/<key>``, text, only with ``Metadata-Flavor: Google``). The VM is known by the
+address it asks from, as Google's metadata server knows it; a local VM reaches it at ``metadata.google.internal``
+(local/vpc.py routes 169.254.169.254:80 there)."""
 
 # The machine types this emulator's zones offer: those of the accelerators the pipelines create (any other name
 # is refused as Compute refuses a machine type a zone does not have).
@@ -152,12 +157,17 @@ class Faults:
     times ``operation_seconds``). No Google statement of how long; Google's cluster-toolkit expects the error and
     retries the delete on its next pass, and so must a client."""
     no_worker_id_metadata: bool = False
-    """A slice's VMs carry no ``worker-id`` in the metadata ``instances.get`` shows: where Google documents the
-    worker ids of MIG-made TPU VMs is their guest's metadata server (if anywhere), not the API's view."""
+    """A slice's VMs are told no ``worker-id`` by their metadata server (the only place this emulator shows it:
+    Google documents no worker id for MIG-made TPU VMs in the metadata ``instances.get`` shows)."""
     topology_activation_seconds: float | None = None
     """How long a slice's topology stays ACTIVATING, and its group unstable, once every VM is RUNNING (None:
     ``operation_seconds``). The v1 reference names ACTIVATING and ACTIVE and documents no order or timing; a
     client must not take "every VM running" for a usable slice, so here the two are apart."""
+    settled_topology: tuple[str, str | None] | None = None
+    """``(state, error message)``: what a slice's topology shows instead of ACTIVE once activated, one of the v1
+    enum's other states for a slice whose VMs all run (``ACTIVE_DEGRADED``: "active but operating in degraded
+    mode", ``REACTIVATING``, ``FAILED``), with ``stateDetails.error`` when a message is given. The v1 reference
+    documents the states, not when Compute shows them: a client must judge each as it comes."""
     flex_start_capacity_after: float | None = None
     """Seconds until capacity comes for a FLEX_START VM with a wait time (``params.requestValidForDuration``):
     it is PENDING meanwhile, and its insert fails if the wait time ends first. None: at once."""
@@ -856,6 +866,35 @@ class ComputeEmulator:
         except _ApiError as error:
             return error.status, error.body
 
+    def _slice_group(self, key: tuple[str, str, str]) -> _ManagedGroup | None:
+        """The slice (a MIG with a topology) whose VM ``key`` (project, zone, name) is; None: not a slice's."""
+        project, zone, name = key
+        for (group_project, group_zone, _), group in self._groups.items():
+            if (group_project, group_zone) == (project, zone) and group.topology and name in group.members:
+                return group
+        return None
+
+    def guest_attribute(self, address: str, key: str) -> str | None:
+        """``instance/attributes/<key>`` as the metadata server answers the VM at ``address``; None: 404."""
+        with self._lock:
+            for instance_key, instance in self._instances.items():
+                if (instance.get("networkInterfaces") or [{}])[0].get("networkIP") == address:
+                    return self.guest_attributes(instance_key).get(key)
+        return None
+
+    def guest_attributes(self, key: tuple[str, str, str]) -> dict[str, str]:
+        """What the metadata server of instance ``key`` (project, zone, name) serves under ``instance/attributes/``.
+
+        The instance's own metadata items and, for a VM of a slice, its ``worker-id``: the one place this
+        emulator shows a slice VM's worker id (Google documents none in ``instances.get`` for MIG-made TPU VMs)."""
+        with self._lock:
+            instance = self._instances.get(key) or {}
+            items = {item["key"]: item.get("value", "") for item in (instance.get("metadata") or {}).get("items", [])}
+            group = self._slice_group(key)
+            if group is not None and group.members[key[2]] is not None and not self._faults.no_worker_id_metadata:
+                items["worker-id"] = str(group.members[key[2]])
+            return items
+
     def token(self, form: dict[str, str]) -> tuple[int, Any]:
         """The OAuth 2.0 token endpoint (the key files' ``token_uri``)."""
         try:
@@ -1158,6 +1197,8 @@ class ComputeEmulator:
                         self.guest_oslogin_url(project),
                         self.oslogin.usernames(),
                         self._egress(project, zone, instance),
+                        metadata_port=self._server.server_address[1],
+                        slice_worker=self._slice_group(key) is not None,
                     )
 
         failure = self._insert_failure(project, zone, body)
@@ -1933,11 +1974,12 @@ class ComputeEmulator:
             if topology and size and self.local_slice_vms is not None:  # the local stand-in's N VMs (see __init__)
                 size = min(size, self.local_slice_vms)
             names = _member_names(body["baseInstanceName"], size)
-            # Each VM of a slice learns its worker id from its metadata. Which key Google sets on a MIG's TPU VMs is
-            # not documented: JAX reads `agent-worker-number` (Cloud TPU API VMs); a public report of MIG-made TPU7x
-            # VMs shows `worker-id` (issue 31's research, §1.3). This emulator sets `worker-id` only, the key seen
-            # on MIG VMs. Worker ids follow the slice's hosts, not the names (no Google page says name order is
-            # worker order), so they are dealt at random here: a client must read them.
+            # Each VM of a slice learns its worker id from its metadata server. Which key Google sets on a MIG's TPU
+            # VMs is not documented: JAX reads `agent-worker-number` from the metadata server (Cloud TPU API VMs); a
+            # public report of MIG-made TPU7x VMs shows `worker-id` (issue 31's research, §1.3). This emulator tells
+            # `worker-id` only, and only to the VM itself (guest_attribute): not in what `instances.get` shows.
+            # Worker ids follow the slice's hosts, not the names (no Google page says name order is worker order),
+            # so they are dealt at random here: a client must read them.
             worker_ids: list[int | None] = list(range(len(names))) if topology else [None] * len(names)
             secrets.SystemRandom().shuffle(worker_ids)
             group = {
@@ -1976,8 +2018,8 @@ class ComputeEmulator:
         """The insert body of the MIG's instance ``name``.
 
         Its template's properties, its name, and the metadata a MIG adds to its VMs: ``created-by`` (the MIG's
-        path) and ``instance-template`` (the keys seen on MIG VMs; no Google page was re-read for them here), and
-        a slice's ``worker-id``."""
+        path) and ``instance-template`` (the keys seen on MIG VMs; no Google page was re-read for them here). A
+        slice VM's worker id is not among them: only its metadata server tells it (:meth:`guest_attribute`)."""
         body = copy.deepcopy(group.template["properties"])
         body.pop("resourceManagerTags", None)  # an instance takes those under params, not as a field
         body["name"] = name
@@ -1986,8 +2028,6 @@ class ComputeEmulator:
             "created-by": _resource_path(project, zone, "instanceGroupManagers", group.resource["name"]),
             "instance-template": group.template["selfLink"],
         }
-        if group.members[name] is not None and not self._faults.no_worker_id_metadata:
-            added["worker-id"] = str(group.members[name])
         metadata = body.setdefault("metadata", {})
         metadata["items"] = [item for item in metadata.get("items") or [] if item.get("key") not in added] + [
             {"key": key, "value": value} for key, value in added.items()
@@ -2116,7 +2156,15 @@ class ComputeEmulator:
                 state = "ACTIVATING"
             else:  # "cannot be activated due to insufficient number of running VMs" (the v1 reference)
                 state = "INCOMPLETE"
-            status["appliedAcceleratorTopologies"] = [{"acceleratorTopology": group.topology, "state": state}]
+            applied: dict[str, Any] = {"acceleratorTopology": group.topology, "state": state}
+            settled = self._faults.settled_topology
+            if state == "ACTIVE" and settled is not None:
+                applied["state"], message = settled
+                if message is not None:
+                    error = {"code": "ACCELERATOR_TOPOLOGY_ERROR", "message": message}  # no code Google documents
+                    applied["stateDetails"] = {"error": {"errors": [error]}, "timestamp": _timestamp(now)}
+                status["isStable"] = settled[0] != "REACTIVATING" and status["isStable"]
+            status["appliedAcceleratorTopologies"] = [applied]
         view["currentActions"] = actions
         view["status"] = status
         return view
@@ -2361,6 +2409,9 @@ class _Handler(BaseHTTPRequestHandler):
         if (method, url.path) == ("POST", TOKEN_PATH):  # form-encoded, as OAuth 2.0 token requests are
             self._answer(*self.server.emulator.token(dict(parse_qsl(raw_body.decode()))))
             return
+        if method == "GET" and url.path.startswith(GUEST_ATTRIBUTES_PATH):
+            self._answer_guest(url.path.removeprefix(GUEST_ATTRIBUTES_PATH))
+            return
         try:
             body = json.loads(raw_body) if raw_body else None
         except json.JSONDecodeError:
@@ -2370,6 +2421,21 @@ class _Handler(BaseHTTPRequestHandler):
                 method, url.path, dict(parse_qsl(url.query)), body, self.headers.get("Authorization")
             )
         self._answer(status, payload)
+
+    def _answer_guest(self, key: str) -> None:
+        """The metadata server's text answer: 403 without ``Metadata-Flavor: Google``, as Google's refuses it."""
+        if self.headers.get("Metadata-Flavor") != "Google":
+            status, text = 403, "Missing Metadata-Flavor:Google header.\n"
+        else:
+            value = self.server.emulator.guest_attribute(self.client_address[0], key)
+            status, text = (404, "Not Found\n") if value is None else (200, value)
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", "application/text")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _answer(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()

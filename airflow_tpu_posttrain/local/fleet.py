@@ -33,7 +33,7 @@ class LocalFleet:
     :param package_cache: a host directory standing in for a package mirror (uv's cache on the VMs).
     :param compile_cache: a host directory every VM's logins have as JAX's compilation cache (``~/jax_cache``):
         the VMs are one machine's CPU, so what one compiled another need not compile again. Not a multi-host
-        slice's workers (``worker-id`` metadata): each starts with an empty one, as a fresh VM does. JAX writes
+        slice's workers: each starts with an empty one, as a fresh VM does. JAX writes
         the cache from process 0 only and keys a process's own computations by its devices, so with a warm
         shared cache worker 0 skips the compiles worker 1 must do, and reaches the first cross-process
         collective that much sooner; on CPUs that collective's gloo rendezvous waits 30 s for the peer, fixed
@@ -102,12 +102,16 @@ class LocalFleet:
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
         egress: vpc.Egress = vpc.Egress.INTERNET,
+        metadata_port: int | None = None,
+        slice_worker: bool = False,
     ) -> None:
         """Start the instance's machine (its sshd answers ``boot_delay`` seconds later).
 
         With ``enable-oslogin: TRUE`` its sshd takes keys from ``oslogin_url`` only (metadata keys are
         ignored, as on Google Cloud), and the OS Login accounts known at boot exist on it. ``egress``: what its
-        network interface lets it reach (``local/vpc.py``)."""
+        network interface lets it reach (``local/vpc.py``); ``metadata_port``: its metadata server's port on this
+        machine's end of the VPC (reached at ``metadata.google.internal``); ``slice_worker``: a VM of a multi-host
+        slice (no shared compilation cache)."""
         metadata = _metadata(instance)
         oslogin = metadata.get("enable-oslogin", "").upper() == "TRUE"
         with self._lock:
@@ -123,9 +127,10 @@ class LocalFleet:
                 boot_delay=self.boot_delay,
                 shared_paths=self.shared_paths,
                 package_cache=self.package_cache,
-                compile_cache=None if "worker-id" in metadata else self.compile_cache,
+                compile_cache=None if slice_worker else self.compile_cache,
                 oslogin_url=oslogin_url if oslogin else None,
                 oslogin_logins=tuple(oslogin_logins) if oslogin else (),
+                metadata_port=metadata_port,
                 environment=self.vm_environment,
                 hosts=self.vm_hosts,
                 ca_bundle=self.vm_ca_bundle,

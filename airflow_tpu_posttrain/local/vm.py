@@ -291,6 +291,7 @@ class LocalVm:
         compile_cache: Path | None = None,
         oslogin_url: str | None = None,
         oslogin_logins: Sequence[str] = (),
+        metadata_port: int | None = None,
         environment: dict[str, str] | None = None,
         hosts: dict[str, str] | None = None,
         ca_bundle: Path | None = None,
@@ -326,6 +327,9 @@ class LocalVm:
         # OS Login: sshd asks this metadata-server URL for a login's keys; these accounts exist from boot.
         self.oslogin_url = oslogin_url
         self.oslogin_logins = tuple(oslogin_logins)
+        # Its metadata server (the Compute emulator's guest side, on this machine's end of the VPC): reached at
+        # metadata.google.internal, as a Compute Engine VM reaches its own (local/vpc.py).
+        self.metadata_port = metadata_port
         self.console_path = self.disk_dir / "console.log"
         self._etc = self.disk_dir / "etc"
         self._publish_guest_attributes = guest_attributes
@@ -466,6 +470,8 @@ class LocalVm:
 
     def _prepare_disk(self) -> None:
         """What the guest agent and the image do at first boot: accounts and homes, the sshd config."""
+        from airflow_tpu_posttrain.local import vpc
+
         for private in PRIVATE_DIRS.values():
             (self.disk_dir / private).mkdir()
         for private in ("tmp", "var-tmp"):
@@ -493,7 +499,8 @@ class LocalVm:
         (self._etc / "ssh-keys").write_text(self.ssh_keys)
         if self.ca_bundle is not None:
             shutil.copy(self.ca_bundle, self._etc / Path(VM_CA_BUNDLE).name)
-        extra = "".join(f"{address} {host}\n" for host, address in sorted(self.hosts.items()))
+        hosts = {**self.hosts, **({vpc.METADATA_HOST: vpc.METADATA_ADDRESS} if self.metadata_port else {})}
+        extra = "".join(f"{address} {host}\n" for host, address in sorted(hosts.items()))
         (self.disk_dir / "hosts").write_text(self._own_hosts_line() + Path("/etc/hosts").read_text() + extra)
         shutil.copy(__file__, self._etc / "vm_agent.py")
         self._write_config()
@@ -572,7 +579,7 @@ class LocalVm:
         (self._etc / "mounts.json").write_text(json.dumps([["hostname", self.name], *self._mounts()]))
         from airflow_tpu_posttrain.local import vpc
 
-        vpc.connect_vm(self.address, self.egress)
+        vpc.connect_vm(self.address, self.egress, self.metadata_port)
         argv = [
             "nsenter", f"--net=/run/netns/{vpc.namespace_of(self.address)}",
             "unshare", "--mount", "--pid", "--uts", "--fork", "--propagation", "private", "--mount-proc",

@@ -55,6 +55,11 @@ _NAMESPACE_PREFIX = "tpuvm-"
 _SETUP_LOCK = Path("/run/tpu-posttrain-vpc.lock")
 _NFT_TABLE = "tpu_posttrain_vpc"
 _FIREWALL_TABLE = "tpu_posttrain_firewall"  # in each VM's namespace
+_METADATA_TABLE = "tpu_posttrain_metadata"  # in each VM's namespace
+# Where every Compute Engine VM reaches its metadata server, as ``metadata.google.internal``
+# (cloud.google.com/compute/docs/metadata/querying-metadata), whatever its network lets it reach.
+METADATA_ADDRESS = "169.254.169.254"
+METADATA_HOST = "metadata.google.internal"
 # IP protocol numbers of the names a firewall rule's IPProtocol may take (the v1 reference, Firewall.allowed[]).
 _PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "icmp": 1, "esp": 50, "ah": 51, "sctp": 132, "ipip": 4}
 _PORT_PROTOCOLS = (6, 17, 132)  # those whose rules may name ports
@@ -146,8 +151,11 @@ def release_vm_address(address: str) -> None:
     _ip("netns", "delete", namespace_of(address))
 
 
-def connect_vm(address: str, egress: Egress) -> None:
-    """Give the namespace of ``address`` its interface, its address and the routes ``egress`` allows."""
+def connect_vm(address: str, egress: Egress, metadata_port: int | None = None) -> None:
+    """Give the namespace of ``address`` its interface, its address and the routes ``egress`` allows.
+
+    With ``metadata_port``, ``METADATA_ADDRESS``:80 leads to this machine's end of the VPC on that port (the
+    Compute emulator's guest side), whatever ``egress`` is, as every VM reaches its metadata server."""
     namespace = namespace_of(address)
     host_end = "tv" + "".join(f"{int(part):02x}" for part in address.split(".")[2:])
     _checked(
@@ -165,7 +173,19 @@ def connect_vm(address: str, egress: Egress) -> None:
         commands.append(f"route add {GOOGLE_APIS_RANGE} via {GATEWAY}")
     elif egress is Egress.INTERNET:
         commands.append(f"route add default via {GATEWAY}")
+    if metadata_port is not None:
+        commands.append(f"route add {METADATA_ADDRESS}/32 via {GATEWAY}")
     _checked(_ip("-n", namespace, "-batch", "-", stdin="\n".join(commands) + "\n"), f"configuring {address}")
+    if metadata_port is not None:
+        ruleset = (
+            f"table ip {_METADATA_TABLE} {{\n  chain output {{\n    type nat hook output priority -100;\n"
+            f"    ip daddr {METADATA_ADDRESS} tcp dport 80 dnat to {GATEWAY}:{metadata_port}\n  }}\n}}\n"
+        )
+        result = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{namespace}", "nft", "-f", "-"], input=ruleset, capture_output=True,
+            text=True, check=False,
+        )
+        _checked(result, f"the metadata server's address in {address}")
 
 
 @dataclasses.dataclass(frozen=True)

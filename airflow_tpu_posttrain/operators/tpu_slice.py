@@ -286,8 +286,9 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         vms = []
         for made in event["vms"]:
             vm = self._vm(spec, made["name"], self.zone, made["instance"], state["ssh_login"], False)
-            vms.append({"name": made["name"], "worker_id": made["worker_id"], **vm, "host_keys": made["host_keys"]})
+            vms.append({"name": made["name"], **vm, "host_keys": made["host_keys"]})
         self._check_login(context, spec, name, self.zone, vms[0], vms[0]["host_keys"])
+        vms = self._by_worker_id(name, vms)
         record = self._record(
             context, name, status="RUNNING", vms=vms, requested_at=state["requested_at"], place_lines=state["place_lines"]
         )
@@ -296,6 +297,30 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
             ", ".join(f"worker {vm['worker_id']} {vm['name']} at {vm['ssh_address']}" for vm in vms),
         )
         return record
+
+    def _by_worker_id(self, name: str, vms: list[dict]) -> list[dict]:
+        """The VMs with the worker id each one's metadata server tells it (asked over SSH), by worker id.
+
+        Never handed on without them: every training command names its worker, and a slice whose ids are not
+        0 to N-1 would be billed for nothing until its first MaxText step failed. The teardown deletes it."""
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        told = []
+        for vm in vms:
+            with VmHook(
+                ssh_conn_id=self.ssh_conn_id, remote_host=vm["ssh_address"], username=vm["ssh_login"],
+                host_keys=vm["host_keys"], proxy_command=vm["ssh_proxy_command"],
+                proxy_account=vm.get("ssh_proxy_account"),
+            ) as session:
+                told.append({**vm, "worker_id": slices.worker_id_answer(*session.run_status(slices.worker_id_command()))})
+        ids = sorted(vm["worker_id"] for vm in told if vm["worker_id"] is not None)
+        if ids != list(range(len(told))):
+            found = ", ".join(f"{vm['name']}: {vm['worker_id']}" for vm in told)
+            raise VmNotReadyError(
+                f"Slice {name}: the worker ids its VMs' metadata servers tell ({' or '.join(slices.WORKER_ID_KEYS)}) "
+                f"are not 0 to {len(told) - 1} ({found}); it is not trained on, and the teardown deletes it."
+            )
+        return sorted(told, key=lambda vm: vm["worker_id"])
 
     def _failure(self, name: str, event: dict[str, Any]) -> Exception:
         reason, detail = event["reason"], event["detail"]

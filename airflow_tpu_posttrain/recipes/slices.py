@@ -170,13 +170,15 @@ def slice_state(group: dict) -> SliceState:
 
     The fields Compute documents for TPU MIGs (v1 reference, ``InstanceGroupManagerStatus``): ``isStable``
     ("none of the instances ... is currently undergoing any type of change ... no future changes are scheduled"),
-    ``appliedAcceleratorTopologies[].state`` (ACTIVATING, ACTIVE, DEACTIVATING, FAILED, INCOMPLETE: "cannot be
-    activated due to insufficient number of running VMs", REACTIVATING), ``bulkInstanceOperation`` (``inProgress``,
-    and ``lastProgressCheck.error``, Compute's ``Error``) and ``currentInstanceStatuses`` (counts by instance
-    status). The slice is broken only on evidence: its topology FAILED, a VM stopped, suspended or terminated, or
-    the bulk creation over with VMs missing. Anything else short of whole (a topology still activating with every
-    VM running, an unstable group, no bulk operation shown yet, a topology reactivating) is waited on, bounded by
-    the create's deadline. A bulk check's error is capacity to wait for, or a refusal no wait mends."""
+    ``appliedAcceleratorTopologies[].state`` (ACTIVATING, ACTIVE, ACTIVE_DEGRADED: "active but operating in
+    degraded mode", DEACTIVATING, FAILED, INCOMPLETE: "cannot be activated due to insufficient number of running
+    VMs", REACTIVATING; the discovery document's enum), ``bulkInstanceOperation`` (``inProgress``, and
+    ``lastProgressCheck.error``, Compute's ``Error``) and ``currentInstanceStatuses`` (counts by instance status).
+    The slice is broken only on evidence: its topology FAILED, a VM stopped, suspended or terminated, or the bulk
+    creation over with VMs missing. Anything else short of whole (a topology still activating with every VM
+    running, degraded, deactivating or reactivating, an unstable group, no bulk operation shown yet) is waited on,
+    bounded by the create's deadline: no Google page says which of those states passes, so none is trained on and
+    none deleted before that deadline. A bulk check's error is capacity to wait for, or a refusal no wait mends."""
     status = group.get("status") or {}
     topologies = status.get("appliedAcceleratorTopologies") or []
     topology = topologies[0].get("state") if topologies else None
@@ -211,3 +213,25 @@ def slice_state(group: dict) -> SliceState:
         CREATING, f"{running} of {target} VMs running, topology {topology or 'not shown'}"
         f"{'' if status.get('isStable') else ', the group not stable yet'}"
     )
+
+
+# The keys a slice VM's metadata server may tell its worker id by (``instance/attributes/<key>``). Google documents
+# none for MIG-made TPU VMs, and none in the metadata ``instances.get`` shows: JAX reads ``agent-worker-number``
+# from the metadata server on Cloud TPU VMs (jax/_src/clusters/cloud_tpu_cluster.py, ``GceTpuCluster``); a public
+# report of MIG-made TPU7x VMs shows ``worker-id``. Each VM is asked itself, over SSH, the first key it answers.
+WORKER_ID_KEYS = ("agent-worker-number", "worker-id")
+_METADATA_ATTRIBUTES = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
+
+
+def worker_id_command() -> str:
+    """The shell line a slice VM runs to print its worker id from its metadata server; exit 1 when none is told."""
+    asks = " || ".join(
+        f"curl -sf --noproxy '*' -H 'Metadata-Flavor: Google' {_METADATA_ATTRIBUTES}/{key}" for key in WORKER_ID_KEYS
+    )
+    return f"{asks} || exit 1"
+
+
+def worker_id_answer(status: int, output: str) -> int | None:
+    """The worker id :func:`worker_id_command` printed; None when the VM's metadata server told none."""
+    text = output.strip()
+    return int(text) if status == 0 and text.isdigit() else None

@@ -28,24 +28,12 @@ if TYPE_CHECKING:
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
-# The instance metadata key that tells a slice's VM its worker id. Google documents none for MIG-made TPU VMs:
-# JAX reads ``agent-worker-number`` on Cloud TPU API VMs; ``worker-id`` is what MIG-made TPU VMs were seen to carry.
-WORKER_ID_KEYS = ("worker-id", "agent-worker-number")
-
-
 class _SliceFailed(Exception):  # noqa: N818 - a control-flow signal inside the trigger, never raised out of it
     def __init__(self, reason: str, detail: str, kind: str | None = None) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.kind = kind
-
-
-def worker_id(instance: dict) -> int | None:
-    """The VM's worker id in its slice, from its metadata; None when it carries none."""
-    metadata = {item["key"]: item.get("value") for item in (instance.get("metadata") or {}).get("items", [])}
-    value = next((metadata[key] for key in WORKER_ID_KEYS if metadata.get(key) is not None), None)
-    return int(value) if value is not None else None
 
 
 # How long the teardown asks again to delete a template or policy Compute still calls in use once its group is
@@ -106,8 +94,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     VM that never answers, an insert refused) is deleted whole, the group with its VMs, then the template, the
     policy and the firewall rules, and its place given back, before the event: a partial slice is never handed on.
 
-    Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "worker_id", "instance",
-    "host_keys"}] by worker id, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
+    Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "instance",
+    "host_keys"}] by name, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
     "not-ready" | "refused" | "no-place", "detail", "kind" (``compute.ErrorKind`` of a refusal Compute explained, or
     None), "state"}``.
 
@@ -299,7 +287,9 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             await asyncio.sleep(self.poll_interval)
 
     async def _ready(self, hook: TpuVmAsyncHook, members: list[dict]) -> list[dict]:
-        """Every VM's host keys and sshd; the VMs by worker id."""
+        """Every VM's host keys and sshd; the VMs by name.
+
+        Not their worker ids: only each VM's metadata server tells them, and the operator asks over SSH."""
         deadline = time.monotonic() + self.ready_timeout
         vms = []
         for member in sorted(members, key=lambda m: m["name"]):
@@ -318,18 +308,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                     raise _SliceFailed("not-ready", not_ready_message(name, status, host_keys, self.ready_timeout))
                 await asyncio.sleep(self.poll_interval)
             reached = {"status": status, "networkInterfaces": instance.get("networkInterfaces"), **(_billed(instance) or {})}
-            vms.append({"name": name, "worker_id": worker_id(instance), "instance": reached, "host_keys": host_keys})
-        ids = sorted(vm["worker_id"] for vm in vms if vm["worker_id"] is not None)
-        if ids != list(range(len(vms))):
-            # Never handed on: every training command names its worker, and a slice without them is billed for
-            # nothing until its first MaxText step fails.
-            found = ", ".join(f"{vm['name']}: {vm['worker_id']}" for vm in sorted(vms, key=lambda vm: vm["name"]))
-            raise _SliceFailed(
-                "not-ready",
-                f"slice {self._group}: its VMs' worker ids in their metadata ({' or '.join(WORKER_ID_KEYS)}) are not "
-                f"0 to {len(vms) - 1} ({found})",
-            )
-        return sorted(vms, key=lambda vm: vm["worker_id"])
+            vms.append({"name": name, "instance": reached, "host_keys": host_keys})
+        return vms
 
 
 class TpuSliceDeleteTrigger(_SliceTrigger):
