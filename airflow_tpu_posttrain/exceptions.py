@@ -13,8 +13,9 @@ class InvalidInputError(AirflowFailException):
     A retry would fail the same way. The error names the field and the fix; nothing was created."""
 
     @classmethod
-    def of(cls, task_id: str, err: SpecError) -> InvalidInputError:
-        return cls(f"{task_id}: invalid input: {err}")
+    def of(cls, task_id: str, err: SpecError, outcome: str = "") -> InvalidInputError:
+        """``outcome``: what the failure left, said after the fix (e.g. "No VM was created.")."""
+        return cls(f"{task_id}: invalid input: {err}{'. ' + outcome if outcome else ''}")
 
 
 class CapacityUnavailableError(AirflowException):

@@ -411,14 +411,21 @@ def test_convert_fails_when_the_checkpoint_bucket_is_missing(stack, vm_ends, cap
     )
 
 
-def test_train_fails_on_an_unknown_maxtext_override(stack, vm_ends, capfd, fault_matrix):
-    dr = run_pipeline({"overrides": ["no_such_maxtext_key=1"]})
+def test_an_override_maxtext_does_not_define_fails_the_check_before_any_vm(stack, capfd, fault_matrix):
+    """MaxText would refuse the key once its trainer started, after the VMs, the install and the conversion.
+
+    check_inputs refuses it from the release's own key list, naming the field, the key and the closest keys."""
+    inserts_before = len(instance_inserts(stack))
+    dr = run_pipeline({"force": True, "overrides": ["learning_rate=1e-5", "learnin_rate=1e-5"]})
     logs = "".join(capfd.readouterr())
-    assert_failed_cleanly(stack, vm_ends, dr, "train")
-    assert xcom(dr, "convert_to_maxtext")["converted_params"].startswith(checkpoint_storage(stack))
-    assert "SFT failed on the VM with exit code" in logs
-    assert "MAXTEXT CONFIG ERROR" in logs and "'no_such_maxtext_key' not in" in logs
+    st = states(dr)
+    assert dr.state == "failed" and st["check_inputs"] == "failed", st
+    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, "create_tpu_vm", "create_cpu_vm")), st
+    assert len(instance_inserts(stack)) == inserts_before and stack.compute.instances() == []
+    assert "overrides[1]='learnin_rate=1e-5': sets 'learnin_rate', which MaxText 0.2.5's SFT trainer does not " \
+        "define" in logs
+    assert "(closest: learning_rate" in logs and "No VM was created" in logs
     fault_matrix.record(
-        "pipeline: train, unknown MaxText override", stack.compute.instances() == [], dr.state, None,
-        log_excerpt(logs, "'no_such_maxtext_key' not in"),
+        "pipeline: an override MaxText does not define (no VM created)", None, dr.state, None,
+        log_excerpt(logs, "sets 'learnin_rate'"),
     )

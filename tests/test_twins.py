@@ -195,3 +195,29 @@ def test_every_cloud_model_has_a_twin_served_under_its_repo_id():
             key, cloud.hf_source, cloud.maxtext_model_name, cloud.maxtext_version
         )
         assert twin.hf_source in LOCAL_HUB_SOURCES
+
+
+@pytest.mark.parametrize("dag_id", sorted({dag_id for pair in PAIRS for dag_id in pair[:2]} | {
+    "posttrain_sft__tiny-llama", "posttrain_rl__tiny-llama"}))
+def test_every_key_a_training_command_sets_is_one_its_release_defines(dags, dag_id):
+    """The key lists the inputs check refuses unknown overrides by are those of the trainer's own config class.
+
+    Each key the pipeline itself sets on a training command (the tutorial's, the model's, the runtime's) is in the
+    list of the DAG's release and recipe (recipes/maxtext_config.py): a list from the wrong class, or from the
+    wrong release, would refuse what MaxText accepts."""
+    from airflow_tpu_posttrain.recipes import maxtext_config
+
+    command = _command(dags[dag_id], "train")
+    recipe = "rl" if _step(command) is Step.TRAIN_RL else "sft"
+    known = maxtext_config.known_keys(command["spec"].model.maxtext_version, recipe)
+    assert known is not None, command["spec"].model.maxtext_version
+    assert sorted(set(command["args"]) - known) == []
+
+
+def test_every_release_a_model_pins_has_its_trainers_keys():
+    from airflow_tpu_posttrain.recipes import maxtext_config
+
+    for profile in MODELS.values():
+        for recipe in ("sft", "rl"):
+            keys = maxtext_config.known_keys(profile.maxtext_version, recipe)
+            assert keys and {"steps", "learning_rate", "per_device_batch_size"} <= keys, (profile.key, recipe)

@@ -13,7 +13,7 @@ from airflow.sdk import BaseOperator
 
 from airflow_tpu_posttrain.defaults import GCP_CONN_ID, HF_CONN_ID, INPUTS_AS_OF
 from airflow_tpu_posttrain.exceptions import CloudResourceError, HubAccessError, InvalidInputError
-from airflow_tpu_posttrain.recipes import compute, storage, trainings, validation
+from airflow_tpu_posttrain.recipes import compute, maxtext_config, storage, trainings, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -59,9 +59,10 @@ class InputsCheckOperator(BaseOperator):
     """Checks the run's inputs and targets before any VM is created: there, readable, and changed.
 
     Fails when the token cannot download a base model's or dataset's files (a gated repo without a grant) or
-    write the Hub repo to publish to, and when a bucket or the reservation the run names does not exist (or
-    Airflow's Google connection may not read it); skips the whole run when nothing it would train from has
-    changed.
+    write the Hub repo to publish to, when a bucket or the reservation the run names does not exist (or
+    Airflow's Google connection may not read it), and when an override sets a key the run's MaxText release's
+    trainer does not define (``recipes/maxtext_config.py``); skips the whole run when nothing it would train from
+    has changed.
 
     The inputs: the base model's and the dataset's revisions on the Hub, the MaxText version and the run's
     settings, publish targets included (a new target has nothing of this model yet). The revisions are those
@@ -166,11 +167,15 @@ class InputsCheckOperator(BaseOperator):
             as_of = self._as_of(context)
             if hub_repo_id:
                 validation.hf_repo_id("hub_repo_id", hub_repo_id)
+            release = validation.blank_to_none(self.maxtext_version) or profile.maxtext_version
+            overrides = (self.settings or {}).get("overrides")
+            if overrides and not maxtext_config.check_override_keys("overrides", overrides, release, self.recipe):
+                self.log.warning("The overrides' keys are not checked here: no key list of MaxText %s", release)
             buckets = self._buckets()
             reservations = self._reservations()
             machine_type = accelerator(self.accelerator_type).machine_type if self.accelerator_type else None
         except SpecError as err:
-            raise InvalidInputError.of(self.task_id, err) from err
+            raise InvalidInputError.of(self.task_id, err, "No VM was created.") from err
         dataset = validation.blank_to_none(self.dataset) if self.recipe == "sft" else None
         repos = input_repos(profile, self.recipe, dataset)
         self._check_access(repos)
@@ -183,7 +188,7 @@ class InputsCheckOperator(BaseOperator):
         inputs = {
             "model": profile.key,
             "revisions": self._revisions(repos, as_of),
-            "maxtext_version": validation.blank_to_none(self.maxtext_version) or profile.maxtext_version,
+            "maxtext_version": release,
             "settings": {key: _comparable(value) for key, value in sorted((self.settings or {}).items())},
         }
         self.log.info("Inputs as of %s: %s", as_of.isoformat() if as_of else "now (inputs_as_of=latest)", inputs)

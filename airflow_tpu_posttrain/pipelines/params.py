@@ -227,7 +227,8 @@ FORM = (
         },
         title="MaxText overrides",
         description="Extra trainer settings, one key=value per line, e.g. learning_rate=1e-5; keys the "
-        "pipeline sets (steps, run_name, ...) are refused. Empty: none.",
+        "pipeline sets (steps, run_name, ...) are refused, and keys the run's MaxText release does not define are "
+        "refused before any VM. Empty: none.",
     ),
     FormField(
         "dataset",
