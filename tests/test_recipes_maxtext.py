@@ -466,6 +466,9 @@ def test_overrides_and_recipe_knobs():
     # No profiler: no profiler argument (MaxText 0.2.5 reads "profiler=" as None and refuses it).
     assert not [arg for arg in sft.argv if arg.startswith("profiler=")]
     assert sft.argv[-2:] == ("learning_rate=1e-5", "weight_dtype=bfloat16")
+    # A nested key, as MaxText's command line takes it (OmegaConf's dot list).
+    rl = maxtext.train_rl(_seed_spec("llama3.1-8b-Instruct"), overrides=["rl.num_generations=4"])
+    assert rl.argv[-1] == "rl.num_generations=4"
     data = SftDataset(
         hf_path="owner/chats", train_split="train", train_data_columns="['prompt', 'completion']"
     )
@@ -525,6 +528,9 @@ def test_paths_refuse_hostile_values(value):
         'x="a"',
         "x=../a",
         "Bad=1",
+        "rl..x=1",
+        ".x=1",
+        "x.=1",
         "novalue",
     ],
 )

@@ -214,6 +214,15 @@ def test_every_key_a_training_command_sets_is_one_its_release_defines(dags, dag_
     assert sorted(set(command["args"]) - known) == []
 
 
+def test_a_nested_override_is_checked_against_its_releases_nested_keys():
+    from airflow_tpu_posttrain.recipes import maxtext_config
+    from airflow_tpu_posttrain.recipes.validation import SpecError
+
+    assert maxtext_config.check_override_keys("overrides", ["rl.num_generations=4"], "0.2.3", "rl")
+    with pytest.raises(SpecError, match=r"overrides\[0\].*'rl.num_generation'.*\(closest: rl.num_generations"):
+        maxtext_config.check_override_keys("overrides", ["rl.num_generation=4"], "0.2.3", "rl")
+
+
 def test_every_release_a_model_pins_has_its_trainers_keys():
     from airflow_tpu_posttrain.recipes import maxtext_config
 

@@ -226,7 +226,8 @@ FORM = (
             }
         },
         title="MaxText overrides",
-        description="Extra trainer settings, one key=value per line, e.g. learning_rate=1e-5; keys the "
+        description="Extra trainer settings, one key=value per line, e.g. learning_rate=1e-5 (a nested key as "
+        "MaxText writes it: rl.num_generations=4); keys the "
         "pipeline sets (steps, run_name, ...) are refused, and keys the run's MaxText release does not define are "
         "refused before any VM. Empty: none.",
     ),

@@ -20,7 +20,8 @@ _SHELL_META = re.compile(r"[;&|`$<>(){}\\\"\n\r\t\x00*?!#~]")
 SAFE_NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 GCE_NAME_RE = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"
 ZONE_RE = r"[a-z]+-[a-z]+[0-9]+-[a-z]"
-OVERRIDE_KEY_RE = r"[a-z_][a-z0-9_]*"
+# A MaxText config key; a nested one (``rl.num_generations``, ``lora.lora_rank``) as MaxText's command line takes it.
+OVERRIDE_KEY_RE = r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*"
 OVERRIDE_VALUE_RE = r"[A-Za-z0-9_.,:/+@=' \[\]-]*"
 VERSION_RE = r"\d+\.\d+\.\d+"
 COLUMN_LIST_RE = r"\['[A-Za-z0-9_]+'(, ?'[A-Za-z0-9_]+')*\]"
