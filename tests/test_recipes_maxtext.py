@@ -529,6 +529,7 @@ def test_paths_refuse_hostile_values(value):
         "x=../a",
         "Bad=1",
         "rl..x=1",
+        "lora.enable_lora=true",
         ".x=1",
         "x.=1",
         "novalue",

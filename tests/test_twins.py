@@ -223,6 +223,16 @@ def test_a_nested_override_is_checked_against_its_releases_nested_keys():
         maxtext_config.check_override_keys("overrides", ["rl.num_generation=4"], "0.2.3", "rl")
 
 
+def test_the_inputs_check_refuses_lora_in_a_full_model_recipe(dags):
+    """MaxText defines lora.*, but a LoRA run saves its adapter only: the full-model export would publish the base."""
+    from airflow_tpu_posttrain.exceptions import InvalidInputError
+
+    task = copy.deepcopy(dags["posttrain_sft__tiny-llama"].get_task("check_inputs"))
+    task.model, task.settings = "tiny-llama", {"overrides": ["lora.enable_lora=true"]}
+    with pytest.raises(InvalidInputError, match=r"overrides\[0\]='lora.enable_lora=true': turns on LoRA"):
+        task.execute({"dag_run": SimpleNamespace(dag_id="d", run_id="r", logical_date=LOGICAL_DATE)})
+
+
 def test_every_release_a_model_pins_has_its_trainers_keys():
     from airflow_tpu_posttrain.recipes import maxtext_config
 

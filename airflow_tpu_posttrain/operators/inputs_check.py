@@ -162,15 +162,15 @@ class InputsCheckOperator(BaseOperator):
 
         try:
             profile = model_profile(self.model)
+            release = validation.blank_to_none(self.maxtext_version) or profile.maxtext_version
+            overrides = validation.override_pairs("overrides", (self.settings or {}).get("overrides") or [])
+            if overrides and not maxtext_config.check_override_keys("overrides", overrides, release, self.recipe):
+                self.log.warning("The overrides' keys are not checked here: no key list of MaxText %s", release)
             force = validation.flag("force", self.force)
             hub_repo_id = validation.blank_to_none(self.hub_repo_id)
             as_of = self._as_of(context)
             if hub_repo_id:
                 validation.hf_repo_id("hub_repo_id", hub_repo_id)
-            release = validation.blank_to_none(self.maxtext_version) or profile.maxtext_version
-            overrides = (self.settings or {}).get("overrides")
-            if overrides and not maxtext_config.check_override_keys("overrides", overrides, release, self.recipe):
-                self.log.warning("The overrides' keys are not checked here: no key list of MaxText %s", release)
             buckets = self._buckets()
             reservations = self._reservations()
             machine_type = accelerator(self.accelerator_type).machine_type if self.accelerator_type else None

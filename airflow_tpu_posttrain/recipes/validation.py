@@ -240,6 +240,12 @@ def override_pairs(field: str, pairs: Sequence[str], reserved: frozenset[str] = 
             raise SpecError(
                 where, pair, f"overrides {key!r}, which the pipeline sets", f"use the {key} parameter"
             )
+        if key.split(".", 1)[0] == "lora":
+            # A LoRA run saves only its adapter: the full-model export would publish the base model unchanged.
+            raise SpecError(
+                where, pair, "turns on LoRA, whose adapter the full-model export of this recipe leaves out",
+                "leave lora.* unset: these recipes fine-tune the whole model",
+            )
         _no_shell_meta(where, val)
         if not _OVERRIDE_VALUE.fullmatch(val) or ".." in val:
             raise SpecError(
