@@ -89,6 +89,22 @@ def no_instances_within(emulator, seconds=3.0):
     return emulator.instances() == []
 
 
+def test_a_deployment_id_drawn_anew_while_the_vm_is_made_renames_nothing(emulator, run_dag, monkeypatch):
+    """The first creates of a fresh deployment race to draw its id; one written late changes it mid-create.
+
+    The create records the VM its trigger made, under the name it requested, and the teardown deletes that VM:
+    computing the name again at the end of the create named another VM, and left this one running (seen in CI,
+    three DAGs' first runs on a loaded machine)."""
+    from airflow_tpu_posttrain.operators import tpu_vm
+
+    monkeypatch.setattr(tpu_vm, "deployment_id", lambda: "airflow-later" if emulator.instances() else "airflow-first")
+    dr = run_dag("drawn_anew", lifecycle("drawn_anew"))
+    assert dr.state == "success", task_states(dr)
+    [insert] = inserts(emulator)
+    assert xcom(dr, "create_tpu_vm")["name"] == insert["body"]["name"] and "airflow-first" in str(insert["body"])
+    assert xcom(dr, "delete_tpu_vm")["deleted"] is True and emulator.instances() == []
+
+
 def test_create_then_teardown_deletes(emulator, run_dag, fault_matrix):
     dr = run_dag("lifecycle_ok", lifecycle("lifecycle_ok", ranges=["203.0.113.0/24"]))
     assert dr.state == "success", task_states(dr)

@@ -32,7 +32,9 @@ _REQUEST_NAMESPACE = uuid.UUID("6f1c1e0a-5b7d-4f0e-9d55-2f6c7a3b9e10")
 DEPLOYMENT_VARIABLE = "airflow_tpu_posttrain.deployment_id"
 # A drawn id is used once it has stayed the same this long: every create racing to draw the first one has then
 # written its draw (they all found the Variable absent at the same moment), and they all use the last.
-DEPLOYMENT_ID_SETTLE_S = 3.0
+# Seen: a draw written more than 3 s after the others found the Variable absent (a loaded API server), and a VM
+# renamed between its insert and its record; the create now records the name it requested whatever happens.
+DEPLOYMENT_ID_SETTLE_S = 10.0
 _DEPLOYMENT_ID_POLL_S = 0.5
 
 

@@ -259,7 +259,8 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                 capacity_wait=float(seconds(self.max_wait_for_capacity) or 0),
                 ready_timeout=self.ready_timeout.total_seconds(),
                 state={
-                    "requested_at": requested_at, "ssh_login": login, "place_lines": {self.zone: line} if line else None
+                    "requested_at": requested_at, "ssh_login": login, "place_lines": {self.zone: line} if line else None,
+                    "name": name,
                 },
                 **self._trigger_arguments(),
             ),
@@ -279,7 +280,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         """The slice is whole (record it, log in to worker 0) or could not be made (deleted already: raise why)."""
         spec = self._spec(context)
-        name = self._name(context)
+        name = event["state"].get("name") or self._name(context)  # the slice made (see TpuVmCreateOperator's)
         if event["status"] != "ready":
             raise self._failure(name, event)
         state = event["state"]

@@ -331,7 +331,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 request_id_base=self._request_id(context, name),
                 accelerator_type=spec.accelerator_type,
                 reservation=spec.reservation,
-                state={"phase": Phase.CREATE.value, "requested_at": requested_at, "ssh_login": login},
+                state={"phase": Phase.CREATE.value, "requested_at": requested_at, "ssh_login": login, "name": name},
                 **self._trigger_arguments(),
             ),
             method_name="execute_complete",
@@ -347,7 +347,9 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         """The conversion wait ended (request the VM now), or the create's trigger did (record the VM)."""
         state = event["state"]
         spec = self._spec(context)
-        name = self._name(context)
+        # The name the trigger created, never one computed again: the deployment id in it may have been drawn anew
+        # meanwhile (the first creates of a fresh deployment), and a renamed VM would be left to run unrecorded.
+        name = state.get("name") or self._name(context)
         if state["phase"] == Phase.CONVERSION.value:
             action = create_phases.next_action(Phase.CONVERSION, event["status"])
             if action is Action.FAIL_CONVERSION or action is Action.START:
