@@ -304,15 +304,9 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
 
         Never handed on without them: every training command names its worker, and a slice whose ids are not
         0 to N-1 would be billed for nothing until its first MaxText step failed. The teardown deletes it."""
-        from airflow_tpu_posttrain.hooks.vm import VmHook
-
         told = []
         for vm in vms:
-            with VmHook(
-                ssh_conn_id=self.ssh_conn_id, remote_host=vm["ssh_address"], username=vm["ssh_login"],
-                host_keys=vm["host_keys"], proxy_command=vm["ssh_proxy_command"],
-                proxy_account=vm.get("ssh_proxy_account"),
-            ) as session:
+            with self._session(vm, vm["host_keys"]) as session:
                 told.append({**vm, "worker_id": slices.worker_id_answer(*session.run_status(slices.worker_id_command()))})
         ids = sorted(vm["worker_id"] for vm in told if vm["worker_id"] is not None)
         if ids != list(range(len(told))):

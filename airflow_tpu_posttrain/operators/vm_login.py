@@ -40,6 +40,19 @@ class VmLoginMixin:
             raise InvalidInputError.of(self.task_id, err) from err
         return None, {"user": self.oslogin_user, "public_key": public_key, "expires_at": expires_at}, ""
 
+    def _session(self, vm: dict, host_keys: dict) -> Any:
+        """An SSH session on ``vm`` (a create's record) as every step has it: its published host keys pinned."""
+        from airflow_tpu_posttrain.hooks.vm import VmHook
+
+        return VmHook(
+            ssh_conn_id=self.ssh_conn_id,
+            remote_host=vm["ssh_address"],
+            username=vm["ssh_login"],
+            host_keys=host_keys,
+            proxy_command=vm["ssh_proxy_command"],
+            proxy_account=vm.get("ssh_proxy_account"),
+        )
+
     def _check_login(
         self, context: Context, spec: compute.TpuVmSpec, name: str, zone: str, vm: dict, host_keys: dict
     ) -> None:
@@ -50,19 +63,10 @@ class VmLoginMixin:
         ``LOGIN_GRACE`` (a key or grant just made takes a moment to reach the VM), and so is a dropped connection."""
         import paramiko
 
-        from airflow_tpu_posttrain.hooks.vm import VmHook
-
         deadline = time.monotonic() + LOGIN_GRACE.total_seconds()
         while True:
             try:
-                with VmHook(
-                    ssh_conn_id=self.ssh_conn_id,
-                    remote_host=vm["ssh_address"],
-                    username=vm["ssh_login"],
-                    host_keys=host_keys,
-                    proxy_command=vm["ssh_proxy_command"],
-                    proxy_account=vm.get("ssh_proxy_account"),
-                ) as session:
+                with self._session(vm, host_keys) as session:
                     session.run("true")
                 return
             except VmHostKeyMismatchError as err:
