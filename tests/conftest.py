@@ -169,8 +169,12 @@ def configured_deployment(monkeypatch) -> str:
 def run_dag(airflow_db, monkeypatch):
     """Write a DAG file into the dags folder, parse it as the scheduler would, and run it with dag.test()."""
 
-    def _run(dag_id: str, body: str, run_id: str | None = None, conf: dict | None = None):
-        """Give the same ``run_id`` twice to clear and re-run that DAG run, as a user does in the UI."""
+    def _run(
+        dag_id: str, body: str, run_id: str | None = None, conf: dict | None = None, logical_date: datetime | None = None
+    ):
+        """Give the same ``run_id`` twice to clear and re-run that DAG run, as a user does in the UI.
+
+        A run id without ``logical_date`` gets a date of its own, drawn from the id."""
         from airflow.dag_processing.dagbag import DagBag
         from airflow.models.dagrun import DagRun
 
@@ -178,7 +182,7 @@ def run_dag(airflow_db, monkeypatch):
         if run_id:
             # dag.test() replaces the run that has the same logical date: same date + same run_id = a re-run.
             monkeypatch.setattr(DagRun, "generate_run_id", staticmethod(lambda **_: run_id))
-            kwargs["logical_date"] = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(
+            kwargs["logical_date"] = logical_date or datetime(2026, 1, 1, tzinfo=UTC) + timedelta(
                 seconds=int(hashlib.sha256(run_id.encode()).hexdigest()[:6], 16)
             )
 

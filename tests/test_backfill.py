@@ -124,8 +124,8 @@ def _sample_until_done(airflow, stack, runs: int, timeline: list) -> dict[str, d
 def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tmp_path, monkeypatch, fault_matrix):
     """Three dates, the model committed between the first and the second: two trainings, not three.
 
-    Of the second and third dates (the same inputs), the one whose check comes first trains and the other reuses
-    its model; the TPU VMs one at a time; no run failed; nothing left behind. The dates end today (the newest is
+    Of the second and third dates (the same inputs), the second trains and the third reuses its model, whichever
+    check asks first; the TPU VMs one at a time; no run failed; nothing left behind. The dates end today (the newest is
     the DAG's latest tick, so unpausing it adds no scheduled run)."""
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
     from bench.local_airflow import LocalAirflow
@@ -182,12 +182,11 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     model = f"model:{TINY_LLAMA_REPO}"
     assert inputs[0]["revisions"][model] != revision_2, report
     assert inputs[1]["revisions"][model] == inputs[2]["revisions"][model] == revision_2, report
-    # Two trainings: the first date's, and one of the two dates that share the new revision (the one whose check
-    # took the claim first); the other followed it, deferred, and reuses its model, having made no VM.
+    # Two trainings: the first date's, and the second's (the earlier of the two dates that share the new
+    # revision); the third followed it, deferred, and reuses its model, having made no VM.
     trainers = [i for i, t in enumerate(trained) if t is not None]
-    assert len(trainers) == 2 and trainers[0] == 0, report
-    leader = trainers[1]
-    follower = 3 - leader
+    assert trainers == [0, 1], report
+    leader, follower = 1, 2
     assert all(trained[i]["reused"] is False and trained[i]["metrics"]["steps_completed"] == STEPS for i in trainers)
     assert [converted[i]["source_revision"] for i in trainers] == [inputs[0]["revisions"][model], revision_2]
     assert [converted[i]["reused"] for i in trainers] == [False, False]

@@ -324,8 +324,8 @@ def claim_runs(airflow_db, emulator, gcs, run_dag, monkeypatch, capfd):
     monkeypatch.setattr(trainings, "RECHECK_S", 2)  # the follower looks at its leader's run every 2 s
     Variable.delete(published_inputs_variable("claim_probe"))
 
-    def run(run_id: str, **conf) -> tuple[str, dict, str]:
-        dag_run = run_dag("claim_probe", CLAIM_BODY, run_id=run_id, conf=conf or None)
+    def run(run_id: str, logical_date: datetime | None = None, **conf) -> tuple[str, dict, str]:
+        dag_run = run_dag("claim_probe", CLAIM_BODY, run_id=run_id, conf=conf or None, logical_date=logical_date)
         [ti] = [ti for ti in dag_run.get_task_instances() if ti.task_id == "check_inputs"]
         pulled = {key: ti.xcom_pull(task_ids="check_inputs", key=key) for key in ("training_claim", "reused_model")}
         return ti.state, pulled, "".join(capfd.readouterr())
@@ -394,3 +394,87 @@ def test_a_run_takes_over_inputs_whose_run_ended_without_publishing(claim_runs):
     _set_run_state("claim_probe", "manual__next", "running")
     state, _, logs = run("manual__forced", force=True)
     assert state == "success" and "Training anyway (force), though run manual__next holds these inputs" in logs
+
+
+def test_of_runs_asking_at_once_the_earliest_date_trains():
+    """The claim's rules: of runs asking at once, the earliest date trains.
+
+    A claim taken before the runs of earlier dates asked is settling, and a run of an earlier date takes it
+    over; a settled claim, or one of an earlier date, is followed."""
+    from airflow_tpu_posttrain.recipes import trainings
+
+    d1, d2 = "2026-12-01T00:00:00+00:00", "2026-12-02T00:00:00+00:00"
+    rules = {"force": False, "ended_owner": None}
+    settling, first = trainings.decide({}, "run_2", "t0", run_date=d2, older_asked=False, **rules)
+    assert (first.action, settling["settling"]) == (trainings.TRAIN, True)
+    taken, decision = trainings.decide(settling, "run_1", "t1", run_date=d1, older_asked=False, **rules)
+    assert (decision.action, decision.took_over_from, decision.earlier_date) == (trainings.TRAIN, "run_2", True)
+    assert taken["run_id"] == "run_1"
+    # The later date, once the earlier asked, follows; the earlier, once the date before it asked, settles.
+    assert trainings.decide(taken, "run_2", "t2", run_date=d2, **rules)[1].action == trainings.FOLLOW
+    settled, decision = trainings.decide(taken, "run_1", "t3", run_date=d1, **rules)
+    assert decision.action == trainings.TRAIN and "settling" not in settled
+    # A settled claim is followed, even by an earlier date: its run may be training already.
+    late = trainings.decide({}, "run_3", "t4", run_date=d2, **rules)[0]
+    assert trainings.decide(late, "run_1", "t5", run_date=d1, **rules)[1].action == trainings.FOLLOW
+    # A settling claim of an earlier date is followed; a claim without a date (an older release's) is too.
+    early = trainings.decide({}, "run_1", "t6", run_date=d1, older_asked=False, **rules)[0]
+    assert trainings.decide(early, "run_2", "t7", run_date=d2, **rules)[1].action == trainings.FOLLOW
+    undated = {"state": trainings.TRAINING, "run_id": "run_0", "since": "t", "settling": True}
+    assert trainings.decide(undated, "run_1", "t8", run_date=d1, **rules)[1].action == trainings.FOLLOW
+
+
+def test_a_run_waits_for_the_date_before_to_ask_and_then_reuses_its_model(claim_runs, gcs):
+    """Two dates with the same inputs, the later one's check first: the earlier date trains them.
+
+    The later run asks, waits (deferred) until the run of the date before has asked, and reuses its model."""
+    import threading
+    from datetime import timedelta
+
+    from airflow.models.dagrun import DagRun
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+    from airflow_tpu_posttrain.recipes import trainings
+
+    earlier = datetime(2026, 1, 1, tzinfo=UTC)  # the DAG's start, before every date the other claim tests draw
+    later = earlier + timedelta(seconds=1)
+    with create_session() as session:  # the earlier date's run has started; its check has not asked yet
+        session.add(DagRun(dag_id="claim_probe", run_id="manual__d1", logical_date=earlier, run_after=earlier,
+                           run_type="manual", state="running"))
+    seen: dict = {}
+    model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-d1"}}
+
+    def the_earlier_date_asks() -> None:
+        deadline = time.monotonic() + 120
+        while not seen.get("uri"):
+            assert time.monotonic() < deadline
+            with create_session() as session:
+                row = session.query(XComModel).filter_by(
+                    dag_id="claim_probe", run_id="manual__d2", task_id="check_inputs", key="training_claim"
+                ).one_or_none()
+                seen["uri"] = row and XComModel.deserialize_value(row)
+            time.sleep(0.5)
+        records = StoredRecordHook()
+        seen["before"] = records.read(seen["uri"])
+        time.sleep(3)  # the later date's check is deferred meanwhile, looking every 5 s
+        seen["decision"] = records.change(
+            seen["uri"],
+            lambda claim: trainings.decide(
+                claim, "manual__d1", "now", force=False, ended_owner=None, run_date=earlier.isoformat()
+            ),
+        )
+        records.change(seen["uri"], lambda claim: trainings.published(claim, "manual__d1", "now", model))
+        with create_session() as session:
+            session.query(DagRun).filter_by(dag_id="claim_probe", run_id="manual__d1").update({"state": "success"})
+
+    asker = threading.Thread(target=the_earlier_date_asks)
+    asker.start()
+    state, pulled, logs = claim_runs("manual__d2", logical_date=later)
+    asker.join()
+    assert seen["before"]["run_id"] == "manual__d2" and seen["before"]["settling"] is True, seen
+    assert "waiting for run manual__d1, of the date before, to ask for its own" in logs, logs
+    assert seen["decision"].earlier_date and seen["decision"].took_over_from == "manual__d2", seen
+    assert state == "skipped", logs
+    assert pulled["reused_model"] == {"run_id": "manual__d1", **model}

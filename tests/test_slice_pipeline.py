@@ -66,40 +66,6 @@ def _single_process_losses(tmp_path, converted_dir: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in _LOSS.findall(said)}
 
 
-def test_tiny_sft_on_a_local_slice_matches_one_process(stack, capfd, tmp_path):
-    """Made together, trained by one JAX process per VM, published, deleted whole.
-
-    The loss of each step is a single process's on the same batches."""
-    with before_vm_end(stack, lambda vm: None) as ends:
-        dr = run_pipeline(SLICE_DAG, {"storage_uri": str(stack.published_dir), "overrides": [SAME_BATCHES]})
-        logs = "".join(capfd.readouterr())
-        assert_succeeded(dr, logs)
-        made = xcom(dr, "create_tpu_vm")
-        ends.wait_gone([vm["name"] for vm in made["vms"]] + [xcom(dr, "create_cpu_vm")["name"]])
-    assert made["accelerator_type"] == "v6e-16" and made["machine_type"] == "ct6e-standard-4t"
-    assert [vm["worker_id"] for vm in made["vms"]] == [0, 1]
-    # One program over both VMs: MaxText's mesh spans the two processes' devices, gloo joined worker 0 to its peer.
-    assert "Num_devices: 2" in logs and "Rank 0 is connected to 1 peer ranks" in logs
-    trained = xcom(dr, "train")
-    assert trained["metrics"]["steps_completed"] == STEPS
-    run = trained["run_name"]
-    objects = storage_objects(LOCAL_CHECKPOINT_STORAGE)
-    # Each process wrote its part of the final checkpoint to the shared storage; process 0 committed it.
-    assert f"post-train/{run}/checkpoints/{STEPS}/commit_success.txt" in objects
-    for process in (0, 1):
-        assert any(f"checkpoints/{STEPS}/model_params/ocdbt.process_{process}/" in o for o in objects), process
-    assert f"exports/{run}/model.safetensors" in objects
-    deleted = xcom(dr, "delete_tpu_vm")
-    assert (deleted["deleted"], deleted["vms"]) == (True, 2)
-    assert stack.compute.instances() == []
-
-    on_slice = dict(trained["metrics"]["loss_curve"])
-    converted = xcom(dr, "convert_to_maxtext")["converted_params"].removesuffix("/0/items")
-    alone = _single_process_losses(tmp_path, converted)
-    assert sorted(on_slice) == sorted(alone) == list(range(1, STEPS + 1)), (on_slice, alone)
-    assert all(abs(on_slice[step] - alone[step]) <= LOSS_TOLERANCE for step in alone), (on_slice, alone)
-
-
 _COMMITTED = re.compile(r"^post-train/[^/]+/checkpoints/(\d+)/commit_success\.txt$")
 
 
@@ -171,7 +137,13 @@ class _SliceBreaker(threading.Thread):
             self.error = err
 
 
-def test_a_slice_that_loses_a_vm_mid_training_is_made_again_and_resumes(stack, capfd, tmp_path, fault_matrix):
+def test_a_slice_trains_as_one_process_and_when_it_loses_a_vm_is_made_again_and_resumes(
+    stack, capfd, tmp_path, fault_matrix
+):
+    """A slice made together, trained by one JAX process per VM, made again when it loses a VM, resumed.
+
+    Then published and deleted whole. The loss of each step before the loss is a single process's on the same batches. One run for both: a slice
+    training is the suite's costliest."""
     breaker = _SliceBreaker(stack, at_step=3)
     groups_before = sum(
         1 for r in stack.compute.requests if r["method"] == "POST" and r["path"].endswith("/instanceGroupManagers")
@@ -179,15 +151,24 @@ def test_a_slice_that_loses_a_vm_mid_training_is_made_again_and_resumes(stack, c
     capfd.readouterr()
     breaker.start()
     try:
-        dr = run_pipeline(SLICE_DAG, {"force": True})
+        with before_vm_end(stack, lambda vm: None) as ends:
+            dr = run_pipeline(
+                SLICE_DAG, {"force": True, "storage_uri": str(stack.published_dir), "overrides": [SAME_BATCHES]}
+            )
+            logs = "".join(capfd.readouterr())
+            (tmp_path / "run.log").write_text(logs)
+            assert_succeeded(dr, logs)
+            made = xcom(dr, "create_tpu_vm")
+            ends.wait_gone([vm["name"] for vm in made["vms"]] + [xcom(dr, "create_cpu_vm")["name"]])
     finally:
         breaker.stop.set()
         breaker.join(10)
-    logs = "".join(capfd.readouterr())
-    (tmp_path / "run.log").write_text(logs)
     assert breaker.error is None, breaker.error
     assert breaker.lost, "no VM of the slice was lost (training ended first?)"
-    assert_succeeded(dr, logs)
+    assert made["accelerator_type"] == "v6e-16" and made["machine_type"] == "ct6e-standard-4t"
+    assert [vm["worker_id"] for vm in made["vms"]] == [0, 1]
+    # One program over both VMs: MaxText's mesh spans the two processes' devices, gloo joined worker 0 to its peer.
+    assert "Num_devices: 2" in logs and "Rank 0 is connected to 1 peer ranks" in logs
     [train] = [ti for ti in dr.get_task_instances() if ti.task_id == "train"]
     assert train.try_number == 1, "the recovery is part of the try the loss interrupted"
     assert re.search(r"Recovery 1/\d+: Slice tpu-\S+ in us-east5-b lost a VM", logs), logs[-5000:]
@@ -199,18 +180,35 @@ def test_a_slice_that_loses_a_vm_mid_training_is_made_again_and_resumes(stack, c
     assert len(groups) == 2 and groups[0]["name"] == groups[1]["name"]
     # Training resumed from a checkpoint the broken slice committed to storage.
     lost_steps = [int(s) for s in _COMPLETED.findall(breaker.log_at_loss)]
-    metrics = xcom(dr, "train")["metrics"]
+    trained = xcom(dr, "train")
+    metrics = trained["metrics"]
     restored = metrics["resumed_from_step"]  # MaxText's "Restored params from step" of the slice made again
     assert breaker.committed_at_loss <= restored <= max(lost_steps), (restored, breaker.committed_at_loss, lost_steps)
     assert metrics["steps_completed"] == STEPS
+    # Each process of the slice made again wrote its part of the final checkpoint; process 0 committed it.
+    run = trained["run_name"]
+    objects = storage_objects(LOCAL_CHECKPOINT_STORAGE)
+    assert f"post-train/{run}/checkpoints/{STEPS}/commit_success.txt" in objects
+    for process in (0, 1):
+        assert any(f"checkpoints/{STEPS}/model_params/ocdbt.process_{process}/" in o for o in objects), process
+    assert f"exports/{run}/model.safetensors" in objects
     # Nothing of either slice is left: no VM, group, template or workload policy.
+    deleted = xcom(dr, "delete_tpu_vm")
+    assert (deleted["deleted"], deleted["vms"]) == (True, 2)
     deadline = time.monotonic() + 120
     while stack.compute.instances() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert stack.compute.instances() == []
     assert states(dr)["delete_tpu_vm"] == "success"
+    # The steps the first slice trained are one process's on the same batches, from the same conversion.
+    on_slice = {int(step): float(loss) for step, loss in _LOSS.findall(breaker.log_at_loss.decode())}
+    converted = xcom(dr, "convert_to_maxtext")["converted_params"].removesuffix("/0/items")
+    alone = _single_process_losses(tmp_path, converted)
+    assert sorted(alone) == list(range(1, STEPS + 1)) and sorted(on_slice) == lost_steps, (on_slice, alone)
+    assert all(abs(on_slice[step] - alone[step]) <= LOSS_TOLERANCE for step in on_slice), (on_slice, alone)
     fault_matrix.record(
         "Slice: one VM of a v6e-16 slice preempted mid-training -> the slice is made again, training resumes",
         True, dr.state, True,
-        f"resumed from step {restored} of {max(lost_steps)} done; {len(groups)} groups made, none left",
+        f"resumed from step {restored} of {max(lost_steps)} done; {len(groups)} groups made, none left; "
+        f"steps 1-{max(lost_steps)} within {LOSS_TOLERANCE} of one process's loss",
     )

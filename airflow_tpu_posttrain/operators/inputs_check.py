@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 PUBLISHED_INPUTS_KEY = "inputs"  # the export's XCom: the inputs of the model it published
 TRAINING_CLAIM_KEY = "training_claim"  # the inputs check's XCom: its claim on the inputs (``recipes/trainings.py``)
 REUSED_MODEL_KEY = "reused_model"  # the inputs check's XCom when the run reuses another run's model
+# The inputs check's XCom once every run of an earlier date still going has asked for its inputs (the runs of
+# later dates wait for it: of runs with the same inputs, the earliest date trains).
+OLDER_ASKED_KEY = "older_runs_asked"
 
 
 def published_inputs_variable(dag_id: str) -> str:
@@ -212,13 +215,20 @@ class InputsCheckOperator(BaseOperator):
         context["ti"].xcom_push(key="inputs", value=inputs)
         return self._claim(context, inputs, force)
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """The followed run's claim changed, or it is time to look at that run again: decide anew."""
+    def execute_complete(
+        self, context: Context, event: dict[str, Any], waiting_since: str | None = None
+    ) -> dict[str, Any]:
+        """The claim changed, or it is time to look at the run it waits for again: decide anew."""
         inputs = context["ti"].xcom_pull(task_ids=self.task_id, key="inputs")
-        return self._claim(context, inputs, validation.flag("force", self.force))
+        return self._claim(context, inputs, validation.flag("force", self.force), waiting_since)
 
-    def _claim(self, context: Context, inputs: dict[str, Any], force: bool) -> dict[str, Any]:
-        """The run's claim on ``inputs``: train them, follow the run that trains them, or reuse its model."""
+    def _claim(
+        self, context: Context, inputs: dict[str, Any], force: bool, waiting_since: str | None = None
+    ) -> dict[str, Any]:
+        """The run's claim on ``inputs``: train them, follow the run that trains them, or reuse its model.
+
+        The run asks first, then waits (deferred) until the run of the previous date has asked too: of runs
+        with the same inputs at once (a backfill's), the earliest date trains and the others reuse its model."""
         from airflow.sdk.exceptions import AirflowSkipException
 
         from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
@@ -232,15 +242,38 @@ class InputsCheckOperator(BaseOperator):
         context["ti"].xcom_push(key=TRAINING_CLAIM_KEY, value=uri)
         if uri is None:  # no storage every run shares: the last published model is all there is to compare with
             return inputs
+        now = datetime.now(UTC)
+        older_asked = self._older_runs_asked(context, waiting_since, now)
+        run_date = (dag_run.logical_date or dag_run.run_after).astimezone(UTC).isoformat()
         records = StoredRecordHook(gcp_conn_id=self.gcp_conn_id)
         ended = self._ended_owner(context, records.read(uri))
-        now = datetime.now(UTC).isoformat()
         decision = records.change(
-            uri, lambda claim: trainings.decide(claim, dag_run.run_id, now, force=force, ended_owner=ended)
+            uri,
+            lambda claim: trainings.decide(
+                claim, dag_run.run_id, now.isoformat(), force=force, ended_owner=ended, run_date=run_date,
+                older_asked=older_asked,
+            ),
         )
         owner = decision.claim.get("run_id")
+        if decision.earlier_date:
+            self.log.info("Run %s, of a later date, had asked for these inputs: this run's date trains them", owner)
+        if not older_asked:
+            previous = context["ti"].get_previous_dagrun()
+            log = self.log.info if waiting_since is None else self.log.debug  # said once, looked at every 5 s
+            log(
+                "Asked for these inputs (%s); waiting for run %s, of the date before, to ask for its own: of runs "
+                "with the same inputs, the earliest date trains them", uri, previous.run_id if previous else None,
+            )
+            self.defer(
+                trigger=ClaimChangeTrigger(
+                    uri, decision.claim, trainings.OLDER_RECHECK_S, self.poll_interval, gcp_conn_id=self.gcp_conn_id
+                ),
+                method_name="execute_complete",
+                kwargs={"waiting_since": waiting_since or now.isoformat()},
+            )
+        context["ti"].xcom_push(key=OLDER_ASKED_KEY, value=True)
         if decision.action == trainings.TRAIN:
-            if decision.took_over_from:
+            if decision.took_over_from and not decision.earlier_date:
                 self.log.info(
                     "Run %s, which held these inputs, ended without publishing: this run trains them (%s)",
                     decision.took_over_from, uri,
@@ -268,6 +301,29 @@ class InputsCheckOperator(BaseOperator):
             ),
             method_name="execute_complete",
         )
+
+    def _older_runs_asked(self, context: Context, waiting_since: str | None, now: datetime) -> bool:
+        """Whether every run of an earlier date still going has asked for its inputs.
+
+        The run of the previous date has: it is not running, its check pushed ``older_runs_asked`` (so every
+        run before it has too) or its check ended. Past ``OLDER_WAIT_S`` of waiting, a stuck run no longer
+        holds this one back."""
+        ti = context["ti"]
+        previous = ti.get_previous_dagrun()
+        if previous is None or previous.state != "running":
+            return True
+        if ti.xcom_pull(task_ids=self.task_id, key=OLDER_ASKED_KEY, run_id=previous.run_id):
+            return True
+        states = ti.get_task_states(dag_id=previous.dag_id, task_ids=[self.task_id], run_ids=[previous.run_id])
+        if states.get(previous.run_id, {}).get(self.task_id) in ("success", "skipped", "failed", "upstream_failed"):
+            return True
+        if waiting_since and (now - datetime.fromisoformat(waiting_since)).total_seconds() > trainings.OLDER_WAIT_S:
+            self.log.warning(
+                "Run %s, of the date before, has not asked for its inputs in %d s: deciding without it",
+                previous.run_id, trainings.OLDER_WAIT_S,
+            )
+            return True
+        return False
 
     def _ended_owner(self, context: Context, claim: dict[str, Any]) -> str | None:
         """The run holding ``claim`` for training, if it ended (or no longer exists); else None."""
