@@ -19,3 +19,5 @@ MAX_WAIT_IN_LINE_HOURS = 24
 TRAINING_STALL_TIMEOUT_S = 1800
 # Which revisions of a run's inputs it trains: those at its logical date, or the latest (inputs_as_of).
 INPUTS_AS_OF = ("run_date", "latest")
+# What a rejected (or unanswered) approval to publish does: skip the publish, or fail the run.
+APPROVAL_ON_REJECT = ("skip", "fail")

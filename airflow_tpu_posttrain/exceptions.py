@@ -111,3 +111,9 @@ class CloudResourceError(AirflowFailException):
     """A bucket or reservation the run names does not exist, or Airflow's Google connection may not read it.
 
     Found by the inputs check, before any VM: nothing is created, and no retry helps."""
+
+
+class PublishRejectedError(AirflowFailException):
+    """A person rejected publishing the model (or no one answered in time), and the run is to fail for it.
+
+    Nothing was published; the message names where the checked export is kept."""

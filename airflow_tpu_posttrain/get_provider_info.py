@@ -53,6 +53,7 @@ def get_provider_info() -> dict:
             {
                 "integration-name": _INTEGRATION,
                 "python-modules": [
+                    "airflow_tpu_posttrain.operators.approval",
                     "airflow_tpu_posttrain.operators.compute_base",
                     "airflow_tpu_posttrain.operators.export",
                     "airflow_tpu_posttrain.operators.inputs_check",

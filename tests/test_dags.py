@@ -960,3 +960,41 @@ def test_two_deployments_share_a_conversion_and_nothing_of_a_run(dags, monkeypat
     # The same deployment names the same run again: a retry resumes it.
     monkeypatch.setenv("AIRFLOW__TPU_POSTTRAIN__DEPLOYMENT_ID", "airflow-staging")
     assert task.run_spec(_context(dag), conversion_key="same-content").layout == staging
+
+
+def test_an_entry_with_approval_asks_after_the_tpu_vm_is_gone_and_before_publishing():
+    """The export is kept first; the answer is asked once the TPU VM's teardown ran; the publish follows it.
+
+    The CPU VM's teardown runs whatever the answer (a rejected publish is skipped), and the CPU VM lives
+    long enough for the answer to come."""
+    from airflow_tpu_posttrain.pipelines.posttrain import build_dag
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+    entry = {"model": "gemma3-4b", "recipe": "sft", "checkpoint_storage": "gs://bkt/x"}
+    plain = build_dag(PipelineConfig(**entry))
+    dag = build_dag(PipelineConfig(**entry, approval=True, approval_timeout_hours=24, approval_on_reject="fail"))
+    assert set(dag.task_ids) - set(plain.task_ids) == {"export_and_keep", "approve_publish"}
+    upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
+    assert {GATE, "train", CREATE_CPU} <= upstream["export_and_keep"]
+    assert upstream["approve_publish"] == {GATE, "export_and_keep", DELETE}
+    assert "approve_publish" in upstream["export_and_publish"]
+    keep, approve = dag.get_task("export_and_keep"), dag.get_task("approve_publish")
+    assert keep.publish is False and dag.get_task("export_and_publish").publish is True
+    assert create_task_id(keep) == CREATE_CPU
+    assert approve.response_timeout == timedelta(hours=24) and approve.defaults == ["Reject"]
+    assert approve.fail_on_reject is True and approve.required == "{{ params.approval }}"
+    assert dag.get_task(DELETE_CPU).trigger_rule == "all_done"
+    assert plain.get_task(DELETE_CPU).trigger_rule == "none_skipped"
+    waits = dag.get_task(CREATE_CPU).max_run_duration - plain.get_task(CREATE_CPU).max_run_duration
+    assert waits == timedelta(hours=24)
+    assert {"export_and_keep", "approve_publish"} <= dag.get_task(WATCHER).upstream_task_ids
+    assert dag.params["approval"] is True and "approval" not in plain.params
+
+
+def test_approval_is_refused_where_it_would_hold_the_tpu_vm():
+    from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
+
+    with pytest.raises(ValueError, match="approval=True: needs the split layout"):
+        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None, approval=True)
+    with pytest.raises(ValueError, match="approval_on_reject='warn'"):
+        PipelineConfig(model="gemma3-4b", recipe="sft", checkpoint_storage="gs://b/x", approval_on_reject="warn")

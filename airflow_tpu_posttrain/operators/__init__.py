@@ -15,6 +15,7 @@ _MODULE_OF = {
     "MaxTextConvertOperator": "maxtext",
     "MaxTextInstallOperator": "maxtext",
     "SftTrainOperator": "maxtext",
+    "PublishApprovalOperator": "approval",
     "QualityGateOperator": "quality_gate",
     "TpuVmReaperOperator": "reaper",
     "TpuDeleteOperator": "tpu_delete",

@@ -62,6 +62,9 @@ class HfExportOperator(MaxTextJobOperator):
     :param training_claim: the inputs check's claim on those inputs (``check.output["training_claim"]``): marked
         published with the model's places, for the runs that follow or come later with the same inputs.
     :param gcp_conn_id: the Google connection that writes that claim.
+    :param publish: False: export, check and keep the model in checkpoint storage only, publishing nothing (a
+        person approves first, ``operators/approval.py``); a later task with True publishes the kept export
+        without exporting again.
     """
 
     template_fields: Sequence[str] = (
@@ -88,9 +91,11 @@ class HfExportOperator(MaxTextJobOperator):
         training_claim: str | None = None,
         gcp_conn_id: str = GCP_CONN_ID,
         prices: Mapping[str, Mapping[str, float]] | None = None,
+        publish: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.publish = publish
         self.inputs = inputs
         self.training_claim = training_claim
         self.gcp_conn_id = gcp_conn_id
@@ -135,10 +140,14 @@ class HfExportOperator(MaxTextJobOperator):
         return f"{self.workdir}/vm_scripts/{VM_SCRIPTS[0]}"
 
     def build_job(self, spec: maxtext.RunSpec, context: Context) -> Job:
-        hub_repo_id = validation.blank_to_none(self.hub_repo_id)
-        storage_uri = validation.blank_to_none(self.storage_uri)
-        if not hub_repo_id and not storage_uri:
+        hub_repo_id = validation.blank_to_none(self.hub_repo_id) if self.publish else None
+        storage_uri = validation.blank_to_none(self.storage_uri) if self.publish else None
+        if self.publish and not hub_repo_id and not storage_uri:
             raise SpecError("publish target", None, "is missing", "set hub_repo_id and/or storage_uri")
+        if not self.publish and not spec.layout.kept_export_dir:
+            raise SpecError(
+                "checkpoint_storage", None, "is missing", "an export awaiting approval is kept there: set it"
+            )
         export = maxtext.to_huggingface(spec, self.trained_checkpoint)
         dag_run = context["dag_run"]
         result_file = f"{spec.layout.export_dir}.publish.json"
@@ -281,6 +290,9 @@ class HfExportOperator(MaxTextJobOperator):
                 f"Publishing left no result file; the exported model is on the VM at {job.outputs['export_dir']}"
             )
         published = json.loads(text)
+        if not self.publish:
+            self.log.info("Exported, checked and kept at %s; published nowhere yet", published["kept_uri"])
+            return published
         hub = published.get("hub")
         if hub:
             self.log.info(

@@ -46,6 +46,7 @@ class FormField:
     schema: dict[str, Any] = field(default_factory=dict)
     default: Any = FROM_ENTRY
     recipe: str | None = None
+    only_with_approval: bool = False  # the field is only in the forms of entries that ask before publishing
 
 
 def _accelerators(cfg: PipelineConfig) -> list[str]:
@@ -207,6 +208,14 @@ FORM = (
         "(MaxText evaluates before the first step and after the last), GRPO test accuracy.",
     ),
     FormField(
+        "approval",
+        only_with_approval=True,
+        type="boolean",
+        title="Ask before publishing",
+        description="On: once the model passed the quality gate, its export is kept and a person approves or "
+        "rejects publishing it (the UI's Required actions); off: publish without asking.",
+    ),
+    FormField(
         "min_improvement_pct",
         type="number",
         schema={"minimum": 0, "maximum": 100},
@@ -308,7 +317,7 @@ def trigger_form(cfg: PipelineConfig) -> dict[str, Param]:
     return {
         form_field.name: _param(form_field, cfg)
         for form_field in FORM
-        if form_field.recipe in (None, cfg.recipe)
+        if form_field.recipe in (None, cfg.recipe) and (cfg.approval or not form_field.only_with_approval)
     }
 
 

@@ -22,6 +22,7 @@ from airflow.sdk import DAG, BaseOperator, TriggerRule, chain
 
 from airflow_tpu_posttrain.defaults import MAX_WAIT_IN_LINE_HOURS
 from airflow_tpu_posttrain.exceptions import StepFailedError
+from airflow_tpu_posttrain.operators.approval import PublishApprovalOperator
 from airflow_tpu_posttrain.operators.export import HfExportOperator
 from airflow_tpu_posttrain.operators.inputs_check import TRAINING_CLAIM_KEY, InputsCheckOperator
 from airflow_tpu_posttrain.operators.maxtext import (
@@ -101,6 +102,7 @@ class Step:
     layout: str | None = None
     recipe: str | None = None
     slice: bool | None = None  # only in the DAGs of multi-host slices (True) or of one TPU VM (False)
+    approval: bool | None = None  # only in the DAGs whose entry asks a person before publishing (True)
 
 
 # The Params each recipe's training reads. The inputs check records them, with the accelerator and the
@@ -189,6 +191,8 @@ STEPS = (
             "image_project": compute.CPU_IMAGE_PROJECT,
             "image_family": compute.CPU_IMAGE_FAMILY,
             **_creating_vm(cfg),
+            # It waits with the kept export while a person decides.
+            "max_run_duration": _creating_vm(cfg)["max_run_duration"] + _approval_wait(cfg),
         },
         layout="split",
     ),
@@ -255,6 +259,32 @@ STEPS = (
             "execution_timeout": FIVE_MINUTES,
         },
     ),
+    # With approval: the export checked and kept in storage (published nowhere), then a person's answer.
+    Step(
+        "export_and_keep",
+        HfExportOperator,
+        lambda cfg: {
+            "trained": Output("train"),
+            "publish": False,
+            "prices": cfg.prices,
+            "execution_timeout": cfg.timeouts.export,
+            "poll_interval": _poll(cfg, 15),
+        },
+        vm="cpu",
+        approval=True,
+    ),
+    Step(
+        "approve_publish",
+        PublishApprovalOperator,
+        lambda cfg: {
+            "required": "{{ params.approval }}",
+            "verdict": Output("quality_gate"),
+            "export": Output("export_and_keep"),
+            "on_reject": cfg.approval_on_reject,
+            "response_timeout": _approval_wait(cfg),
+        },
+        approval=True,
+    ),
     Step(
         "export_and_publish",
         HfExportOperator,
@@ -301,8 +331,8 @@ STEPS = (
     Step("delete_cpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "cpu"), layout="split"),
 )
 
-# The steps whose failure fails the run, through the watcher.
-BODY = ("convert_to_maxtext", "train", "quality_gate", "export_and_publish")
+# The steps whose failure fails the run, through the watcher (those of its DAG).
+BODY = ("convert_to_maxtext", "train", "quality_gate", "export_and_keep", "approve_publish", "export_and_publish")
 
 # What runs after what, per layout: each line a chain, left to right (a tuple in it: tasks side by side). An
 # Output argument runs its task first too.
@@ -311,7 +341,7 @@ WIRING = {
         ("check_inputs", "create_tpu_vm", "install_maxtext", "train", "delete_tpu_vm"),
         ("check_inputs", "create_cpu_vm", "install_maxtext_cpu", "convert_to_maxtext", "train"),
         ("train", "quality_gate", "export_and_publish", "delete_cpu_vm"),
-        (BODY, WATCHER),
+        ("body", WATCHER),
     ),
     "seeds": (
         (
@@ -324,9 +354,15 @@ WIRING = {
             "export_and_publish",
             "delete_tpu_vm",
         ),
-        (BODY, WATCHER),
+        ("body", WATCHER),
     ),
 }
+# With approval (split layout only): after the gate, the export kept, then the answer, asked once the TPU VM is
+# gone; the publish only after it.
+APPROVAL_WIRING = (
+    ("quality_gate", "export_and_keep", "approve_publish", "export_and_publish"),
+    ("delete_tpu_vm", "approve_publish"),
+)
 
 # Each VM's teardown (its delete) and its setups (its create and its install): clearing a step (a re-run of
 # train or of the export) clears the setups in its scope, so the fresh VMs get MaxText too. A setup is
@@ -344,12 +380,14 @@ def build_dag(cfg: PipelineConfig) -> DAG:
     with _dag(cfg) as dag:
         tasks: dict[str, BaseOperator] = {}
         for step in STEPS:
-            if step.layout in (None, cfg.layout) and step.recipe in (None, cfg.recipe) and step.slice in (
-                None,
-                cfg.is_slice,
+            if (
+                step.layout in (None, cfg.layout)
+                and step.recipe in (None, cfg.recipe)
+                and step.slice in (None, cfg.is_slice)
+                and step.approval in (None, cfg.approval)
             ):
                 tasks[step.task_id] = _operator(step, cfg, tasks)
-        _wire(tasks, cfg.layout)
+        _wire(tasks, cfg)
     return dag
 
 
@@ -395,15 +433,20 @@ def _operator(step: Step, cfg: PipelineConfig, tasks: dict[str, BaseOperator]) -
     return step.operator(task_id=step.task_id, **arguments)
 
 
-def _wire(tasks: dict[str, BaseOperator], layout: str) -> None:
+def _wire(tasks: dict[str, BaseOperator], cfg: PipelineConfig) -> None:
     """What runs after what (the layout's ``WIRING``), then each VM's teardown and setups (``TEARDOWNS``)."""
-    for line in WIRING[layout]:
-        chain(*([tasks[t] for t in link] if isinstance(link, tuple) else tasks[link] for link in line))
+    body = [tasks[t] for t in BODY if t in tasks]
+    for line in WIRING[cfg.layout] + (APPROVAL_WIRING if cfg.approval else ()):
+        chain(*(body if link == "body" else tasks[link] for link in line))
     for teardown_id, setup_ids in TEARDOWNS.items():
         if teardown_id in tasks:
             teardown = tasks[teardown_id]
             teardown.as_teardown(setups=[tasks[t] for t in setup_ids], on_failure_fail_dagrun=True)
             teardown.trigger_rule = TriggerRule.NONE_SKIPPED  # after as_teardown, which sets its own
+    if cfg.approval:
+        # A rejected publish is skipped, and the CPU VM that held the export still goes (a run skipped whole
+        # finds no VM to delete).
+        tasks["delete_cpu_vm"].trigger_rule = TriggerRule.ALL_DONE
 
 
 # The arguments several steps share.
@@ -468,8 +511,18 @@ SLICE_CREATE_ARGUMENTS = (
 
 
 def _whole_run(cfg: PipelineConfig) -> timedelta:
-    """The longest a run may take: its place's wait, the conversion's, and its VM's lifetime."""
-    return _place_wait(cfg) + _conversion_wait(cfg) + cfg.timeouts.vm_lifetime(cfg.retries, MAX_RETRY_DELAY)
+    """The longest a run may take: its place's wait, the conversion's, its VM's lifetime and a person's answer."""
+    return (
+        _place_wait(cfg)
+        + _conversion_wait(cfg)
+        + cfg.timeouts.vm_lifetime(cfg.retries, MAX_RETRY_DELAY)
+        + _approval_wait(cfg)
+    )
+
+
+def _approval_wait(cfg: PipelineConfig) -> timedelta:
+    """How long a run waits for a person's answer to publish (none without approval)."""
+    return timedelta(hours=cfg.approval_timeout_hours) if cfg.approval else timedelta(0)
 
 
 def _conversion_wait(cfg: PipelineConfig) -> timedelta:

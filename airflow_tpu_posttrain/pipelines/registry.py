@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from airflow_tpu_posttrain import defaults
-from airflow_tpu_posttrain.defaults import INPUTS_AS_OF
+from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT, INPUTS_AS_OF
 from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
@@ -227,6 +227,26 @@ class PipelineConfig:
     quality_gate: str = gate.DEFAULT_RULE
     inputs_as_of: str = "run_date"
     min_improvement_pct: float = gate.DEFAULT_MIN_IMPROVEMENT_PCT
+    approval: bool = field(
+        default=False,
+        metadata=_doc(
+            "A person approves each model before it is published (Airflow's human-in-the-loop, in the UI's "
+            "Required actions): the export is checked and kept in `checkpoint_storage`, then `approve_publish` waits "
+            "(no worker slot, the TPU VM gone) showing the eval numbers, the gate's verdict and the model card. The "
+            "trigger form's `approval` Param (default true here) lets a run publish without asking. Split layout only."
+        ),
+    )
+    approval_timeout_hours: float = field(
+        default=72, metadata=_doc("How long `approve_publish` waits for an answer; then the answer is Reject.")
+    )
+    approval_on_reject: str = field(
+        default="skip",
+        metadata=_doc(
+            "What Reject (or no answer in time) does, besides publishing nothing and keeping the export: `skip` the "
+            "publish (the run succeeds) or `fail` the run.",
+            APPROVAL_ON_REJECT,
+        ),
+    )
     # Set by the loader, never by models.yaml (_LOADER_KEYS).
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # the local CPU "VM"'s operator arguments (see _local_entry_settings)
@@ -255,6 +275,16 @@ class PipelineConfig:
         check(validation.one_of, "layout", self.layout, LAYOUTS)
         check(validation.one_of, "quality_gate", self.quality_gate, gate.RULES)
         check(validation.one_of, "inputs_as_of", self.inputs_as_of, INPUTS_AS_OF)
+        check(validation.one_of, "approval_on_reject", self.approval_on_reject, APPROVAL_ON_REJECT)
+        if self.approval and self.layout != "split":
+            problems.append(SpecError(
+                "approval", self.approval, "needs the split layout",
+                "use layout: split (its TPU VM is deleted before the wait; the seeds layout would hold it)",
+            ))
+        if self.approval_timeout_hours <= 0:
+            problems.append(SpecError(
+                "approval_timeout_hours", self.approval_timeout_hours, "is not positive", "give hours, e.g. 72"
+            ))
         check(accelerator, self.accelerator_type)
         if _is_slice(self.accelerator_type):
             problems.extend(PipelineConfig._slice_problems(self))
