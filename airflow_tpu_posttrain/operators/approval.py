@@ -15,7 +15,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 
 from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT
 from airflow_tpu_posttrain.exceptions import InvalidInputError, PublishRejectedError
-from airflow_tpu_posttrain.links import CheckpointLink
+from airflow_tpu_posttrain.links import CONSOLE
 from airflow_tpu_posttrain.recipes import validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -28,7 +28,8 @@ class PublishApprovalOperator(ApprovalOperator):
     Approve: the publish task runs. Reject, or no answer within ``response_timeout`` (its default answer is
     Reject): nothing is published, the log names the kept export, and the publish task is skipped (``on_reject``
     ``skip``: the run succeeds) or this task fails (``fail``: the run fails). A run that does not ask
-    (``required`` false) is approved by that rule at once. XCom: ``{"approved", "by", "kept_export"}``.
+    (``required`` false) is approved by that rule at once. XCom, once approved: ``{"approved", "by",
+    "kept_export"}``.
 
     :param required: whether this run asks (a Param: true/false).
     :param verdict: the quality gate's verdict (its XComArg): the numbers shown.
@@ -75,26 +76,27 @@ class PublishApprovalOperator(ApprovalOperator):
         return super().execute(context)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
-        """The answer: Approve publishes; Reject (or the timeout's default, Reject) skips the publish or fails."""
+        """The answer: Approve publishes; Reject (or the timeout's default, Reject) skips the publish or fails.
+
+        Said before ``ApprovalOperator`` acts on it: its skip of the publish ends the task there."""
         from airflow.providers.standard.exceptions import HITLRejectException
 
         by = event.get("responded_by_user") or {}
         who = (by.get("name") or by.get("id")) if isinstance(by, Mapping) else str(by)
-        why = f"rejected by {who}" if who else f"no answer within {self.response_timeout} (the default: Reject)"
-        message = (
-            f"Not published: {why}. The checked export is kept at {self._kept()}; clearing approve_publish (and "
-            "what follows it) asks again, and an approval publishes that copy without exporting again."
-        )
+        if event.get("chosen_options") == [self.APPROVE]:
+            self.log.info("Approved by %s: publishing", who)
+        elif "chosen_options" in event:
+            why = f"rejected by {who}" if who else f"no answer within {self.response_timeout} (the default: Reject)"
+            message = (
+                f"Not published: {why}. The checked export is kept at {self._kept()}; clearing approve_publish "
+                "(and what follows it) asks again, and an approval publishes that copy without exporting again."
+            )
+            self.log.info(message)
         try:
-            answer = super().execute_complete(context, event)  # on Reject, skips the publish (never a teardown)
+            super().execute_complete(context, event)  # on Reject, skips the publish (never a teardown) and ends
         except HITLRejectException:
             raise PublishRejectedError(message) from None
-        if answer["chosen_options"] == [self.APPROVE]:
-            self.log.info("Approved by %s: publishing", who)
-            return {"approved": True, "by": who, "kept_export": self._kept()}
-        self.log.info(message)
-        return {"approved": False, "by": who, "kept_export": self._kept()}
-
+        return {"approved": True, "by": who, "kept_export": self._kept()}
     def _kept(self) -> str | None:
         return self.export.get("kept_uri") if isinstance(self.export, Mapping) else None
 
@@ -102,7 +104,8 @@ class PublishApprovalOperator(ApprovalOperator):
         """What the person reads: the numbers, the gate's verdict, the model card and what each answer does."""
         verdict = self.verdict if isinstance(self.verdict, Mapping) else {}
         kept = self._kept()
-        card = CheckpointLink.url(f"{kept}/README.md") if kept else None
+        # The card's page in the Cloud Storage browser (an object's details page).
+        card = f"{CONSOLE}/storage/browser/_details/{kept.removeprefix('gs://')}/README.md" if kept else None
         lines = [
             f"**{context['dag_run'].dag_id}**, run `{context['run_id']}`: the trained model passed the quality gate "
             "and is exported, checked and kept; it is published once you approve.",
