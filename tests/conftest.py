@@ -311,6 +311,7 @@ _LONGEST_FIRST = (
     "test_storage_outage.py",
     "test_pipeline_failures.py",
     "test_deployment.py",
+    "test_approval.py",
     "test_preemption.py",
     "test_composer_floor.py",
     "test_capacity.py",
