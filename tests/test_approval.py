@@ -9,10 +9,11 @@ approved: the kept export is published without exporting again.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
-from conftest import storage_has
-from test_backfill import _registry, stack  # noqa: F401 - its module's own local stack, as the backfill's
+from conftest import HF_TOKEN, REPO, storage_has
+from test_backfill import DAG_FILE
 
 SFT = "posttrain_sft__tiny-llama"
 RUN_ID = "manual__approval"
@@ -20,6 +21,26 @@ WAIT_S = 900.0
 ANSWERED = ("success", "failed", "skipped")
 
 pytestmark = pytest.mark.airflow_processes
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from airflow_tpu_posttrain.local.stack import LocalStack
+
+    local = LocalStack(REPO / ".local", tmp_path_factory.mktemp("vm"), hf_token=HF_TOKEN)
+    with local:
+        yield local
+
+
+def _registry(dags: Path) -> None:
+    """models.yaml's tiny SFT entry, asking before it publishes, alone in the DAGs folder."""
+    import yaml
+
+    registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
+    [entry] = [e for e in registry["pipelines"] if e["model"] == "tiny-llama" and e["recipe"] == "sft" and "layout" not in e]
+    registry["pipelines"] = [{**entry, "approval": True}]
+    (dags / "models.yaml").write_text(yaml.safe_dump(registry))
+    (dags / "approval_dags.py").write_text(DAG_FILE)
 
 
 def _tasks(airflow) -> dict[str, dict]:
@@ -89,7 +110,7 @@ def test_a_rejected_publish_keeps_the_export_and_an_approval_publishes_it(stack,
         monkeypatch.setenv(name, value)
     dags = tmp_path / "dags"
     dags.mkdir()
-    _registry(dags, approval=True)  # asking before it publishes
+    _registry(dags)
     with LocalAirflow(tmp_path / "airflow", stack.environment(), dags_folder=dags) as airflow:
         assert airflow.wait_for_dags([SFT], present=SFT)[SFT]
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": False})

@@ -42,15 +42,15 @@ def stack(tmp_path_factory):
         yield local
 
 
-def _registry(dags: Path, **changes) -> None:
-    """models.yaml's tiny SFT entry with ``changes``, alone in the DAGs folder."""
+def _registry(dags: Path) -> None:
+    """models.yaml's tiny SFT entry, scheduled daily and capped at one TPU VM, alone in the DAGs folder."""
     import yaml
 
     registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
     [entry] = [e for e in registry["pipelines"] if e["model"] == "tiny-llama" and e["recipe"] == "sft" and "layout" not in e]
-    registry["pipelines"] = [{**entry, **changes}]
+    registry["pipelines"] = [{**entry, "schedule": "@daily", "max_tpu_vms": 1}]
     (dags / "models.yaml").write_text(yaml.safe_dump(registry))
-    (dags / "posttrain_dags.py").write_text(DAG_FILE)
+    (dags / "backfill_dags.py").write_text(DAG_FILE)
 
 
 def _commit_to_the_model(stack, when: datetime) -> str:
@@ -135,7 +135,7 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     revision_2 = _commit_to_the_model(stack, dates[0] + timedelta(hours=12))
     dags = tmp_path / "dags"
     dags.mkdir()
-    _registry(dags, schedule="@daily", max_tpu_vms=1)  # scheduled daily, capped at one TPU VM
+    _registry(dags)
     timeline: list = []
     with LocalAirflow(tmp_path / "airflow", stack.environment(), dags_folder=dags) as airflow:
         assert airflow.wait_for_dags([SFT], present=SFT)[SFT]
