@@ -32,14 +32,16 @@ SFT_TINY = "posttrain_sft__tiny-llama"
 RL_TINY = "posttrain_rl__tiny-llama"
 SEEDS_TINY = "posttrain_sft__tiny-llama__seeds"  # the tutorials' layout: every step on the TPU VM
 SFT_SLICE = "posttrain_sft__gemma3-4b__slice"  # its TPU VMs a multi-host slice (v6e-16)
-CLOUD_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_SLICE)
+SFT_LORA = "posttrain_sft__gemma3-4b__lora"  # LoRA adapters on MaxText 0.2.5, published as a PEFT adapter
+CLOUD_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_SLICE, SFT_LORA)
 # The local twins of the cloud DAGs: their commands on a tiny Gemma 3 / Llama 3.1 Instruct (tests/test_twins.py).
 SFT_TWIN, RL_TWIN = "posttrain_sft__tiny-gemma3-4b", "posttrain_rl__tiny-llama3.1-8b-Instruct"
 SLICE_TWIN = "posttrain_sft__tiny-gemma3-4b__slice"  # the SFT twin on a local slice
-LOCAL_DAGS = (SFT_TINY, RL_TINY, SEEDS_TINY, SFT_TWIN, RL_TWIN, SLICE_TWIN)
+LORA_TWIN = "posttrain_sft__tiny-gemma3-4b__lora"
+LOCAL_DAGS = (SFT_TINY, RL_TINY, SEEDS_TINY, SFT_TWIN, RL_TWIN, SLICE_TWIN, LORA_TWIN)
 ALL_DAGS = CLOUD_DAGS + LOCAL_DAGS
 BY_HAND = "sft_tutorial_by_hand"  # the operators wired by hand (dags/sft_tutorial_by_hand.py), the wheel's example
-SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_SLICE, SFT_TINY, RL_TINY, SFT_TWIN, RL_TWIN, SLICE_TWIN)
+SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_SLICE, SFT_LORA, SFT_TINY, RL_TINY, SFT_TWIN, RL_TWIN, SLICE_TWIN, LORA_TWIN)
 
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
 CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"
@@ -998,3 +1000,59 @@ def test_approval_is_refused_where_it_would_hold_the_tpu_vm():
         PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None, approval=True)
     with pytest.raises(ValueError, match="approval_on_reject='warn'"):
         PipelineConfig(model="gemma3-4b", recipe="sft", checkpoint_storage="gs://b/x", approval_on_reject="warn")
+
+
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        ({"maxtext_version": None}, r"maxtext_version='0.2.2': has no LoRA \(MaxText's LoRA came with 0.2.4\)"),
+        ({"model": "llama3.1-8b-Instruct"}, "model='llama3.1-8b-Instruct': runs as MaxText's llama3.1-8b-Instruct, "
+         "whose LoRA adapter MaxText does not export as trained"),
+        ({"recipe": "rl"}, "recipe='rl': is not served with lora"),
+        ({"accelerator_type": "v6e-16", "reservation": "r16"}, "accelerator_type='v6e-16': is a multi-host slice"),
+        ({"lora": {"rank": 16, "alpha": 0}}, "lora.alpha=0.0: is not a positive number"),
+        ({"lora": {"rank": 16, "weight_qtype": "fp8"}}, "lora.weight_qtype='fp8'"),
+        ({"lora": {"target_modules": "decoder/.*(query"}}, "lora.target_modules='decoder/.*\\(query': does not compile"),
+        ({"lora": {"target_modules": "$(reboot)"}}, "lora.target_modules='\\$\\(reboot\\)': is not a module-path regex"),
+    ],
+    ids=["release", "llama", "rl", "slice", "alpha", "qtype", "regex", "shell"],
+)
+def test_a_lora_entry_is_refused_where_lora_cannot_train_or_publish(tmp_path, changes, refusal):
+    """Refused when the registry is read, naming the field and the fix: no VM is made for what cannot work."""
+    import yaml
+
+    from airflow_tpu_posttrain.pipelines.registry import RegistryError, load_registry
+
+    entry = {"model": "gemma3-4b", "recipe": "sft", "maxtext_version": "0.2.5", "lora": {"rank": 16, "alpha": 32},
+             "checkpoint_storage": "gs://b/x", **changes}
+    registry = tmp_path / "models.yaml"
+    registry.write_text(yaml.safe_dump({"pipelines": [entry]}))
+    with pytest.raises(RegistryError, match=refusal):
+        load_registry(registry)
+
+
+def test_a_lora_dag_asks_for_the_adapters_settings_and_hands_them_to_its_steps(dags):
+    dag, plain = dags[SFT_LORA], dags[SFT_GEMMA]
+    params = dag.params.dump()
+    assert (params["lora_rank"], params["lora_alpha"], params["lora_target_modules"], params["lora_weight_qtype"]) == (
+        16, 32.0, None, None
+    )
+    assert params["maxtext_version"] == "0.2.5" and not {k for k in plain.params if k.startswith("lora_")}
+    for task_id in ("check_inputs", "train", "export_and_publish"):
+        assert dag.get_task(task_id).lora == {name: f"{{{{ params.{name} }}}}" for name in
+                                              ("lora_rank", "lora_alpha", "lora_target_modules", "lora_weight_qtype")}
+        assert plain.get_task(task_id).lora is None
+    # A run trained with other LoRA settings trained another model: the settings are part of its inputs.
+    assert {"lora_rank", "lora_weight_qtype"} <= set(dag.get_task("check_inputs").settings)
+
+
+def test_a_lora_run_on_a_release_without_lora_fails_before_any_vm(dags):
+    """A run may name another MaxText release in its form: one without LoRA fails the inputs check."""
+    from airflow_tpu_posttrain.exceptions import InvalidInputError
+
+    task = copy.deepcopy(dags[SFT_LORA].get_task("check_inputs"))
+    task.model, task.maxtext_version = "gemma3-4b", "0.2.3"
+    task.lora = {"lora_rank": 16, "lora_alpha": 32.0, "lora_target_modules": None, "lora_weight_qtype": None}
+    task.settings = {"overrides": []}
+    with pytest.raises(InvalidInputError, match="maxtext_version='0.2.3': has no LoRA.*No VM was created"):
+        task.execute({"dag_run": None})

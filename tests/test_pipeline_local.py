@@ -417,15 +417,15 @@ def test_the_sft_tutorial_wired_by_hand_runs_end_to_end(stack, capfd, monkeypatc
     """The wheel's example of the operators wired by hand (dags/sft_tutorial_by_hand.py), on the local stack.
 
     As a user runs it: its default connections (google_cloud_default, tpu_vm_ssh, hf_default) made to reach the
-    stack, the tutorial model's local twin and the local zones in its trigger form. It trains, publishes to the
-    Hub and deletes its VM with no registry behind it."""
+    stack, the fault tests' tiny Llama (the SFT twin's commands are test_tiny_sft_end_to_end's) and the local zones
+    in its trigger form. It trains, publishes to the Hub and deletes its VM with no registry behind it."""
     dags_folder = Path(os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
     shutil.copy(REPO / "dags" / "sft_tutorial_by_hand.py", dags_folder / "sft_tutorial_by_hand.py")
     for default, local in (("GOOGLE_CLOUD_DEFAULT", "LOCAL_COMPUTE"), ("TPU_VM_SSH", "LOCAL_VM"), ("HF_DEFAULT", "LOCAL_HUB")):
         monkeypatch.setenv(f"AIRFLOW_CONN_{default}", os.environ[f"AIRFLOW_CONN_{local}"])
     conf = {
-        "model": SFT_TWIN, "zones": ["local-cpu1-a"], "accelerator_type": "cpu", "provisioning_model": "STANDARD",
-        "reservation": None, "hub_repo_id": "local/tiny-gemma3-4b-by-hand",
+        "model": "tiny-llama", "zones": ["local-cpu1-a"], "accelerator_type": "cpu", "provisioning_model": "STANDARD",
+        "reservation": None, "hub_repo_id": "local/tiny-llama-by-hand",
     }
     dr = run_pipeline("sft_tutorial_by_hand", conf)
     assert_succeeded(dr, "".join(capfd.readouterr()))

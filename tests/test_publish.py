@@ -623,3 +623,58 @@ def test_a_gemma3_export_is_published_with_its_base_models_settings(tmp_path, ru
     assert proc.returncode == 1 and not (tmp_path / "kept").exists()
     assert (f"the export is not shaped as its base model google/tiny-gemma-3-it@{revision}: "
             "num_hidden_layers=4 (base 6)") in proc.stderr
+
+
+# ---- a LoRA run's PEFT adapter ----------------------------------------------------------------------------------
+
+
+def make_adapter(folder: Path, rank: int = 4, alpha: float = 8.0, transpose: str | None = None) -> Path:
+    """A PEFT adapter of the tiny Llama's q_proj and v_proj as MaxText writes it (its table's base id)."""
+    folder.mkdir(parents=True)
+    config = {"base_model_name_or_path": "meta-llama/Llama-3.1-8B", "peft_type": "LORA", "task_type": "CAUSAL_LM",
+              "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    shapes = {}
+    for layer in range(2):
+        for module, out_features in (("q_proj", 64), ("v_proj", 32)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            shapes[f"{name}.lora_A.weight"] = (rank, 64)
+            shapes[f"{name}.lora_B.weight"] = (out_features, rank) if module != transpose else (rank, out_features)
+    write_safetensors(folder / "adapter_model.safetensors", shapes)
+    return folder
+
+
+def _publish_module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import publish_model
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return publish_model
+
+
+def test_an_adapter_is_checked_against_its_base_and_pointed_at_it(tmp_path):
+    publish_model = _publish_module()
+    adapter = make_adapter(tmp_path / "adapter")
+    validated = publish_model.validate_adapter(adapter, TINY_LLAMA_CONFIG, 4, 8.0)
+    assert validated["adapter"] == {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "modules": 4}
+    assert validated["params"] == 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4)
+    said = publish_model.point_adapter_at_base(adapter, "meta-llama/Llama-3.1-8B-Instruct", "0123abc")
+    assert said.endswith("(MaxText wrote 'meta-llama/Llama-3.1-8B')")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("meta-llama/Llama-3.1-8B-Instruct", "0123abc")
+
+
+@pytest.mark.parametrize(
+    ("rank", "transpose", "trained_rank", "refusal"),
+    [
+        (4, None, 8, "has r=4, lora_alpha=8.0; trained with rank 8"),
+        (4, "v_proj", 4, r"v_proj: lora_A \[4, 64\], lora_B \[4, 32\]; its base weight \[32, 64\] at rank 4 needs"),
+    ],
+    ids=["rank", "shape"],
+)
+def test_an_adapter_unlike_what_was_trained_is_refused(tmp_path, rank, transpose, trained_rank, refusal):
+    make_adapter(tmp_path / "adapter", rank=rank, transpose=transpose)
+    publish_model = _publish_module()
+    with pytest.raises(publish_model.PublishError, match=refusal):
+        publish_model.validate_adapter(tmp_path / "adapter", TINY_LLAMA_CONFIG, trained_rank, 8.0)

@@ -171,6 +171,28 @@ def test_sft_seed_commands():
     assert list(export.argv) == _argv(SEED_SFT_TO_HUGGINGFACE)
 
 
+def test_lora_adds_the_lora_tutorials_keys_and_exports_the_adapter_alone():
+    """MaxText 0.2.4's LoRA tutorial: train_sft with lora.*, then to_huggingface from lora.lora_restore_path."""
+    from airflow_tpu_posttrain.recipes.lora import LoraSettings
+
+    spec = _seed_spec("gemma3-4b")
+    settings = LoraSettings(rank=16, alpha=32, target_modules="decoder/.*self_attention/(query|value)", weight_qtype="nf4")
+    sft = maxtext.train_sft(spec, lora=settings)
+    assert list(sft.argv) == list(maxtext.train_sft(spec).argv) + [
+        "lora.enable_lora=True", "lora.lora_rank=16", "lora.lora_alpha=32.0",
+        "lora.lora_module_path=decoder/.*self_attention/(query|value)", "lora.lora_weight_qtype=nf4",
+    ]
+    assert "'lora.lora_module_path=decoder/.*self_attention/(query|value)'" in sft.script()  # one quoted word
+    export = maxtext.to_huggingface(spec, spec.layout.sft_params(1000), lora=settings)
+    assert list(export.argv) == [
+        "python3", "-m", "maxtext.checkpoint_conversion.to_huggingface", "model_name=gemma3-4b",
+        f"lora.lora_restore_path={spec.layout.sft_params(1000)}", "lora.lora_rank=16", "lora.lora_alpha=32.0",
+        f"base_output_directory={spec.layout.export_dir}", "scan_layers=True", "use_multimodal=False",
+    ]
+    with pytest.raises(SpecError, match=r"overrides\[0\]='lora.lora_rank=8': overrides 'lora.lora_rank'"):
+        maxtext.train_sft(spec, lora=settings, overrides=["lora.lora_rank=8"])
+
+
 def test_rl_seed_commands():
     spec = _seed_spec("llama3.1-8b-Instruct")
     assert list(maxtext.to_maxtext(spec).argv) == _without_token_argument(_argv(SEED_RL_TO_MAXTEXT))

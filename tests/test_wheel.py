@@ -98,6 +98,7 @@ def test_the_wheel_alone_runs_a_users_own_model(wheel_venv, tmp_path):
         "dags": [
             "posttrain_rl__llama3.1-8b-Instruct",
             "posttrain_sft__gemma3-4b",
+            "posttrain_sft__gemma3-4b__lora",
             "posttrain_sft__gemma3-4b__slice",
             "sft_tutorial_by_hand",
             "tpu_vm_reaper",

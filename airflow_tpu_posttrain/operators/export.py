@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from collections.abc import Mapping, Sequence
@@ -15,6 +16,7 @@ from airflow_tpu_posttrain.links import XComUrlLink
 from airflow_tpu_posttrain.operators.inputs_check import record_published
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import cost, maxtext, storage, trainings, validation
+from airflow_tpu_posttrain.recipes.lora import LoraSettings
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 # Copied to the VM's workdir by each try: the publish script first, then the module it imports.
@@ -62,6 +64,10 @@ class HfExportOperator(MaxTextJobOperator):
     :param training_claim: the inputs check's claim on those inputs (``check.output["training_claim"]``): marked
         published with the model's places, for the runs that follow or come later with the same inputs.
     :param gcp_conn_id: the Google connection that writes that claim.
+    :param lora: a LoRA run's settings, as its trigger form's LoRA fields give them (``recipes/lora.PARAM_KEYS``):
+        the trained checkpoint holds adapters, exported, checked against the base model and published as a PEFT
+        adapter. None: a full model.
+    :param maxtext_version: the run's MaxText release, for the model card (blank: the model's).
     :param publish: False: export, check and keep the model in checkpoint storage only, publishing nothing (a
         person approves first, ``operators/approval.py``); a later task with True publishes the kept export
         without exporting again.
@@ -75,6 +81,8 @@ class HfExportOperator(MaxTextJobOperator):
         "training_claim",
         "hub_repo_id",
         "storage_uri",
+        "lora",
+        "maxtext_version",
     )
     operator_extra_links = (PublishedModelLink(),)
     step_title = "Export"
@@ -92,9 +100,13 @@ class HfExportOperator(MaxTextJobOperator):
         gcp_conn_id: str = GCP_CONN_ID,
         prices: Mapping[str, Mapping[str, float]] | None = None,
         publish: bool = True,
+        lora: Mapping[str, Any] | None = None,
+        maxtext_version: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.lora = lora
+        self.maxtext_version = maxtext_version
         self.publish = publish
         self.inputs = inputs
         self.training_claim = training_claim
@@ -148,7 +160,8 @@ class HfExportOperator(MaxTextJobOperator):
             raise SpecError(
                 "checkpoint_storage", None, "is missing", "an export awaiting approval is kept there: set it"
             )
-        export = maxtext.to_huggingface(spec, self.trained_checkpoint)
+        lora = self._lora()
+        export = maxtext.to_huggingface(spec, self.trained_checkpoint, lora=lora)
         dag_run = context["dag_run"]
         result_file = f"{spec.layout.export_dir}.publish.json"
         publish = [
@@ -182,6 +195,8 @@ class HfExportOperator(MaxTextJobOperator):
         base_revision = (self.trained if isinstance(self.trained, dict) else {}).get("source_revision")
         if base_revision:
             publish += ["--base-revision", base_revision]
+        if lora is not None:
+            publish += ["--adapter-rank", str(lora.rank), "--adapter-alpha", repr(float(lora.alpha))]
         export_marker = f"{spec.layout.export_dir}/.complete"
         kept = spec.layout.kept_export_dir
         export_step = [f"  bash -c {shlex.quote(export.script())}"]
@@ -216,6 +231,9 @@ class HfExportOperator(MaxTextJobOperator):
             token_file=bool(hub_repo_id),
         )
 
+    def _lora(self) -> LoraSettings | None:
+        return LoraSettings.from_params(self.lora) if self.lora is not None else None
+
     def _card_facts(self, spec: maxtext.RunSpec, context: Context) -> dict[str, Any]:
         """What the model card says (no secret: it is written into the job's script).
 
@@ -229,7 +247,8 @@ class HfExportOperator(MaxTextJobOperator):
             "recipe": trained.get("recipe"),
             "steps": trained.get("steps") or trained.get("num_batches"),
             "accelerator": trained.get("accelerator"),
-            "maxtext_version": spec.model.maxtext_version,
+            "maxtext_version": validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version,
+            "lora": dataclasses.asdict(self._lora()) if self.lora is not None else None,
             "dag_id": context["dag_run"].dag_id,
             "run_id": context["dag_run"].run_id,
             "metrics": trained.get("metrics") or {},

@@ -15,6 +15,8 @@ from airflow_tpu_posttrain.defaults import GCP_CONN_ID, HF_CONN_ID, INPUTS_AS_OF
 from airflow_tpu_posttrain.exceptions import CloudResourceError, HubAccessError, InvalidInputError
 from airflow_tpu_posttrain.recipes import compute, maxtext_config, storage, trainings, validation
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
+from airflow_tpu_posttrain.recipes.lora import LoraSettings
+from airflow_tpu_posttrain.recipes.lora import check_model as check_lora_model
 from airflow_tpu_posttrain.recipes.models import input_repos, model_profile
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -102,6 +104,8 @@ class InputsCheckOperator(BaseOperator):
     :param accelerator_type: the TPU VM's accelerator: a reservation of another machine type is refused.
     :param checkpoint_storage: the ``gs://`` checkpoint storage; its bucket must exist.
     :param storage_uri: where the export keeps the model; its bucket must exist when it is ``gs://``.
+    :param lora: a LoRA run's settings, as its trigger form's LoRA fields give them (``recipes/lora.PARAM_KEYS``);
+        refused here when the model or the run's MaxText release cannot train and export them. None: full SFT.
     """
 
     template_fields: Sequence[str] = (
@@ -116,6 +120,7 @@ class InputsCheckOperator(BaseOperator):
         "reservation",
         "accelerator_type",
         "storage_uri",
+        "lora",
     )
     ui_color = "#e8e8f4"
 
@@ -139,9 +144,11 @@ class InputsCheckOperator(BaseOperator):
         accelerator_type: str | None = None,
         checkpoint_storage: str | None = None,
         storage_uri: str | None = None,
+        lora: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.lora = lora
         self.model = model
         self.recipe = recipe
         self.dataset = dataset
@@ -169,6 +176,9 @@ class InputsCheckOperator(BaseOperator):
             overrides = validation.override_pairs("overrides", (self.settings or {}).get("overrides") or [])
             if overrides and not maxtext_config.check_override_keys("overrides", overrides, release, self.recipe):
                 self.log.warning("The overrides' keys are not checked here: no key list of MaxText %s", release)
+            if self.lora is not None:
+                LoraSettings.from_params(self.lora)
+                check_lora_model(profile, release)
             force = validation.flag("force", self.force)
             hub_repo_id = validation.blank_to_none(self.hub_repo_id)
             as_of = self._as_of(context)

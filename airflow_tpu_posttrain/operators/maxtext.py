@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ from airflow_tpu_posttrain.operators.compute_base import deployment_id
 from airflow_tpu_posttrain.operators.evaluation import EvaluationMixin
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import install, layout, maxtext, storage, validation
+from airflow_tpu_posttrain.recipes.lora import LoraSettings
 from airflow_tpu_posttrain.recipes.models import ModelProfile, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import LOCAL_DIR_VARIABLE, LOCAL_LAUNCHERS, Step, local_stack_dir
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -395,10 +396,13 @@ class SftTrainOperator(_TrainOperator):
     :param overrides: extra MaxText ``key=value`` pairs, validated.
     :param max_recoveries: how many times a try may create the VM again after losing it (preempted, host
         error) and resume training from storage; 0: the loss fails the task.
+    :param lora: LoRA instead of full SFT, as the trigger form's LoRA fields give it (``recipes/lora.PARAM_KEYS``):
+        adapters trained on the frozen base, the checkpoints holding the adapters only. None: full SFT.
     """
 
     template_fields: Sequence[str] = (
         *_TrainOperator.template_fields,
+        "lora",
         "steps",
         "dataset",
         "train_split",
@@ -419,9 +423,11 @@ class SftTrainOperator(_TrainOperator):
         train_data_columns: str | None = None,
         checkpoint_period: int | str = maxtext.DEFAULT_SFT_CHECKPOINT_PERIOD,
         evaluate: bool | str = False,
+        lora: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.lora = lora
         self.evaluate = evaluate
         self.steps = steps
         self.dataset = dataset
@@ -450,6 +456,7 @@ class SftTrainOperator(_TrainOperator):
             overrides=self._overrides(),
             converted_params=self.converted_params,
             evaluate=validation.flag("evaluate", self.evaluate),
+            lora=LoraSettings.from_params(self.lora) if self.lora is not None else None,
         )
         run_dir = posixpath.dirname(spec.layout.checkpoints_dir)
         return Job(

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from airflow_tpu_posttrain.recipes.metrics import TrainingMetrics
 
 DEFAULT_WORKDIR = "/tmp/airflow-tpu-posttrain"
+LOG_REST_BYTES = 65536  # of a finished job's log past what its watch streamed, read into the task's log
 
 
 class Job:
@@ -494,6 +495,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         exit_code = event.get("exit_code")
         if event.get("workers"):
             self._log_worker_tails(event)
+        elif exit_code is not None:
+            self._log_rest(paths.log_file, event.get("log_offset", 0))
         if exit_code == remote_job.JOB_DIED:
             raise RemoteJobError(
                 f"{self.step_title}: the job on the VM died without an exit code (killed, out of memory?); "
@@ -529,6 +532,22 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
             with self._vm() as vm:
                 report = vm.run(self._report_command(context, job, paths), timeout=remote_job.REPORT_TIMEOUT_S)
         return self.finish(context, job, paths, remote_job.parse_report(report), reused=False)
+
+    def _log_rest(self, log_file: str, streamed: int) -> None:
+        """The end of a finished job's log past what the watch streamed: its last lines, an error's among them.
+
+        The watch hands over at most ``log_chunk_size`` bytes a poll, and a job that wrote more than that since its
+        last poll (MaxText prints its whole config at start-up) would otherwise end without its traceback in the
+        task's log. The last ``LOG_REST_BYTES`` of it; a failure to read it only loses those lines."""
+        command = f"tail -c +{int(streamed) + 1} {shlex.quote(log_file)} | tail -c {LOG_REST_BYTES}"
+        try:
+            with self._vm() as vm:
+                rest = vm.run(command, timeout=remote_job.REPORT_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - the job's outcome does not depend on these lines
+            self.log.warning("Could not read the end of the job's log %s: %s", log_file, err)
+            return
+        for line in rest.splitlines():
+            self.log.info("[remote] %s", line)
 
     def _log_worker_tails(self, event: dict[str, Any]) -> None:
         """The end of every worker's log, however the slice's job ended (failed, died, stalled)."""

@@ -10,7 +10,7 @@ from airflow.sdk import Param
 
 from airflow_tpu_posttrain.defaults import INPUTS_AS_OF
 from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
-from airflow_tpu_posttrain.recipes import compute, validation
+from airflow_tpu_posttrain.recipes import compute, lora, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import SLICE_ACCELERATORS, TPU_ACCELERATORS
 
@@ -47,6 +47,7 @@ class FormField:
     default: Any = FROM_ENTRY
     recipe: str | None = None
     only_with_approval: bool = False  # the field is only in the forms of entries that ask before publishing
+    only_with_lora: bool = False  # the field is only in the forms of LoRA entries (``lora:``)
 
 
 def _accelerators(cfg: PipelineConfig) -> list[str]:
@@ -289,6 +290,48 @@ FORM = (
         "(the tutorial: 1000).",
     ),
     FormField(
+        "lora_rank",
+        only_with_lora=True,
+        default=lambda cfg: cfg.lora.rank,
+        type="integer",
+        schema={"minimum": 1, "maximum": 4096},
+        title="LoRA rank",
+        description="The adapters' rank, a whole number from 1 to 4096, e.g. 16 (MaxText's lora.lora_rank).",
+    ),
+    FormField(
+        "lora_alpha",
+        only_with_lora=True,
+        default=lambda cfg: cfg.lora.alpha,
+        type="number",
+        schema={"exclusiveMinimum": 0},
+        title="LoRA alpha",
+        description="The adapters' scale (their update is multiplied by alpha / rank), a positive number, e.g. 32.",
+    ),
+    FormField(
+        "lora_target_modules",
+        only_with_lora=True,
+        default=lambda cfg: cfg.lora.target_modules,
+        type=["null", "string"],
+        schema={
+            "pattern": _anchored(lora.MODULE_PATH_RE, empty_ok=True),
+            "examples": ["decoder/.*self_attention/(query|value)"],
+        },
+        title="LoRA modules",
+        description="A regex over MaxText's module paths picking the layers that get adapters (lora.lora_module_path), "
+        "e.g. decoder/.*self_attention/(query|value). Empty: MaxText's default for the model (Gemma 3: every "
+        "attention and MLP projection).",
+    ),
+    FormField(
+        "lora_weight_qtype",
+        only_with_lora=True,
+        default=lambda cfg: cfg.lora.weight_qtype,
+        type=["null", "string"],
+        schema={"enum": [None, *lora.WEIGHT_QTYPES]},
+        title="QLoRA weights",
+        description="QLoRA: the frozen base's weights quantized to nf4 or int8 while the adapters train. Empty: the "
+        "base as it is (LoRA).",
+    ),
+    FormField(
         "num_batches",
         recipe="rl",
         type=["null", "integer"],
@@ -317,7 +360,9 @@ def trigger_form(cfg: PipelineConfig) -> dict[str, Param]:
     return {
         form_field.name: _param(form_field, cfg)
         for form_field in FORM
-        if form_field.recipe in (None, cfg.recipe) and (cfg.approval or not form_field.only_with_approval)
+        if form_field.recipe in (None, cfg.recipe)
+        and (cfg.approval or not form_field.only_with_approval)
+        and (cfg.lora is not None or not form_field.only_with_lora)
     }
 
 

@@ -38,7 +38,7 @@ from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 from airflow_tpu_posttrain.pipelines.inputs import ON_CHANGE, input_assets
 from airflow_tpu_posttrain.pipelines.params import trigger_form
 from airflow_tpu_posttrain.pipelines.registry import START_DATE, PipelineConfig
-from airflow_tpu_posttrain.recipes import compute
+from airflow_tpu_posttrain.recipes import compute, lora
 
 MAX_RETRY_DELAY = timedelta(minutes=20)
 FIVE_MINUTES = timedelta(minutes=5)  # the timeout of the tasks that use no VM
@@ -125,8 +125,9 @@ STEPS = (
             "dataset": "{{ params.dataset }}" if cfg.recipe == "sft" else None,
             "maxtext_version": "{{ params.maxtext_version }}",
             "settings": _params(
-                ("accelerator_type", *TRAINING_PARAMS[cfg.recipe], "hub_repo_id", "storage_uri")
+                ("accelerator_type", *TRAINING_PARAMS[cfg.recipe], *_lora_params(cfg), "hub_repo_id", "storage_uri")
             ),
+            "lora": _lora(cfg),
             "hf_conn_id": cfg.hf_conn_id,
             "hub_repo_id": "{{ params.hub_repo_id }}",
             "force": "{{ params.force }}",
@@ -222,6 +223,7 @@ STEPS = (
         SftTrainOperator,
         lambda cfg: {
             **_params(TRAINING_PARAMS["sft"]),
+            "lora": _lora(cfg),
             "conversion": Output("convert_to_maxtext"),
             "inputs": Output("check_inputs"),
             "checkpoint_period": cfg.checkpoint_period,
@@ -265,6 +267,8 @@ STEPS = (
         HfExportOperator,
         lambda cfg: {
             "trained": Output("train"),
+            "lora": _lora(cfg),
+            "maxtext_version": "{{ params.maxtext_version }}",
             "publish": False,
             "prices": cfg.prices,
             "execution_timeout": cfg.timeouts.export,
@@ -290,6 +294,8 @@ STEPS = (
         HfExportOperator,
         lambda cfg: {
             "trained": Output("train"),
+            "lora": _lora(cfg),
+            "maxtext_version": "{{ params.maxtext_version }}",
             "inputs": Output("check_inputs"),
             "training_claim": Output("check_inputs", TRAINING_CLAIM_KEY),
             "gcp_conn_id": cfg.gcp_conn_id,
@@ -455,6 +461,16 @@ def _wire(tasks: dict[str, BaseOperator], cfg: PipelineConfig) -> None:
 def _params(names: Iterable[str]) -> dict[str, str]:
     """Each named Param as a template the task renders when it runs: ``{"steps": "{{ params.steps }}"}``."""
     return {name: f"{{{{ params.{name} }}}}" for name in names}
+
+
+def _lora_params(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The trigger form's LoRA fields, in a LoRA entry's DAG (none elsewhere)."""
+    return tuple(lora.PARAM_KEYS) if cfg.lora is not None else ()
+
+
+def _lora(cfg: PipelineConfig) -> dict[str, str] | None:
+    """A LoRA DAG's settings as the run's LoRA fields give them (rendered when its task runs); None: full SFT."""
+    return _params(_lora_params(cfg)) if cfg.lora is not None else None
 
 
 def _poll(cfg: PipelineConfig, seconds: int) -> int:

@@ -18,6 +18,7 @@ from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT, INPUTS_AS_OF
 from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
+from airflow_tpu_posttrain.recipes.lora import LoraSettings, check_model
 from airflow_tpu_posttrain.recipes.models import define_models, model_definitions, model_profile
 from airflow_tpu_posttrain.recipes.runtime import LOCAL_VENV, local_stack_dir
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
@@ -247,6 +248,16 @@ class PipelineConfig:
             APPROVAL_ON_REJECT,
         ),
     )
+    lora: LoraSettings | None = field(
+        default=None,
+        metadata=_doc(
+            "LoRA (QLoRA with `weight_qtype`) instead of full SFT: `{rank: 16, alpha: 32, target_modules: null, "
+            "weight_qtype: null}`; trains adapters on the frozen base and publishes a PEFT adapter "
+            "(`adapter_config.json`, `adapter_model.safetensors`). Each key is also a trigger form field "
+            "(`lora_rank`, ...). SFT, split layout, one TPU VM, a Gemma 3 model on MaxText 0.2.4 or later "
+            "(`maxtext_version: 0.2.5`); DAG id suffix `__lora`."
+        ),
+    )
     # Set by the loader, never by models.yaml (_LOADER_KEYS).
     timeouts: StepTimeouts = field(default_factory=StepTimeouts)
     local: dict[str, str] | None = None  # the local CPU "VM"'s operator arguments (see _local_entry_settings)
@@ -285,6 +296,8 @@ class PipelineConfig:
             problems.append(SpecError(
                 "approval_timeout_hours", self.approval_timeout_hours, "is not positive", "give hours, e.g. 72"
             ))
+        if self.lora is not None:
+            problems.extend(PipelineConfig._lora_problems(self))
         check(accelerator, self.accelerator_type)
         if _is_slice(self.accelerator_type):
             problems.extend(PipelineConfig._slice_problems(self))
@@ -356,9 +369,31 @@ class PipelineConfig:
             ))
         return problems
 
+    def _lora_problems(self) -> list[SpecError]:
+        """What a LoRA entry may not be: another recipe, layout or accelerator, or a model or release without it."""
+        wants = (
+            ("recipe", self.recipe, "sft", "LoRA trains with SFT's trainer: use recipe sft"),
+            ("layout", self.layout, "split", "the adapter is exported on the CPU VM: use layout split"),
+        )
+        problems = [
+            SpecError(name, value, "is not served with lora", fix) for name, value, served, fix in wants if value != served
+        ]
+        if _is_slice(self.accelerator_type):
+            problems.append(SpecError(
+                "accelerator_type", self.accelerator_type, "is a multi-host slice, where LoRA is not served yet",
+                "use a single-host TPU VM (e.g. v6e-8), as MaxText's LoRA tutorial does",
+            ))
+        try:
+            profile = model_profile(self.model)
+            check_model(profile, self.maxtext_version or profile.maxtext_version)
+        except SpecError as err:
+            problems.append(err)
+        return problems
+
     @property
     def dag_id(self) -> str:
         suffix = "__seeds" if self.layout == "seeds" else "__slice" if self.is_slice else ""
+        suffix += "__lora" if self.lora is not None else ""
         return f"posttrain_{self.recipe}__{self.model}{suffix}"
 
 

@@ -20,6 +20,7 @@ from airflow_tpu_posttrain.recipes.accelerators import (
     tpu_env,
 )
 from airflow_tpu_posttrain.recipes.layout import RunLayout
+from airflow_tpu_posttrain.recipes.lora import LoraSettings
 from airflow_tpu_posttrain.recipes.models import ModelProfile, RlDataset, SftDataset
 from airflow_tpu_posttrain.recipes.runtime import Runtime, Step
 from airflow_tpu_posttrain.recipes.shell import EnvValue, export_line, remote_path
@@ -92,7 +93,13 @@ class RunSpec:
 
 
 def _command(
-    spec: RunSpec, step: Step, seed_args: Mapping[str, str], *, training: bool, overrides: Sequence[str] = ()
+    spec: RunSpec,
+    step: Step,
+    seed_args: Mapping[str, str],
+    *,
+    training: bool,
+    overrides: Sequence[str] = (),
+    lora: bool = False,
 ) -> RemoteCommand:
     """``seed_args`` (the tutorial's, in order), then the model's shape and the runtime's adaptations.
 
@@ -102,7 +109,7 @@ def _command(
     args = {
         **seed_args,
         **spec.model.maxtext_overrides,
-        **spec.runtime.step_args(step, spec.model, multi_process=multi_process),
+        **spec.runtime.step_args(step, spec.model, multi_process=multi_process, lora=lora),
     }
     for pair in validation.override_pairs("overrides", overrides, reserved=frozenset(args)):
         key, value = pair.split("=", 1)
@@ -204,6 +211,7 @@ def train_sft(
     overrides: Sequence[str] = (),
     converted_params: str | None = None,
     evaluate: bool = False,
+    lora: LoraSettings | None = None,
 ) -> RemoteCommand:
     """Supervised fine-tuning from the converted checkpoint (default: ``layout.converted_params``).
 
@@ -236,7 +244,9 @@ def train_sft(
             args["hf_eval_split"] = data.eval_split
     args["checkpoint_period"] = str(validation.positive_int("checkpoint_period", checkpoint_period))
     args["tokenizer_path"] = spec.layout.base_model_files_dir
-    return _command(spec, Step.TRAIN_SFT, args, training=True, overrides=overrides)
+    if lora is not None:
+        args.update(lora.train_args())
+    return _command(spec, Step.TRAIN_SFT, args, training=True, overrides=overrides, lora=lora is not None)
 
 
 def train_rl(
@@ -271,7 +281,7 @@ def train_rl(
     return _command(spec, Step.TRAIN_RL, args, training=True, overrides=overrides)
 
 
-def to_huggingface(spec: RunSpec, trained_params: str) -> RemoteCommand:
+def to_huggingface(spec: RunSpec, trained_params: str, lora: LoraSettings | None = None) -> RemoteCommand:
     """Exports trained parameters to ``layout.export_dir`` in Hugging Face format.
 
     The parameters are ``layout.sft_params(...)`` or ``layout.rl_params(...)``. ``model_name`` is the trained
@@ -282,7 +292,22 @@ def to_huggingface(spec: RunSpec, trained_params: str) -> RemoteCommand:
     On a CPU VM (the split layout) it runs as MaxText's ``convert_checkpoint.md`` runs conversions on a CPU:
     with ``hardware=cpu skip_jax_distributed_system=true``. Without them MaxText's pyconfig calls a bare
     ``jax.distributed.initialize()`` (0.2.2 ``pyconfig.py`` → ``max_utils.py``), which off a TPU raises
-    ``coordinator_address should be defined``."""
+    ``coordinator_address should be defined``.
+
+    ``lora``: the parameters are a LoRA run's adapters, exported as the LoRA tutorial does: a PEFT adapter
+    (``adapter_model.safetensors``, ``adapter_config.json``) from ``lora.lora_restore_path`` alone, with the
+    training's rank and scale again; no base weights are read or written."""
+    if lora is not None:
+        args = {
+            "model_name": spec.model.maxtext_model_name,
+            **lora.export_args(_checkpoint(trained_params, "trained_params")),
+            "base_output_directory": spec.layout.export_dir,
+            "scan_layers": "True",
+            "use_multimodal": "False",
+        }
+        if not spec.accelerator.is_tpu:
+            args.update(CPU_CONVERSION_ARGS)
+        return _command(spec, Step.TO_HUGGINGFACE, args, training=False, lora=True)
     args = {
         "model_name": spec.model.maxtext_model_name,
         "load_parameters_path": _checkpoint(trained_params, "trained_params"),

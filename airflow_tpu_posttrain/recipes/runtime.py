@@ -77,6 +77,9 @@ _CPU_STEP_ARGS: Mapping[Step, Mapping[str, str]] = MappingProxyType(
     }
 )
 
+# What a LoRA training adds on a CPU (LOCAL_DIFFERENCES says why).
+_CPU_LORA_TRAINING_ARGS: Mapping[str, str] = MappingProxyType({"weight_dtype": "bfloat16"})
+
 # The MaxText releases whose to_maxtext saves from one simulated CPU device; 0.2.5's fails to save then (orbax's
 # NoEntryError for the TrainState, local/vm_launchers/README.md) and keeps to_maxtext's default of 16.
 _ONE_CPU_DEVICE_RELEASES = frozenset({"0.2.2", "0.2.3"})
@@ -146,6 +149,13 @@ LOCAL_DIFFERENCES: tuple[LocalDifference, ...] = (
     ),
     *_argv("max_prefill_predict_length", frozenset({Step.TRAIN_RL}), "short prompts, as above"),
     *_argv(
+        "weight_dtype",
+        frozenset({Step.TRAIN_SFT}),
+        "LoRA only: on the CPU, MaxText 0.2.5's LoRA (qwix) turns the float32 weights' scanned layers' bfloat16 "
+        "carry into float32 and the scan fails ('carry input and carry output must have equal types'); bfloat16 "
+        "weights keep one type. Google's LoRA tutorial runs on a TPU without it, and a TPU's run is not checked here",
+    ),
+    *_argv(
         "--simulated_cpu_devices_count",
         frozenset({Step.TO_MAXTEXT}),
         "one simulated CPU device instead of to_maxtext's 16: the tiny model's weights sharded 16 ways only cost a "
@@ -163,7 +173,8 @@ LOCAL_DIFFERENCES: tuple[LocalDifference, ...] = (
         frozenset(_CPU_LAUNCHERS),
         "launchers (local/vm_launchers/README.md) that run the MaxText module unchanged after a patch: the "
         "conversions read the tiny model's config where MaxText reads its table's, train_rl samples on the CPU "
-        "where it would start vLLM on the TPU",
+        "where it would start vLLM on the TPU, and a LoRA adapter's export hands safetensors numpy arrays (the "
+        "CPU venv's safetensors 0.8 refuses JAX arrays; the TPU install's 0.7.0 takes them)",
     ),
     LocalDifference(
         "venv",
@@ -232,14 +243,18 @@ class Runtime:
             return (_PYTHON, f"{self.launcher_dir}/{launcher}")
         return (_PYTHON, "-m", step.value)
 
-    def step_args(self, step: Step, model: ModelProfile, *, multi_process: bool = False) -> dict[str, str]:
+    def step_args(
+        self, step: Step, model: ModelProfile, *, multi_process: bool = False, lora: bool = False
+    ) -> dict[str, str]:
         """Arguments set on top of the cloud command's, replacing its value where both set a key.
 
         ``multi_process``: the training of a multi-host slice, one JAX process per VM: MaxText's CPU path then
-        joins the processes (``jax.distributed.initialize``), so it is not skipped."""
+        joins the processes (``jax.distributed.initialize``), so it is not skipped. ``lora``: a LoRA run's step."""
         if not self.is_cpu:
             return {}
         args = dict(_CPU_STEP_ARGS[step])
+        if lora and step is Step.TRAIN_SFT:
+            args.update(_CPU_LORA_TRAINING_ARGS)
         if multi_process:
             args.pop("skip_jax_distributed_system", None)
         if step is Step.TO_MAXTEXT and model.maxtext_version in _ONE_CPU_DEVICE_RELEASES:

@@ -63,6 +63,35 @@ def _change(before: object, after: object, unit: str = "") -> str:
     return f"{before}{unit} → {after}{unit}"
 
 
+def _adapter(lora: dict) -> str:
+    kind = f"QLoRA ({lora['weight_qtype']} base weights)" if lora.get("weight_qtype") else "LoRA"
+    modules = f", modules `{lora['target_modules']}`" if lora.get("target_modules") else ""
+    return f"{kind} adapter: rank {lora['rank']}, alpha {lora['alpha']}{modules}"
+
+
+def _how_to_load(facts: dict) -> list[str]:
+    """The card's section on loading the adapter onto its base model with PEFT."""
+    hub = facts.get("hub") or {}
+    repo = hub.get("repo_id") or "<this repo or folder>"
+    branch = f', revision="{hub["revision"]}"' if hub.get("revision") else ""
+    base_revision = f', revision="{facts["base_revision"]}"' if facts.get("base_revision") else ""
+    return [
+        "## Loading the adapter",
+        "",
+        "A PEFT LoRA adapter of the base model above (the base's weights are not here): load the base, then the "
+        "adapter onto it.",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'base = AutoModelForCausalLM.from_pretrained("{facts["base_model"]}"{base_revision})',
+        f'model = PeftModel.from_pretrained(base, "{repo}"{branch})',
+        "model = model.merge_and_unload()  # optional: one model, for serving without PEFT",
+        "```",
+    ]
+
+
 def write_card(model_dir: Path, facts: dict) -> None:
     """README.md: the model card's metadata from ModelCardData (base model, dataset, tags), then what was run."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -70,17 +99,18 @@ def write_card(model_dir: Path, facts: dict) -> None:
     metrics = facts.get("metrics") or {}
     has_curve = render_curve(facts, model_dir / CURVE_FILE)
     recipe = facts.get("recipe") or "Post-training"
+    lora = facts.get("lora")
     data = ModelCardData(
         base_model=facts["base_model"],
         datasets=[facts["dataset"]] if facts.get("dataset") else None,
-        library_name="transformers",
-        tags=["maxtext", "airflow-tpu-posttrain", recipe.lower()],
+        library_name="peft" if lora else "transformers",
+        tags=["maxtext", "airflow-tpu-posttrain", recipe.lower(), *(["lora", "peft"] if lora else [])],
     )
     revision = facts.get("base_revision")
     rows = [
         ("base model", f"`{facts['base_model']}`" + (f" at revision `{revision}`" if revision else "")),
         ("dataset", f"`{facts['dataset']}`" if facts.get("dataset") else "local files"),
-        ("recipe", f"{recipe}, {facts.get('steps')} steps"),
+        ("recipe", f"{recipe}, {facts.get('steps')} steps" + (f", {_adapter(lora)}" if lora else "")),
         ("MaxText", f"{facts.get('maxtext_version')}"),
         ("accelerator", f"{facts.get('accelerator')}"),
         ("Airflow DAG run", f"`{facts.get('dag_id')}` / `{facts.get('run_id')}`"),
@@ -110,6 +140,8 @@ def write_card(model_dir: Path, facts: dict) -> None:
         "| --- | --- |",
         *(f"| {name} | {value} |" for name, value in rows),
     ]
+    if lora:
+        body += ["", *_how_to_load(facts)]
     if has_curve:
         body += ["", f"![Training curve]({CURVE_FILE})"]
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n").save(model_dir / CARD_FILE)

@@ -20,6 +20,12 @@ With --base-model, the export takes its base model's settings from the Hub:
   must agree with the export's, and ``vocab_size`` stays the export's (MaxText's 262144 embedding rows for
   Gemma 3, the Hub's 262208).
 
+With --adapter-rank (a LoRA run), the folder holds a PEFT adapter instead (MaxText's ``adapter_config.json`` and
+``adapter_model.safetensors``): each ``lora_A`` / ``lora_B`` pair must have the rank trained and the shape of the
+base model's weight it adapts (the base's config.json at --base-revision), and ``adapter_config.json`` is
+pointed at that base: ``base_model_name_or_path`` is the base repo (MaxText writes its own table's id) and
+``revision`` the revision converted, so ``PeftModel.from_pretrained`` loads the base it was trained on.
+
 With --card, the folder first gets a model card (README.md, made with huggingface_hub's ModelCard and
 ModelCardData) and the training curve it shows (training_curve.png, drawn with matplotlib, a MaxText
 dependency), so the Hub page and the storage copy carry both.
@@ -38,6 +44,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -74,6 +81,8 @@ DTYPE_SIZES = {
     "F64": 8,
 }
 MAX_LISTED_PROBLEMS = 20
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_ADAPTER_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
 
 class PublishError(Exception):
@@ -232,16 +241,81 @@ def validate_export(model_dir: Path, expected_config_path: Path | None) -> dict:
         if name in found and found[name] != shape
     ]
     if problems:
-        listed = problems[:MAX_LISTED_PROBLEMS]
-        if len(problems) > len(listed):
-            listed.append(f"... and {len(problems) - len(listed)} more")
-        raise PublishError(f"export in {model_dir} is not publishable:\n  - " + "\n  - ".join(listed))
+        raise _problems_listed(model_dir, problems)
     return {
         "model_type": config.get("model_type"),
         "n_tensors": len(found),
         "params": sum(math.prod(shape) for shape in found.values()),
         "files": list_files(model_dir),
     }
+
+
+def _problems_listed(model_dir: Path, problems: list[str]) -> PublishError:
+    listed = problems[:MAX_LISTED_PROBLEMS]
+    if len(problems) > len(listed):
+        listed.append(f"... and {len(problems) - len(listed)} more")
+    return PublishError(f"export in {model_dir} is not publishable:\n  - " + "\n  - ".join(listed))
+
+
+def validate_adapter(model_dir: Path, base_config: dict, rank: int, alpha: float) -> dict:
+    """A PEFT LoRA adapter of ``base_config``'s model: the rank and scale trained, every pair shaped for its weight."""
+    config = read_json_file(model_dir / ADAPTER_CONFIG, ADAPTER_CONFIG)
+    problems = []
+    if config.get("peft_type") != "LORA":
+        problems.append(f"{ADAPTER_CONFIG} has peft_type={config.get('peft_type')!r}, expected 'LORA'")
+    if config.get("r") != rank or config.get("lora_alpha") != alpha:
+        problems.append(
+            f"{ADAPTER_CONFIG} has r={config.get('r')!r}, lora_alpha={config.get('lora_alpha')!r}; trained with "
+            f"rank {rank}, alpha {alpha}"
+        )
+    targets = set(config.get("target_modules") or ())
+    base_shapes = {
+        name[name.index("layers.") :].removesuffix(".weight"): shape
+        for name, shape in expected_tensor_shapes(base_config).items()
+        if "layers." in name and len(shape) == 2
+    }
+    tensors = read_safetensors_header(model_dir / ADAPTER_WEIGHTS)
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, info in tensors.items():
+        match = _ADAPTER_TENSOR.fullmatch(name)
+        if match is None:
+            problems.append(f"tensor {name} is not a LoRA weight (base_model.model.<module>.lora_A/B.weight)")
+            continue
+        pairs.setdefault(match[1], {})[match[2]] = tuple(info["shape"])
+    if not pairs:
+        problems.append(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+    for module, pair in sorted(pairs.items()):
+        base_shape = base_shapes.get(module[module.find("layers.") :] if "layers." in module else module)
+        if set(pair) != {"A", "B"}:
+            problems.append(f"{module} has lora_{''.join(pair)} only")
+        elif base_shape is None:
+            problems.append(f"{module} adapts no weight of the base model")
+        elif pair["A"] != (rank, base_shape[1]) or pair["B"] != (base_shape[0], rank):
+            problems.append(
+                f"{module}: lora_A {list(pair['A'])}, lora_B {list(pair['B'])}; its base weight "
+                f"{list(base_shape)} at rank {rank} needs {[rank, base_shape[1]]} and {[base_shape[0], rank]}"
+            )
+        if module.rsplit(".", 1)[-1] not in targets:
+            problems.append(f"{module} is not among {ADAPTER_CONFIG}'s target_modules {sorted(targets)}")
+    if problems:
+        raise _problems_listed(model_dir, problems)
+    return {
+        "adapter": {"r": rank, "lora_alpha": alpha, "target_modules": sorted(targets), "modules": len(pairs)},
+        "n_tensors": len(tensors),
+        "params": sum(math.prod(info["shape"]) for info in tensors.values()),
+        "files": list_files(model_dir),
+    }
+
+
+def point_adapter_at_base(model_dir: Path, repo_id: str, revision: str | None) -> str:
+    """``adapter_config.json`` names the base repo at the revision trained from; say what it named before."""
+    path = model_dir / ADAPTER_CONFIG
+    config = read_json_file(path, ADAPTER_CONFIG)
+    before = config.get("base_model_name_or_path")
+    config["base_model_name_or_path"] = repo_id
+    config["revision"] = revision
+    write_json_atomically(path, config)
+    return f"{ADAPTER_CONFIG}: base model {repo_id}@{revision or 'main'} (MaxText wrote {before!r})"
 
 
 # ---- publishing -------------------------------------------------------------------------------------
@@ -482,10 +556,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--card", type=Path, help="JSON of what the model card says (base model, run, metrics)"
     )
     parser.add_argument(
+        "--adapter-rank", type=int, help="a LoRA run's rank: the folder is a PEFT adapter of --base-model"
+    )
+    parser.add_argument("--adapter-alpha", type=float, help="that run's lora_alpha")
+    parser.add_argument(
         "--keep-uri",
         help="checkpoint storage to keep the checked export in before publishing (marked <uri>.complete)",
     )
     args = parser.parse_args(argv)
+    if args.adapter_rank is not None and (args.adapter_alpha is None or not args.base_model):
+        parser.error("--adapter-rank needs --adapter-alpha and --base-model")
     if args.hub_repo is not None and args.hub_repo.count("/") != 1:
         parser.error(f"--hub-repo must look like owner/name, got {args.hub_repo!r}")
     return args
@@ -493,14 +573,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, token: str | None) -> dict:
     expected_config = Path(args.expect_tensors_from) if args.expect_tensors_from else None
-    if args.base_model and args.model_dir.is_dir():
+    if args.adapter_rank is not None:
+        base = (args.base_model, args.base_revision)
+        downloaded = base_model_file(args.base_model, "config.json", args.base_revision, args.hub_endpoint)
+        if downloaded is None:
+            raise PublishError(f"{args.base_model} has no config.json: the adapter's shapes cannot be checked")
+        print(f"publish_model: {point_adapter_at_base(args.model_dir, *base)}", flush=True)
+        validated = validate_adapter(
+            args.model_dir, read_json_file(downloaded, "the base model's config.json"), args.adapter_rank,
+            args.adapter_alpha,
+        )
+    elif args.base_model and args.model_dir.is_dir():
         # Without --hub-endpoint, huggingface_hub reads $HF_ENDPOINT itself.
         base = (args.model_dir, args.base_model, args.base_revision, args.hub_endpoint)
         for carried in (carry_base_config(*base), carry_generation_config(*base)):
             print(f"publish_model: {carried}", flush=True)
-    validated = validate_export(args.model_dir, expected_config)
+    if args.adapter_rank is None:
+        validated = validate_export(args.model_dir, expected_config)
     if args.card:
-        write_card(args.model_dir, read_json_file(args.card, "model card facts"))
+        facts = read_json_file(args.card, "model card facts")
+        if args.hub_repo:
+            facts["hub"] = {"repo_id": args.hub_repo, "revision": args.hub_revision}
+        write_card(args.model_dir, facts)
     kept = None
     if args.keep_uri:
         kept = args.keep_uri.rstrip("/")
