@@ -27,7 +27,12 @@ from pathlib import Path
 
 import httpx
 
-from airflow_tpu_posttrain.local.processes import StartedProcesses, free_port, stop_group
+from airflow_tpu_posttrain.local.processes import (
+    StartedProcesses,
+    ends_with_its_starter,
+    free_port,
+    stop_group,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENTS = {
@@ -87,6 +92,7 @@ class LocalAirflow(StartedProcesses):
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=ends_with_its_starter,  # started from the main thread, which outlives them
                 )
         self._wait_healthy()
         token = httpx.post(

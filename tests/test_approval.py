@@ -1,13 +1,18 @@
-"""A person's approval before publishing, answered through Airflow's REST API (what the UI's Required actions call).
+"""A person's approval before publishing a LoRA adapter, answered through Airflow's REST API (what the UI calls).
 
-The tiny SFT pipeline (models.yaml's entry with ``approval: true``) on Airflow's api-server, scheduler, triggerer and
+The LoRA twin's pipeline (models.yaml's ``posttrain_sft__tiny-gemma3-4b__lora`` with ``approval: true``: adapters
+trained on the tiny Gemma 3 with MaxText 0.2.5 on the CPU) on Airflow's api-server, scheduler, triggerer and
 LocalExecutor (bench/local_airflow.py) against the local stack. One training: its publish is rejected (nothing
 published, the export kept, the CPU VM deleted all the same), then asked again by clearing ``approve_publish`` and
-approved: the kept export is published without exporting again.
+approved: the kept adapter is published without exporting again, and loads with PEFT from the local Hub onto the
+base it names.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,7 +20,10 @@ import pytest
 from conftest import HF_TOKEN, REPO, storage_has
 from test_backfill import DAG_FILE
 
-SFT = "posttrain_sft__tiny-llama"
+SFT = "posttrain_sft__tiny-gemma3-4b__lora"
+BASE_REPO = "google/gemma-3-4b-it"  # the tiny Gemma 3, served by the local Hub under the cloud model's id
+# MaxText's default LoRA modules for Gemma 3 (post_train/lora_module_path.yml): every attention and MLP projection.
+PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 RUN_ID = "manual__approval"
 WAIT_S = 900.0
 ANSWERED = ("success", "failed", "skipped")
@@ -33,11 +41,11 @@ def stack(tmp_path_factory):
 
 
 def _registry(dags: Path) -> None:
-    """models.yaml's tiny SFT entry, asking before it publishes, alone in the DAGs folder."""
+    """models.yaml's LoRA twin, asking before it publishes, alone in the DAGs folder."""
     import yaml
 
     registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
-    [entry] = [e for e in registry["pipelines"] if e["model"] == "tiny-llama" and e["recipe"] == "sft" and "layout" not in e]
+    [entry] = [e for e in registry["pipelines"] if e["model"] == "tiny-gemma3-4b" and e.get("lora")]
     registry["pipelines"] = [{**entry, "approval": True}]
     (dags / "models.yaml").write_text(yaml.safe_dump(registry))
     (dags / "approval_dags.py").write_text(DAG_FILE)
@@ -103,7 +111,21 @@ def _task_log(airflow, task_id: str) -> str:
     return "".join(log.read_text(errors="replace") for log in sorted(folder.glob("*.log")))
 
 
-def test_a_rejected_publish_keeps_the_export_and_an_approval_publishes_it(stack, tmp_path, monkeypatch, fault_matrix):
+def _peft_loads(stack, adapter: str, revision: str) -> dict:
+    """What a user's ``AutoPeftModelForCausalLM.from_pretrained`` from the Hub gets (local/check_peft_adapter.py)."""
+    check = subprocess.run(
+        [str(REPO / ".local/hfcheck-venv/bin/python"), str(REPO / "airflow_tpu_posttrain/local/check_peft_adapter.py"),
+         adapter, "--revision", revision],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_ENDPOINT": stack.hub.url, "HF_TOKEN": HF_TOKEN, "HF_HOME": str(stack.vm_dir / "peft")},
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
+    return json.loads(check.stdout.strip().splitlines()[-1])
+
+
+def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_with_peft(
+    stack, tmp_path, monkeypatch, fault_matrix
+):
     from bench.local_airflow import LocalAirflow
 
     for name, value in stack.environment().items():  # the local stack's connections, to read its storage here
@@ -122,7 +144,8 @@ def test_a_rejected_publish_keeps_the_export_and_an_approval_publishes_it(stack,
         alive = [i["name"] for i in stack.compute.instances()]
         assert [name.split("-")[0] for name in alive] == ["cpu"], alive
         kept = _xcom(airflow, "export_and_keep")["kept_uri"]
-        assert storage_has(f"{kept}/model.safetensors") and storage_has(f"{kept}/README.md"), kept
+        assert storage_has(f"{kept}/adapter_model.safetensors") and storage_has(f"{kept}/README.md"), kept
+        assert not storage_has(f"{kept}/model.safetensors"), kept  # the adapters only, not a model
         detail = airflow.api(
             "GET", f"/dags/{SFT}/dagRuns/{RUN_ID}/taskInstances/approve_publish/-1/hitlDetails"
         ).json()
@@ -157,10 +180,51 @@ def test_a_rejected_publish_keeps_the_export_and_an_approval_publishes_it(stack,
         assert published["hub"]["commit_sha"] and published["kept_uri"] == kept, published
         assert f"Restoring the export kept at {kept}" in _task_log(airflow, "export_and_publish")
         assert "Approved by" in _task_log(airflow, "approve_publish")
+        # Trained with the LoRA tutorial's keys on MaxText 0.2.5, from its own conversion; its gate passed.
+        converted, trained = _xcom(airflow, "convert_to_maxtext"), _xcom(airflow, "train")
+        assert "/conversions/tiny-gemma3-4b/mt0.2.5-" in converted["converted_params"]
+        assert "Config param lora: {'enable_lora': True, 'lora_rank': 16, 'lora_alpha': 32.0" in _task_log(airflow, "train")
+        assert trained["metrics"]["steps_completed"] == 5 and gate["passed"]
     assert stack.compute.instances() == []
+
+    # Published: the adapter and its card, the adapter pointed at the base repo at the revision converted.
+    from huggingface_hub import HfApi, hf_hub_download
+
+    hub, validated = published["hub"], published["validated"]
+    assert hub["repo_id"] == "local/tiny-gemma3-4b-lora"
+    assert validated["adapter"]["r"] == 16 and set(validated["adapter"]["target_modules"]) == PROJECTIONS
+    download = {"repo_id": hub["repo_id"], "revision": hub["revision"], "endpoint": stack.hub.url, "token": HF_TOKEN,
+                "cache_dir": tmp_path / "hub-cache"}
+    files = set(HfApi(endpoint=stack.hub.url, token=HF_TOKEN).list_repo_files(hub["repo_id"], revision=hub["revision"]))
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= files and "model.safetensors" not in files
+    adapter_config = json.loads(Path(hf_hub_download(filename="adapter_config.json", **download)).read_text())
+    assert (adapter_config["base_model_name_or_path"], adapter_config["revision"]) == (
+        BASE_REPO, converted["source_revision"]
+    )
+    card = Path(hf_hub_download(filename="README.md", **download)).read_text()
+    assert "library_name: peft" in card and f'PeftModel.from_pretrained(base, "{hub["repo_id"]}"' in card
+    assert "LoRA adapter: rank 16, alpha 32.0" in card
+    adapter_bytes = Path(hf_hub_download(filename="adapter_model.safetensors", **download)).stat().st_size
+    base_bytes = (stack.local_dir / "tiny" / "tiny-gemma3" / "model.safetensors").stat().st_size
+    print(f"adapter: {adapter_bytes} bytes, {validated['params']} params; the tiny base's weights: {base_bytes} bytes")
+    assert adapter_bytes < base_bytes
+
+    # A user's load from the Hub: the base the adapter names, the adapter onto it; merged, it changes the weights
+    # of the adapted projections of every layer and nothing else.
+    loaded = _peft_loads(stack, hub["repo_id"], hub["revision"])
+    assert loaded["base"] == f"{BASE_REPO}@{converted['source_revision']}" and loaded["generated"]
+    adapted = {
+        name for name in loaded["changed"] + loaded["unchanged"]
+        if ".layers." in name and "vision" not in name and name.removesuffix(".weight").rsplit(".", 1)[-1] in PROJECTIONS
+    }
+    assert len(adapted) == 14 * len(PROJECTIONS)
+    assert set(loaded["changed"]) == adapted
     fault_matrix.record(
-        "approval: publish rejected through the REST API -> nothing published, export kept; asked again, approved",
-        stack.compute.instances() == [], "success", storage_has(f"{kept}/model.safetensors"),
+        "approval: a LoRA adapter's publish rejected through the REST API -> nothing published, export kept; asked "
+        "again, approved",
+        stack.compute.instances() == [], "success", storage_has(f"{kept}/adapter_model.safetensors"),
         f"rejected: export_and_publish skipped, CPU VM deleted; approved: published {kept} as Hub commit "
-        f"{published['hub']['commit_sha'][:12]} without exporting again",
+        f"{published['hub']['commit_sha'][:12]} without exporting again; adapter {adapter_bytes} bytes "
+        f"({validated['params']} params), the base's weights {base_bytes} bytes; loaded with PEFT, it changed "
+        f"{len(loaded['changed'])} of {len(loaded['changed']) + len(loaded['unchanged'])} tensors",
     )

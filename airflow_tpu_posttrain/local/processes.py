@@ -17,6 +17,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def ends_with_its_starter() -> None:
+    """A ``preexec_fn``: the process gets SIGTERM when the thread that started it ends (Linux's PR_SET_PDEATHSIG).
+
+    So a process that was killed before its ``finally`` ran (a test's timeout, a second Ctrl-C) leaves no server
+    running beside the next run. Only for processes started from a thread that lives as long as they should."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
     """TERM the process group of ``proc`` (started with ``start_new_session``), wait, then KILL what is left.
 
