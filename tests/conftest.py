@@ -308,7 +308,6 @@ _LONGEST_FIRST = (
     "test_pipeline_reruns.py",
     "test_backfill.py",
     "test_maxtext_faults.py",
-    "test_storage_outage.py",
     "test_pipeline_failures.py",
     "test_deployment.py",
     "test_approval.py",

@@ -2,10 +2,10 @@
 
 The LoRA twin's pipeline (models.yaml's ``posttrain_sft__tiny-gemma3-4b__lora`` with ``approval: true``: adapters
 trained on the tiny Gemma 3 with MaxText 0.2.5 on the CPU) on Airflow's api-server, scheduler, triggerer and
-LocalExecutor (bench/local_airflow.py) against the local stack. One training: its publish is rejected (nothing
-published, the export kept, the CPU VM deleted all the same), then asked again by clearing ``approve_publish`` and
-approved: the kept adapter is published without exporting again, and loads with PEFT from the local Hub onto the
-base it names.
+LocalExecutor (bench/local_airflow.py) against the local stack. One training: asked once both VMs are gone, its
+publish is rejected (nothing published, the export kept), then asked again by clearing ``approve_publish`` and
+approved: a VM made for it publishes the kept adapter without exporting again, and the adapter loads with PEFT from
+the local Hub onto the base it names.
 """
 
 from __future__ import annotations
@@ -138,11 +138,11 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": False})
         airflow.trigger(SFT, RUN_ID, {"force": True})
         asked = _wait(airflow, "asking for approval", lambda t: _asking(t) and _parked(airflow, 1))
-        # Waiting for the answer: the TPU VM is gone, the export is kept, nothing is published.
-        assert asked["delete_tpu_vm"]["state"] == "success" and asked["export_and_keep"]["state"] == "success"
+        # Waiting for the answer: both VMs are gone, the export is kept, nothing is published.
+        assert asked["export_and_keep"]["state"] == "success", _report(airflow)
+        assert asked["delete_tpu_vm"]["state"] == asked["delete_cpu_vm"]["state"] == "success", _report(airflow)
         assert asked["export_and_publish"]["state"] in (None, "scheduled", "none"), _report(airflow)
-        alive = [i["name"] for i in stack.compute.instances()]
-        assert [name.split("-")[0] for name in alive] == ["cpu"], alive
+        assert stack.compute.instances() == []
         kept = _xcom(airflow, "export_and_keep")["kept_uri"]
         assert storage_has(f"{kept}/adapter_model.safetensors") and storage_has(f"{kept}/README.md"), kept
         assert not storage_has(f"{kept}/model.safetensors"), kept  # the adapters only, not a model
@@ -154,17 +154,18 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         assert gate["message"] in detail["body"] and kept in detail["body"], detail["body"]
 
         _answer(airflow, "Reject")
-        rejected = _wait(airflow, "the run after Reject", lambda t: t["delete_cpu_vm"]["state"] in ANSWERED)
-        _wait(airflow, "the run's end", lambda t: _run_state(airflow) in ("success", "failed"))
+        _wait(airflow, "the run's end after Reject", lambda t: _run_state(airflow) in ("success", "failed"))
+        rejected = _tasks(airflow)
         assert _run_state(airflow) == "success", _report(airflow)
-        assert rejected["export_and_publish"]["state"] == "skipped", _report(airflow)
-        assert rejected["delete_cpu_vm"]["state"] == "success", _report(airflow)
+        for skipped in ("create_pub_vm", "install_maxtext_pub", "export_and_publish", "delete_pub_vm"):
+            assert rejected[skipped]["state"] == "skipped", _report(airflow)
         assert stack.compute.instances() == []
         assert _xcom(airflow, "export_and_publish") is None
         said = _task_log(airflow, "approve_publish")
         assert "Not published: rejected by" in said and f"The checked export is kept at {kept}" in said
 
-        # Asked again (as from the UI: clear approve_publish and what follows): approved, the kept copy published.
+        # Asked again (as from the UI: clear approve_publish and what follows): approved, the kept copy published
+        # from a VM made for it.
         airflow.api(
             "POST", f"/dags/{SFT}/clearTaskInstances",
             json={"dry_run": False, "dag_run_id": RUN_ID, "task_ids": ["approve_publish"], "include_downstream": True,
@@ -176,6 +177,8 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         approved = _tasks(airflow)
         assert _run_state(airflow) == "success", _report(airflow)
         assert approved["create_tpu_vm"]["try_number"] == 1 and approved["train"]["try_number"] == 1
+        assert approved["delete_pub_vm"]["state"] == "success", _report(airflow)
+        assert _xcom(airflow, "create_pub_vm")["name"].startswith("pub-")
         published = _xcom(airflow, "export_and_publish")
         assert published["hub"]["commit_sha"] and published["kept_uri"] == kept, published
         assert f"Restoring the export kept at {kept}" in _task_log(airflow, "export_and_publish")
@@ -223,7 +226,7 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         "approval: a LoRA adapter's publish rejected through the REST API -> nothing published, export kept; asked "
         "again, approved",
         stack.compute.instances() == [], "success", storage_has(f"{kept}/adapter_model.safetensors"),
-        f"rejected: export_and_publish skipped, CPU VM deleted; approved: published {kept} as Hub commit "
+        f"no VM while asked; rejected: the publish skipped; approved: a publish VM published {kept} as Hub commit "
         f"{published['hub']['commit_sha'][:12]} without exporting again; adapter {adapter_bytes} bytes "
         f"({validated['params']} params), the base's weights {base_bytes} bytes; loaded with PEFT, it changed "
         f"{len(loaded['changed'])} of {len(loaded['changed']) + len(loaded['unchanged'])} tensors",

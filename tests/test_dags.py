@@ -964,31 +964,37 @@ def test_two_deployments_share_a_conversion_and_nothing_of_a_run(dags, monkeypat
     assert task.run_spec(_context(dag), conversion_key="same-content").layout == staging
 
 
-def test_an_entry_with_approval_asks_after_the_tpu_vm_is_gone_and_before_publishing():
-    """The export is kept first; the answer is asked once the TPU VM's teardown ran; the publish follows it.
+def test_an_entry_with_approval_asks_once_both_vms_are_gone_and_publishes_from_a_vm_of_its_own():
+    """The export is kept, then the answer asked once both VMs' teardowns ran; approved, a VM of its own publishes.
 
-    The CPU VM's teardown runs whatever the answer (a rejected publish is skipped), and the CPU VM lives
-    long enough for the answer to come."""
+    Nothing but the kept export is held while a person decides, for up to ``approval_timeout_hours``."""
     from airflow_tpu_posttrain.pipelines.posttrain import build_dag
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
     entry = {"model": "gemma3-4b", "recipe": "sft", "checkpoint_storage": "gs://bkt/x"}
     plain = build_dag(PipelineConfig(**entry))
     dag = build_dag(PipelineConfig(**entry, approval=True, approval_timeout_hours=24, approval_on_reject="fail"))
-    assert set(dag.task_ids) - set(plain.task_ids) == {"export_and_keep", "approve_publish"}
+    assert set(dag.task_ids) - set(plain.task_ids) == {
+        "export_and_keep", "approve_publish", "create_pub_vm", "install_maxtext_pub", "delete_pub_vm"
+    }
     upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
     assert {GATE, "train", CREATE_CPU} <= upstream["export_and_keep"]
-    assert upstream["approve_publish"] == {GATE, "export_and_keep", DELETE}
-    assert "approve_publish" in upstream["export_and_publish"]
-    keep, approve = dag.get_task("export_and_keep"), dag.get_task("approve_publish")
-    assert keep.publish is False and dag.get_task("export_and_publish").publish is True
-    assert create_task_id(keep) == CREATE_CPU
+    assert upstream[DELETE_CPU] == {"export_and_keep", CREATE_CPU, INSTALL_CPU}
+    assert upstream["approve_publish"] == {GATE, "export_and_keep", DELETE, DELETE_CPU}
+    assert upstream["create_pub_vm"] == {"approve_publish"}
+    assert {"install_maxtext_pub", "create_pub_vm"} <= upstream["export_and_publish"]
+    assert upstream["delete_pub_vm"] == {"export_and_publish", "create_pub_vm", "install_maxtext_pub"}
+    keep, approve, publish = (dag.get_task(t) for t in ("export_and_keep", "approve_publish", "export_and_publish"))
+    assert keep.publish is False and publish.publish is True
+    assert create_task_id(keep) == CREATE_CPU and create_task_id(publish) == "create_pub_vm"
     assert approve.response_timeout == timedelta(hours=24) and approve.defaults == ["Reject"]
     assert approve.fail_on_reject is True and approve.required == "{{ params.approval }}"
-    assert dag.get_task(DELETE_CPU).trigger_rule == "all_done"
-    assert plain.get_task(DELETE_CPU).trigger_rule == "none_skipped"
-    waits = dag.get_task(CREATE_CPU).max_run_duration - plain.get_task(CREATE_CPU).max_run_duration
-    assert waits == timedelta(hours=24)
+    for teardown in (DELETE_CPU, "delete_pub_vm"):
+        assert dag.get_task(teardown).is_teardown and dag.get_task(teardown).trigger_rule == "none_skipped"
+    assert dag.get_task("delete_pub_vm").name_prefix == "pub"
+    # No VM waits for the answer: neither VM's cloud-side deadline grows with it.
+    assert dag.get_task(CREATE_CPU).max_run_duration == plain.get_task(CREATE_CPU).max_run_duration
+    assert dag.get_task("create_pub_vm").max_run_duration == plain.get_task(CREATE_CPU).max_run_duration
     assert {"export_and_keep", "approve_publish"} <= dag.get_task(WATCHER).upstream_task_ids
     assert dag.params["approval"] is True and "approval" not in plain.params
 

@@ -1,8 +1,8 @@
 """A person's approval before the model is published, asked in the Airflow UI (Airflow's human-in-the-loop).
 
-The pipelines wire it after the quality gate, after the TPU VM's teardown and after the export was checked
-and kept in checkpoint storage, so while it waits nothing is held but that copy and the small CPU VM that
-publishes it: on Airflow 3.3+ the task waits in the ``awaiting_input`` state, no worker slot, no trigger.
+The pipelines wire it after the quality gate, after the export was checked and kept in checkpoint storage and
+after both VMs' teardowns, so while it waits nothing is held but that copy: on Airflow 3.3+ the task waits in the
+``awaiting_input`` state, no worker slot, no trigger, no VM. Once approved, a CPU VM made for it publishes the copy.
 """
 
 from __future__ import annotations

@@ -181,22 +181,7 @@ STEPS = (
         slice=True,
     ),
     # The split layout's CPU VM: the conversion and the export run there, outside the TPU pool.
-    Step(
-        "create_cpu_vm",
-        TpuVmCreateOperator,
-        lambda cfg: {
-            "name_prefix": "cpu",
-            "max_tpu_vms": None,  # a CPU VM: not under the TPU cap
-            "accelerator_type": cfg.cpu_accelerator_type,
-            "provisioning_model": "STANDARD",
-            "image_project": compute.CPU_IMAGE_PROJECT,
-            "image_family": compute.CPU_IMAGE_FAMILY,
-            **_creating_vm(cfg),
-            # It waits with the kept export while a person decides.
-            "max_run_duration": _creating_vm(cfg)["max_run_duration"] + _approval_wait(cfg),
-        },
-        layout="split",
-    ),
+    Step("create_cpu_vm", TpuVmCreateOperator, lambda cfg: _creating_cpu_vm(cfg, "cpu"), layout="split"),
     Step(
         "install_maxtext",
         MaxTextInstallOperator,
@@ -289,24 +274,21 @@ STEPS = (
         },
         approval=True,
     ),
+    Step("export_and_publish", HfExportOperator, lambda cfg: _publishing(cfg), vm="cpu", approval=False),
+    # Once approved, a CPU VM of its own publishes the kept export: none is held while a person decides.
+    Step("create_pub_vm", TpuVmCreateOperator, lambda cfg: _creating_cpu_vm(cfg, "pub"), approval=True),
     Step(
-        "export_and_publish",
-        HfExportOperator,
+        "install_maxtext_pub",
+        MaxTextInstallOperator,
         lambda cfg: {
-            "trained": Output("train"),
-            "lora": _lora(cfg),
             "maxtext_version": "{{ params.maxtext_version }}",
-            "inputs": Output("check_inputs"),
-            "training_claim": Output("check_inputs", TRAINING_CLAIM_KEY),
-            "gcp_conn_id": cfg.gcp_conn_id,
-            "prices": cfg.prices,
-            "hub_repo_id": "{{ params.hub_repo_id }}",
-            "storage_uri": "{{ params.storage_uri }}",
-            "execution_timeout": cfg.timeouts.export,
+            "execution_timeout": cfg.timeouts.install,
             "poll_interval": _poll(cfg, 15),
         },
-        vm="cpu",
+        vm="pub",
+        approval=True,
     ),
+    Step("export_and_publish", HfExportOperator, lambda cfg: _publishing(cfg), vm="pub", approval=True),
     Step("delete_tpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "tpu"), slice=False),
     Step(
         "delete_tpu_vm",
@@ -335,6 +317,7 @@ STEPS = (
         layout="split",
     ),
     Step("delete_cpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "cpu"), layout="split"),
+    Step("delete_pub_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "pub"), approval=True),
 )
 
 # The steps whose failure fails the run, through the watcher (those of its DAG).
@@ -346,7 +329,7 @@ WIRING = {
     "split": (
         ("check_inputs", "create_tpu_vm", "install_maxtext", "train", "delete_tpu_vm"),
         ("check_inputs", "create_cpu_vm", "install_maxtext_cpu", "convert_to_maxtext", "train"),
-        ("train", "quality_gate", "export_and_publish", "delete_cpu_vm"),
+        ("train", "quality_gate", "export_and_publish"),
         ("body", WATCHER),
     ),
     "seeds": (
@@ -363,11 +346,14 @@ WIRING = {
         ("body", WATCHER),
     ),
 }
-# With approval (split layout only): after the gate, the export kept, then the answer, asked once the TPU VM is
-# gone; the publish only after it.
+# The split layout's CPU VM goes once the export is done: published, or kept for a person's answer.
+CPU_VM_END = {False: (("export_and_publish", "delete_cpu_vm"),), True: (("export_and_keep", "delete_cpu_vm"),)}
+# With approval (split layout only): after the gate, the export kept, then the answer, asked once the TPU VM and
+# the CPU VM are gone; once approved, the publish VM publishes the kept export.
 APPROVAL_WIRING = (
-    ("quality_gate", "export_and_keep", "approve_publish", "export_and_publish"),
-    ("delete_tpu_vm", "approve_publish"),
+    ("quality_gate", "export_and_keep", "approve_publish", "create_pub_vm", "install_maxtext_pub",
+     "export_and_publish", "delete_pub_vm"),
+    (("delete_tpu_vm", "delete_cpu_vm"), "approve_publish"),
 )
 
 # Each VM's teardown (its delete) and its setups (its create and its install): clearing a step (a re-run of
@@ -378,6 +364,7 @@ APPROVAL_WIRING = (
 TEARDOWNS = {
     "delete_tpu_vm": ("create_tpu_vm", "install_maxtext"),
     "delete_cpu_vm": ("create_cpu_vm", "install_maxtext_cpu"),
+    "delete_pub_vm": ("create_pub_vm", "install_maxtext_pub"),
 }
 
 
@@ -442,17 +429,20 @@ def _operator(step: Step, cfg: PipelineConfig, tasks: dict[str, BaseOperator]) -
 def _wire(tasks: dict[str, BaseOperator], cfg: PipelineConfig) -> None:
     """What runs after what (the layout's ``WIRING``), then each VM's teardown and setups (``TEARDOWNS``)."""
     body = [tasks[t] for t in BODY if t in tasks]
-    for line in WIRING[cfg.layout] + (APPROVAL_WIRING if cfg.approval else ()):
-        chain(*(body if link == "body" else tasks[link] for link in line))
+    lines = WIRING[cfg.layout]
+    if cfg.layout == "split":
+        lines += CPU_VM_END[cfg.approval] + (APPROVAL_WIRING if cfg.approval else ())
+    for line in lines:
+        chain(*(body if link == "body" else _linked(tasks, link) for link in line))
     for teardown_id, setup_ids in TEARDOWNS.items():
         if teardown_id in tasks:
             teardown = tasks[teardown_id]
             teardown.as_teardown(setups=[tasks[t] for t in setup_ids], on_failure_fail_dagrun=True)
             teardown.trigger_rule = TriggerRule.NONE_SKIPPED  # after as_teardown, which sets its own
-    if cfg.approval:
-        # A rejected publish is skipped, and the CPU VM that held the export still goes (a run skipped whole
-        # finds no VM to delete).
-        tasks["delete_cpu_vm"].trigger_rule = TriggerRule.ALL_DONE
+
+
+def _linked(tasks: dict[str, BaseOperator], link: str | tuple[str, ...]) -> BaseOperator | list[BaseOperator]:
+    return [tasks[t] for t in link] if isinstance(link, tuple) else tasks[link]
 
 
 # The arguments several steps share.
@@ -524,6 +514,36 @@ SLICE_CREATE_ARGUMENTS = (
     "project_id", "gcp_conn_id", "poll_interval", "network", "subnetwork", "network_path", "ssh_conn_id",
     "service_account", "max_run_duration",
 )
+
+
+def _creating_cpu_vm(cfg: PipelineConfig, kind: str) -> dict[str, Any]:
+    """The create of a CPU VM (``kind`` ``cpu``: the conversion and the export; ``pub``: an approved publish)."""
+    return {
+        "name_prefix": kind,
+        "max_tpu_vms": None,  # a CPU VM: not under the TPU cap
+        "accelerator_type": cfg.cpu_accelerator_type,
+        "provisioning_model": "STANDARD",
+        "image_project": compute.CPU_IMAGE_PROJECT,
+        "image_family": compute.CPU_IMAGE_FAMILY,
+        **_creating_vm(cfg),
+    }
+
+
+def _publishing(cfg: PipelineConfig) -> dict[str, Any]:
+    """The export's publish: the trained checkpoint (or the export kept for approval) to the run's targets."""
+    return {
+        "trained": Output("train"),
+        "lora": _lora(cfg),
+        "maxtext_version": "{{ params.maxtext_version }}",
+        "inputs": Output("check_inputs"),
+        "training_claim": Output("check_inputs", TRAINING_CLAIM_KEY),
+        "gcp_conn_id": cfg.gcp_conn_id,
+        "prices": cfg.prices,
+        "hub_repo_id": "{{ params.hub_repo_id }}",
+        "storage_uri": "{{ params.storage_uri }}",
+        "execution_timeout": cfg.timeouts.export,
+        "poll_interval": _poll(cfg, 15),
+    }
 
 
 def _whole_run(cfg: PipelineConfig) -> timedelta:

@@ -233,8 +233,9 @@ class PipelineConfig:
         metadata=_doc(
             "A person approves each model before it is published (Airflow's human-in-the-loop, in the UI's "
             "Required actions): the export is checked and kept in `checkpoint_storage`, then `approve_publish` waits "
-            "(no worker slot, the TPU VM gone) showing the eval numbers, the gate's verdict and the model card. The "
-            "trigger form's `approval` Param (default true here) lets a run publish without asking. Split layout only."
+            "(no worker slot, no VM) showing the eval numbers, the gate's verdict and the model card; approved, a CPU "
+            "VM made for it publishes the kept export. The trigger form's `approval` Param (default true here) lets a "
+            "run publish without asking. Split layout only."
         ),
     )
     approval_timeout_hours: float = field(
