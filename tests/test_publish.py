@@ -678,3 +678,41 @@ def test_an_adapter_unlike_what_was_trained_is_refused(tmp_path, rank, transpose
     publish_model = _publish_module()
     with pytest.raises(publish_model.PublishError, match=refusal):
         publish_model.validate_adapter(tmp_path / "adapter", TINY_LLAMA_CONFIG, trained_rank, 8.0)
+
+
+def test_an_adapter_is_loaded_onto_its_base_with_peft_and_generates_before_it_is_published(
+    tmp_path, bytecode_cache, hub, token, token_file
+):
+    """Where PEFT and torch are installed (MaxText's TPU environment): the adapter must load onto its base and generate.
+
+    Run with the check venv's Python (torch, transformers, PEFT), the tiny Gemma 3 on a Hub as the base; where they
+    are missing, the publish says it checked the shapes only (the local twin's CPU venv: tests/test_approval.py)."""
+    hfcheck = Path(__file__).resolve().parents[1] / ".local" / "hfcheck-venv" / "bin" / "python"
+    base_dir = Path(__file__).resolve().parents[1] / ".local" / "tiny" / "tiny-gemma3"
+    revision = hub.store.seed_repo("google/gemma-3-4b-it", base_dir)
+    text = json.loads((base_dir / "config.json").read_text())["text_config"]
+    rank, q_out, kv_out = 4, text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "base_model_name_or_path": "google/gemma-3-4b-it", "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+        "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
+    }))
+    shapes = {}
+    for layer in range(text["num_hidden_layers"]):
+        for module, out_features in (("q_proj", q_out), ("v_proj", kv_out)):
+            name = f"base_model.model.model.language_model.layers.{layer}.self_attn.{module}"
+            shapes |= {f"{name}.lora_A.weight": (rank, text["hidden_size"]), f"{name}.lora_B.weight": (out_features, rank)}
+    write_safetensors(adapter / "adapter_model.safetensors", shapes)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGINGFACE_"))}
+    env |= {"HF_HOME": str(tmp_path / "vm-hf-home"), "HF_TOKEN": token, "HF_TOKEN_FILE": str(token_file),
+            "HF_HUB_DISABLE_XET": "1", "PYTHONPYCACHEPREFIX": bytecode_cache}
+    proc = subprocess.run(
+        [str(hfcheck), str(SCRIPT), "--model-dir", str(adapter), "--result-file", str(tmp_path / "result.json"),
+         "--base-model", "google/gemma-3-4b-it", "--base-revision", revision, "--adapter-rank", str(rank),
+         "--adapter-alpha", "8.0", "--hub-endpoint", hub.url],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"the adapter loads onto google/gemma-3-4b-it@{revision} with PEFT " in proc.stdout
+    assert json.loads((tmp_path / "result.json").read_text())["validated"]["adapter"]["modules"] == 28

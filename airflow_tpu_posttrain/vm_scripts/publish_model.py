@@ -24,7 +24,9 @@ With --adapter-rank (a LoRA run), the folder holds a PEFT adapter instead (MaxTe
 ``adapter_model.safetensors``): each ``lora_A`` / ``lora_B`` pair must have the rank trained and the shape of the
 base model's weight it adapts (the base's config.json at --base-revision), and ``adapter_config.json`` is
 pointed at that base: ``base_model_name_or_path`` is the base repo (MaxText writes its own table's id) and
-``revision`` the revision converted, so ``PeftModel.from_pretrained`` loads the base it was trained on.
+``revision`` the revision converted, so ``PeftModel.from_pretrained`` loads the base it was trained on. Where PEFT
+and torch are installed (MaxText's TPU environment has both), the adapter is then loaded onto that base with PEFT
+and must generate.
 
 With --card, the folder first gets a model card (README.md, made with huggingface_hub's ModelCard and
 ModelCardData) and the training curve it shows (training_curve.png, drawn with matplotlib, a MaxText
@@ -307,6 +309,34 @@ def validate_adapter(model_dir: Path, base_config: dict, rank: int, alpha: float
     }
 
 
+def adapter_generates(model_dir: Path, repo_id: str, revision: str | None, endpoint: str | None) -> str:
+    """Load the adapter onto its base with PEFT and generate a few tokens; say how it went.
+
+    Where PEFT and torch are installed: MaxText's TPU environment (``maxtext[tpu-post-train]``) has both. Elsewhere
+    (the local CPU stand-in's ``maxtext[tpu]``) it says the adapter was checked for its shapes only."""
+    try:
+        import peft
+        import torch
+        import transformers
+    except ImportError as err:
+        return f"the adapter was checked for its shapes only: {err.name} is not installed here"
+    from huggingface_hub import snapshot_download
+
+    base = snapshot_download(repo_id, revision=revision or None, endpoint=endpoint or None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, str(model_dir))
+    model.eval()
+    input_ids = transformers.AutoTokenizer.from_pretrained(base)("Hello", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=4, min_new_tokens=1, do_sample=False
+        )
+    generated = output.shape[1] - input_ids.shape[1]
+    if generated < 1:
+        raise PublishError(f"the adapter loaded onto {repo_id}@{revision or 'main'} generates nothing")
+    return f"the adapter loads onto {repo_id}@{revision or 'main'} with PEFT {peft.__version__} and generates"
+
+
 def point_adapter_at_base(model_dir: Path, repo_id: str, revision: str | None) -> str:
     """``adapter_config.json`` names the base repo at the revision trained from; say what it named before."""
     path = model_dir / ADAPTER_CONFIG
@@ -583,6 +613,7 @@ def run(args: argparse.Namespace, token: str | None) -> dict:
             args.model_dir, read_json_file(downloaded, "the base model's config.json"), args.adapter_rank,
             args.adapter_alpha,
         )
+        print(f"publish_model: {adapter_generates(args.model_dir, *base, args.hub_endpoint)}", flush=True)
     elif args.base_model and args.model_dir.is_dir():
         # Without --hub-endpoint, huggingface_hub reads $HF_ENDPOINT itself.
         base = (args.model_dir, args.base_model, args.base_revision, args.hub_endpoint)
