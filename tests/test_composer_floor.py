@@ -163,6 +163,7 @@ def test_the_wheel_installs_at_our_lowest_versions_and_its_example_dags_parse(fl
     assert found["dags"] == [
         "posttrain_rl__llama3.1-8b-Instruct",
         "posttrain_sft__gemma3-4b",
+        "posttrain_sft__gemma3-4b__lora",
         "posttrain_sft__gemma3-4b__slice",
         "sft_tutorial_by_hand",
         "tpu_vm_reaper",
