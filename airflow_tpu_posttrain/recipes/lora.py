@@ -82,10 +82,6 @@ class LoraSettings:
             ) from None
         return cls(rank=rank, alpha=alpha, target_modules=given["target_modules"], weight_qtype=given["weight_qtype"])
 
-    def as_params(self) -> dict[str, Any]:
-        """The trigger form's defaults: each LoRA field's value."""
-        return {name: getattr(self, key) for name, key in PARAM_KEYS.items()}
-
     def train_args(self) -> dict[str, str]:
         """MaxText's keys for training: the tutorial's three, then the module regex and QLoRA's type if set."""
         args = {"lora.enable_lora": "True", "lora.lora_rank": str(self.rank), "lora.lora_alpha": _number(self.alpha)}
