@@ -86,6 +86,12 @@ def _xcom(airflow, run_id: str, task_id: str, key: str = "return_value"):
     return response.json()["value"] if response.status_code == 200 else None
 
 
+def _log(airflow, run_id: str, task_id: str) -> str:
+    """The task's log, every try and resume of it."""
+    folder = airflow.home / "logs" / f"dag_id={SFT}" / f"run_id={run_id}" / f"task_id={task_id}"
+    return "".join(log.read_text(errors="replace") for log in sorted(folder.glob("*.log")))
+
+
 def _runs(airflow) -> dict[str, dict]:
     return {run["dag_run_id"]: run for run in airflow.api("GET", f"/dags/{SFT}/dagRuns").json()["dag_runs"]}
 
@@ -124,10 +130,11 @@ def _sample_until_done(airflow, stack, runs: int, timeline: list) -> dict[str, d
 def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tmp_path, monkeypatch, fault_matrix):
     """Three dates, the model committed between the first and the second: two trainings, not three.
 
-    Of the second and third dates (the same inputs), the second trains and the third reuses its model, whichever
-    check asks first; the TPU VMs one at a time; no run failed; nothing left behind. The dates end today (the newest is
-    the DAG's latest tick, so unpausing it adds no scheduled run)."""
+    Of the second and third dates (the same inputs), the one whose check asks first trains and the other follows it,
+    deferred, then reuses its model; the TPU VMs one at a time; no run failed; nothing left behind. The dates end
+    today (the newest is the DAG's latest tick, so unpausing it adds no scheduled run)."""
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+    from airflow_tpu_posttrain.recipes import trainings
     from bench.local_airflow import LocalAirflow
 
     today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
@@ -164,6 +171,7 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
         published = [_xcom(airflow, run_id, "export_and_publish") for run_id in run_ids]
         tasks = [_tasks(airflow, run_id) for run_id in run_ids]
         claims = [_xcom(airflow, run_id, "check_inputs", "training_claim") for run_id in run_ids]
+        looks = [_log(airflow, run_id, "check_inputs").count("Inputs equal those run ") for run_id in run_ids]
 
         # A re-run of the first date, cleared as from the UI: its inputs' model is the one it published.
         airflow.api(
@@ -182,11 +190,12 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     model = f"model:{TINY_LLAMA_REPO}"
     assert inputs[0]["revisions"][model] != revision_2, report
     assert inputs[1]["revisions"][model] == inputs[2]["revisions"][model] == revision_2, report
-    # Two trainings: the first date's, and the second's (the earlier of the two dates that share the new
-    # revision); the third followed it, deferred, and reuses its model, having made no VM.
+    # Two trainings: the first date's, and one of the two dates that share the new revision (whichever asked
+    # first); the other followed it, deferred, and reuses its model, having made no VM.
     trainers = [i for i, t in enumerate(trained) if t is not None]
-    assert trainers == [0, 1], report
-    leader, follower = 1, 2
+    assert len(trainers) == 2 and trainers[0] == 0, report
+    leader = trainers[1]
+    follower = 3 - leader
     assert all(trained[i]["reused"] is False and trained[i]["metrics"]["steps_completed"] == STEPS for i in trainers)
     assert [converted[i]["source_revision"] for i in trainers] == [inputs[0]["revisions"][model], revision_2]
     assert [converted[i]["reused"] for i in trainers] == [False, False]
@@ -209,10 +218,16 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     assert rerun_tasks["train"]["state"] == "skipped"
     # Nothing left: no VM, no place held under the cap.
     assert stack.compute.instances() == []
+    # The claim decided with no wait on the other dates: a trainer's check looked once; the follower once, then
+    # once per change of the claim or per RECHECK_S of its leader's training.
+    assert [looks[i] for i in trainers] == [0, 0], looks
+    leading = datetime.fromisoformat(by_date[leader]["end_date"]) - datetime.fromisoformat(by_date[leader]["start_date"])
+    assert 1 <= looks[follower] <= 2 + leading.total_seconds() // trainings.RECHECK_S, (looks, leading)
     fault_matrix.record(
         "backfill: 3 dates via Airflow's REST API, cap 1, the model committed between dates 1 and 2",
         stack.compute.instances() == [], "success", True,
         f"2 trainings (dates 1, {leader + 1}), date {follower + 1} reused date {leader + 1}'s model; never more "
-        f"than {most} TPU VM over {len(timeline)} samples 0.5 s apart",
+        f"than {most} TPU VM over {len(timeline)} samples 0.5 s apart; check_inputs resumed "
+        f"{looks[follower]} time(s) in the follower, none in the trainers",
     )
-    print(json.dumps({"samples": len(timeline), "most_tpu_vms": most}))
+    print(json.dumps({"samples": len(timeline), "most_tpu_vms": most, "follower_looks": looks[follower]}))

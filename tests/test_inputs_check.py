@@ -388,7 +388,7 @@ def test_a_run_takes_over_inputs_whose_run_ended_without_publishing(claim_runs):
     failing.join()
     assert state == "success", logs
     assert "following it, deferred and holding no VM" in logs
-    assert "Run manual__doomed, which held these inputs, ended without publishing: this run trains them" in logs
+    assert "Run manual__doomed, which held these inputs, ended without a model: this run trains them" in logs
     assert StoredRecordHook().read(pulled["training_claim"])["run_id"] == "manual__next"
     # Forced, a run trains inputs another holds, leaving the claim to its holder.
     _set_run_state("claim_probe", "manual__next", "running")
@@ -396,85 +396,114 @@ def test_a_run_takes_over_inputs_whose_run_ended_without_publishing(claim_runs):
     assert state == "success" and "Training anyway (force), though run manual__next holds these inputs" in logs
 
 
-def test_of_runs_asking_at_once_the_earliest_date_trains():
-    """The claim's rules: of runs asking at once, the earliest date trains.
+def test_a_claims_states_decide_what_a_run_does():
+    """Published: reused. Refused: trains nothing (force trains). Training: followed, taken over once its run is over.
 
-    A claim taken before the runs of earlier dates asked is settling, and a run of an earlier date takes it
-    over; a settled claim, or one of an earlier date, is followed."""
+    Of runs asking at once, whichever asks first trains (no wait on the others' dates)."""
     from airflow_tpu_posttrain.recipes import trainings
 
-    d1, d2 = "2026-12-01T00:00:00+00:00", "2026-12-02T00:00:00+00:00"
     rules = {"force": False, "ended_owner": None}
-    settling, first = trainings.decide({}, "run_2", "t0", run_date=d2, older_asked=False, **rules)
-    assert (first.action, settling["settling"]) == (trainings.TRAIN, True)
-    taken, decision = trainings.decide(settling, "run_1", "t1", run_date=d1, older_asked=False, **rules)
-    assert (decision.action, decision.took_over_from, decision.earlier_date) == (trainings.TRAIN, "run_2", True)
-    assert taken["run_id"] == "run_1"
-    # The later date, once the earlier asked, follows; the earlier, once the date before it asked, settles.
-    assert trainings.decide(taken, "run_2", "t2", run_date=d2, **rules)[1].action == trainings.FOLLOW
-    settled, decision = trainings.decide(taken, "run_1", "t3", run_date=d1, **rules)
-    assert decision.action == trainings.TRAIN and "settling" not in settled
-    # A settled claim is followed, even by an earlier date: its run may be training already.
-    late = trainings.decide({}, "run_3", "t4", run_date=d2, **rules)[0]
-    assert trainings.decide(late, "run_1", "t5", run_date=d1, **rules)[1].action == trainings.FOLLOW
-    # A settling claim of an earlier date is followed; a claim without a date (an older release's) is too.
-    early = trainings.decide({}, "run_1", "t6", run_date=d1, older_asked=False, **rules)[0]
-    assert trainings.decide(early, "run_2", "t7", run_date=d2, **rules)[1].action == trainings.FOLLOW
-    undated = {"state": trainings.TRAINING, "run_id": "run_0", "since": "t", "settling": True}
-    assert trainings.decide(undated, "run_1", "t8", run_date=d1, **rules)[1].action == trainings.FOLLOW
+    held, first = trainings.decide({}, "run_2", "t0", **rules)
+    assert first.action == trainings.TRAIN and held == {"state": "training", "run_id": "run_2", "since": "t0"}
+    assert trainings.decide(held, "run_1", "t1", **rules)[1].action == trainings.FOLLOW
+    taken, decision = trainings.decide(held, "run_1", "t2", force=False, ended_owner="run_2")
+    assert (decision.action, decision.took_over_from, taken["run_id"]) == (trainings.TRAIN, "run_2", "run_1")
+    refused, changed = trainings.refused(held, "run_2", "t3", "quality gate: loss 6.3 → 6.4")
+    assert changed and refused["state"] == "refused" and refused["reason"] == "quality gate: loss 6.3 → 6.4"
+    assert trainings.decide(refused, "run_3", "t4", **rules)[1].action == trainings.REFUSE
+    assert trainings.decide(refused, "run_3", "t4", force=True, ended_owner=None)[1].action == trainings.TRAIN
+    published = trainings.published(refused, "run_4", "t5", {"hub": {}})[0]
+    assert trainings.refused(published, "run_5", "t6", "rejected") == (published, False)  # a model exists
 
 
-def test_a_run_waits_for_the_date_before_to_ask_and_then_reuses_its_model(claim_runs, gcs):
-    """Two dates with the same inputs, the later one's check first: the earlier date trains them.
+def test_a_run_with_inputs_whose_model_was_refused_trains_nothing(claim_runs):
+    """The quality gate (or a person) refused the model of these inputs: later runs train nothing.
 
-    The later run asks, waits (deferred) until the run of the date before has asked, and reuses its model."""
+    A later run, and a run following the refused one, is skipped naming that run and the reason; force trains."""
     import threading
-    from datetime import timedelta
-
-    from airflow.models.dagrun import DagRun
-    from airflow.models.xcom import XComModel
-    from airflow.utils.session import create_session
 
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
     from airflow_tpu_posttrain.recipes import trainings
 
-    earlier = datetime(2026, 1, 1, tzinfo=UTC)  # the DAG's start, before every date the other claim tests draw
-    later = earlier + timedelta(seconds=1)
-    with create_session() as session:  # the earlier date's run has started; its check has not asked yet
-        session.add(DagRun(dag_id="claim_probe", run_id="manual__d1", logical_date=earlier, run_after=earlier,
-                           run_type="manual", state="running"))
-    seen: dict = {}
-    model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-d1"}}
+    run = claim_runs
+    state, pulled, logs = run("manual__refused")
+    assert state == "success", logs
+    uri, records = pulled["training_claim"], StoredRecordHook()
+    reason = "quality gate: SFT eval loss 6.30 → 6.40: FAILED"
 
-    def the_earlier_date_asks() -> None:
-        deadline = time.monotonic() + 120
-        while not seen.get("uri"):
-            assert time.monotonic() < deadline
-            with create_session() as session:
-                row = session.query(XComModel).filter_by(
-                    dag_id="claim_probe", run_id="manual__d2", task_id="check_inputs", key="training_claim"
-                ).one_or_none()
-                seen["uri"] = row and XComModel.deserialize_value(row)
-            time.sleep(0.5)
-        records = StoredRecordHook()
-        seen["before"] = records.read(seen["uri"])
-        time.sleep(3)  # the later date's check is deferred meanwhile, looking every 5 s
-        seen["decision"] = records.change(
-            seen["uri"],
-            lambda claim: trainings.decide(
-                claim, "manual__d1", "now", force=False, ended_owner=None, run_date=earlier.isoformat()
-            ),
-        )
-        records.change(seen["uri"], lambda claim: trainings.published(claim, "manual__d1", "now", model))
-        with create_session() as session:
-            session.query(DagRun).filter_by(dag_id="claim_probe", run_id="manual__d1").update({"state": "success"})
+    def refuse_soon() -> None:  # what the owner's quality gate does once it failed
+        time.sleep(3)
+        records.change(uri, lambda claim: trainings.refused(claim, "manual__refused", "2026-12-07T10:00:00", reason))
 
-    asker = threading.Thread(target=the_earlier_date_asks)
-    asker.start()
-    state, pulled, logs = claim_runs("manual__d2", logical_date=later)
-    asker.join()
-    assert seen["before"]["run_id"] == "manual__d2" and seen["before"]["settling"] is True, seen
-    assert "waiting for run manual__d1, of the date before, to ask for its own" in logs, logs
-    assert seen["decision"].earlier_date and seen["decision"].took_over_from == "manual__d2", seen
-    assert state == "skipped", logs
-    assert pulled["reused_model"] == {"run_id": "manual__d1", **model}
+    _set_run_state("claim_probe", "manual__refused", "running")
+    refuser = threading.Thread(target=refuse_soon)
+    refuser.start()
+    state, pulled, logs = run("manual__follower")
+    refuser.join()
+    assert "Inputs equal those run manual__refused is training now" in logs, logs
+    expected = (
+        f"Inputs equal those of run manual__refused, whose model was refused ({reason}; at 2026-12-07T10:00:00): "
+        "nothing to train, no one asked, no VM created."
+    )
+    assert state == "skipped" and expected in logs, logs
+    _set_run_state("claim_probe", "manual__refused", "success")
+    state, _, logs = run("manual__later")
+    assert state == "skipped" and expected in logs, logs
+    state, _, logs = run("manual__forced", force=True)
+    assert state == "success" and "Training anyway (force), though run manual__refused had refused these" in logs
+    assert records.read(uri)["state"] == "refused"  # a forced run leaves the claim as it is until its own outcome
+
+
+def test_an_unreadable_owner_state_is_followed_not_taken_over(claim_runs, monkeypatch):
+    """The API server answers 503 when the follower reads its owner's state: no second training.
+
+    The follower asks again, and reuses the owner's model once published. A run no longer in Airflow (404) is
+    taken over."""
+    import threading
+
+    import httpx
+    from airflow.sdk.api.client import DagRunOperations, ServerResponseError
+
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+    from airflow_tpu_posttrain.recipes import trainings
+
+    run = claim_runs
+    state, pulled, logs = run("manual__owner")
+    assert state == "success", logs
+    uri, records = pulled["training_claim"], StoredRecordHook()
+    answered = DagRunOperations.get_state
+    outages = []
+
+    def unavailable(self, dag_id, run_id):
+        if run_id == "manual__owner" and len(outages) < 2:
+            outages.append(run_id)
+            request = httpx.Request("GET", f"http://api/execution/dag-runs/{dag_id}/{run_id}/state")
+            response = httpx.Response(503, json={"detail": "database unavailable"}, request=request)
+            raise ServerResponseError.from_response(response)
+        return answered(self, dag_id, run_id)
+
+    monkeypatch.setattr(DagRunOperations, "get_state", unavailable)
+    model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-owner"}}
+
+    def publish_after_the_outages() -> None:
+        deadline = time.monotonic() + 60
+        while len(outages) < 2:
+            assert time.monotonic() < deadline, "the follower never read its owner's state twice"
+            time.sleep(0.2)
+        records.change(uri, lambda claim: trainings.published(claim, "manual__owner", "now", model))
+
+    _set_run_state("claim_probe", "manual__owner", "running")
+    publisher = threading.Thread(target=publish_after_the_outages)
+    publisher.start()
+    state, pulled, logs = run("manual__follower")
+    publisher.join()
+    assert outages == ["manual__owner"] * 2
+    assert "Could not read the state of run manual__owner, which holds these inputs" in logs, logs
+    assert "ended without a model" not in logs and state == "skipped", logs
+    assert pulled["reused_model"] == {"run_id": "manual__owner", **model}
+    # A claim whose run is gone from Airflow (deleted): provably over, taken over.
+    records.change(uri, lambda claim: ({"state": "training", "run_id": "manual__deleted", "since": "t"}, None))
+    state, pulled, logs = run("manual__heir")
+    assert state == "success", logs
+    assert "Run manual__deleted, which holds these inputs, is not in Airflow" in logs
+    assert records.read(uri)["run_id"] == "manual__heir"

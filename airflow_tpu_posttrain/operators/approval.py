@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 
-from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT
+from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT, GCP_CONN_ID
 from airflow_tpu_posttrain.exceptions import InvalidInputError, PublishRejectedError
 from airflow_tpu_posttrain.links import CONSOLE
+from airflow_tpu_posttrain.operators.inputs_check import REFUSAL_RECORDED, record_refused
 from airflow_tpu_posttrain.recipes import validation
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -36,9 +37,12 @@ class PublishApprovalOperator(ApprovalOperator):
     :param export: the kept export's record (the keeping export task's XComArg): its ``kept_uri``.
     :param on_reject: ``skip`` (default) or ``fail``.
     :param response_timeout: how long to wait for an answer; then the answer is Reject.
+    :param training_claim: the inputs check's claim on the run's inputs (its ``training_claim`` XCom; None: no
+        shared storage). Reject marks it refused: later runs with these inputs train nothing and ask no one.
+    :param gcp_conn_id: the Google connection that writes the claim.
     """
 
-    template_fields = (*ApprovalOperator.template_fields, "required", "verdict", "export")
+    template_fields = (*ApprovalOperator.template_fields, "required", "verdict", "export", "training_claim")
 
     def __init__(
         self,
@@ -48,6 +52,8 @@ class PublishApprovalOperator(ApprovalOperator):
         export: Any = None,
         on_reject: str = "skip",
         response_timeout: timedelta | None = None,
+        training_claim: str | None = None,
+        gcp_conn_id: str = GCP_CONN_ID,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("subject", "Publish the model of run {{ run_id }}?")
@@ -61,6 +67,8 @@ class PublishApprovalOperator(ApprovalOperator):
         self.verdict = verdict
         self.export = export
         self.on_reject = on_reject
+        self.training_claim = training_claim
+        self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Context) -> Any:
         try:
@@ -92,11 +100,14 @@ class PublishApprovalOperator(ApprovalOperator):
                 "(and what follows it) asks again, and an approval publishes that copy without exporting again."
             )
             self.log.info(message)
+            if record_refused(context, self.training_claim, f"publish {why}", self.gcp_conn_id):
+                self.log.info(REFUSAL_RECORDED, self.training_claim)
         try:
             super().execute_complete(context, event)  # on Reject, skips the publish (never a teardown) and ends
         except HITLRejectException:
             raise PublishRejectedError(message) from None
         return {"approved": True, "by": who, "kept_export": self._kept()}
+
     def _kept(self) -> str | None:
         return self.export.get("kept_uri") if isinstance(self.export, Mapping) else None
 

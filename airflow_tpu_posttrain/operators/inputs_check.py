@@ -26,9 +26,8 @@ if TYPE_CHECKING:
 PUBLISHED_INPUTS_KEY = "inputs"  # the export's XCom: the inputs of the model it published
 TRAINING_CLAIM_KEY = "training_claim"  # the inputs check's XCom: its claim on the inputs (``recipes/trainings.py``)
 REUSED_MODEL_KEY = "reused_model"  # the inputs check's XCom when the run reuses another run's model
-# The inputs check's XCom once every run of an earlier date still going has asked for its inputs (the runs of
-# later dates wait for it: of runs with the same inputs, the earliest date trains).
-OLDER_ASKED_KEY = "older_runs_asked"
+# How a forced run's log names the claim it trains beside, by the claim's state.
+_CLAIM_VERBS = {trainings.TRAINING: "holds", trainings.PUBLISHED: "published", trainings.REFUSED: "had refused"}
 
 
 def published_inputs_variable(dag_id: str) -> str:
@@ -60,6 +59,25 @@ def record_published(context: Context, inputs: dict[str, Any], model: dict[str, 
     context["ti"].xcom_push(key=PUBLISHED_INPUTS_KEY, value=inputs)
 
 
+def record_refused(context: Context, training_claim: str | None, reason: str, gcp_conn_id: str) -> bool:
+    """After the run's model was refused for ``reason``: later runs with its inputs train nothing and ask no one.
+
+    ``training_claim``: the inputs check's claim (None: no shared storage, nothing to record). Whether the claim
+    says so now (not when these inputs' model was published meanwhile)."""
+    if not training_claim:
+        return False
+    from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
+
+    now = datetime.now(UTC).isoformat()
+    return StoredRecordHook(gcp_conn_id=gcp_conn_id).change(
+        training_claim, lambda claim: trainings.refused(claim, context["run_id"], now, reason)
+    )
+
+
+# What the log says once a run's refusal is in its claim.
+REFUSAL_RECORDED = "Runs with these inputs train nothing now (their model was refused; force=true trains them): %s"
+
+
 class InputsCheckOperator(BaseOperator):
     """Checks the run's inputs and targets before any VM is created: there, readable, and changed.
 
@@ -78,8 +96,9 @@ class InputsCheckOperator(BaseOperator):
     They are compared with those the export recorded when the DAG last published, whichever run that was
     (:func:`published_inputs_variable`). With ``gs://`` checkpoint storage the run also takes a claim on its
     inputs (``recipes/trainings.py``): inputs another run published are not trained again (the run is
-    skipped, naming that run's model), and inputs another run is training now are waited for, deferred, then
-    reused, or trained if that run ended without publishing. XCom: the inputs, for the export to record;
+    skipped, naming that run's model), nor inputs whose model was refused by the quality gate or a person (the
+    run is skipped, naming that run and the reason), and inputs another run is training now are waited for,
+    deferred, then reused, or trained if that run is provably over without a model. XCom: the inputs, for the export to record;
     ``training_claim``, the claim's ``gs://`` object; ``reused_model``, the model a skipped run reuses.
 
     :param model: model profile key.
@@ -225,20 +244,13 @@ class InputsCheckOperator(BaseOperator):
         context["ti"].xcom_push(key="inputs", value=inputs)
         return self._claim(context, inputs, force)
 
-    def execute_complete(
-        self, context: Context, event: dict[str, Any], waiting_since: str | None = None
-    ) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """The claim changed, or it is time to look at the run it waits for again: decide anew."""
         inputs = context["ti"].xcom_pull(task_ids=self.task_id, key="inputs")
-        return self._claim(context, inputs, validation.flag("force", self.force), waiting_since)
+        return self._claim(context, inputs, validation.flag("force", self.force))
 
-    def _claim(
-        self, context: Context, inputs: dict[str, Any], force: bool, waiting_since: str | None = None
-    ) -> dict[str, Any]:
-        """The run's claim on ``inputs``: train them, follow the run that trains them, or reuse its model.
-
-        The run asks first, then waits (deferred) until the run of the previous date has asked too: of runs
-        with the same inputs at once (a backfill's), the earliest date trains and the others reuse its model."""
+    def _claim(self, context: Context, inputs: dict[str, Any], force: bool) -> dict[str, Any]:
+        """The run's claim on ``inputs``: train, follow the run that trains them, reuse its model, or refuse them."""
         from airflow.sdk.exceptions import AirflowSkipException
 
         from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
@@ -252,44 +264,24 @@ class InputsCheckOperator(BaseOperator):
         context["ti"].xcom_push(key=TRAINING_CLAIM_KEY, value=uri)
         if uri is None:  # no storage every run shares: the last published model is all there is to compare with
             return inputs
-        now = datetime.now(UTC)
-        older_asked = self._older_runs_asked(context, waiting_since, now)
-        run_date = (dag_run.logical_date or dag_run.run_after).astimezone(UTC).isoformat()
+        now = datetime.now(UTC).isoformat()
         records = StoredRecordHook(gcp_conn_id=self.gcp_conn_id)
         ended = self._ended_owner(context, records.read(uri))
         decision = records.change(
-            uri,
-            lambda claim: trainings.decide(
-                claim, dag_run.run_id, now.isoformat(), force=force, ended_owner=ended, run_date=run_date,
-                older_asked=older_asked,
-            ),
+            uri, lambda claim: trainings.decide(claim, dag_run.run_id, now, force=force, ended_owner=ended)
         )
         owner = decision.claim.get("run_id")
-        if decision.earlier_date:
-            self.log.info("Run %s, of a later date, had asked for these inputs: this run's date trains them", owner)
-        if not older_asked:
-            previous = context["ti"].get_previous_dagrun()
-            log = self.log.info if waiting_since is None else self.log.debug  # said once, looked at every 5 s
-            log(
-                "Asked for these inputs (%s); waiting for run %s, of the date before, to ask for its own: of runs "
-                "with the same inputs, the earliest date trains them", uri, previous.run_id if previous else None,
-            )
-            self.defer(
-                trigger=ClaimChangeTrigger(
-                    uri, decision.claim, trainings.OLDER_RECHECK_S, self.poll_interval, gcp_conn_id=self.gcp_conn_id
-                ),
-                method_name="execute_complete",
-                kwargs={"waiting_since": waiting_since or now.isoformat()},
-            )
-        context["ti"].xcom_push(key=OLDER_ASKED_KEY, value=True)
         if decision.action == trainings.TRAIN:
-            if decision.took_over_from and not decision.earlier_date:
+            if decision.took_over_from:
                 self.log.info(
-                    "Run %s, which held these inputs, ended without publishing: this run trains them (%s)",
+                    "Run %s, which held these inputs, ended without a model: this run trains them (%s)",
                     decision.took_over_from, uri,
                 )
             elif owner != dag_run.run_id:
-                self.log.info("Training anyway (force), though run %s holds these inputs (%s)", owner, uri)
+                self.log.info(
+                    "Training anyway (force), though run %s %s these inputs (%s)",
+                    owner, _CLAIM_VERBS[decision.claim.get("state")], uri,
+                )
             else:
                 self.log.info("This run trains these inputs (its claim: %s)", uri)
             return inputs
@@ -299,6 +291,13 @@ class InputsCheckOperator(BaseOperator):
             raise AirflowSkipException(
                 f"Inputs equal those run {owner} trained and published: this run's model is that one "
                 f"({_model_place(model)}); nothing to train, no VM created. Trigger with force=true to train anyway."
+            )
+        if decision.action == trainings.REFUSE:
+            raise AirflowSkipException(
+                f"Inputs equal those of run {owner}, whose model was refused ({decision.claim.get('reason')}; "
+                f"at {decision.claim.get('since')}): nothing to train, no one asked, no VM created. A change of "
+                "model, dataset, MaxText release or settings trains again; trigger with force=true to train these "
+                f"inputs again ({uri})."
             )
         self.log.info(
             "Inputs equal those run %s is training now (since %s): following it, deferred and holding no VM; "
@@ -312,31 +311,12 @@ class InputsCheckOperator(BaseOperator):
             method_name="execute_complete",
         )
 
-    def _older_runs_asked(self, context: Context, waiting_since: str | None, now: datetime) -> bool:
-        """Whether every run of an earlier date still going has asked for its inputs.
-
-        The run of the previous date has: it is not running, its check pushed ``older_runs_asked`` (so every
-        run before it has too) or its check ended. Past ``OLDER_WAIT_S`` of waiting, a stuck run no longer
-        holds this one back."""
-        ti = context["ti"]
-        previous = ti.get_previous_dagrun()
-        if previous is None or previous.state != "running":
-            return True
-        if ti.xcom_pull(task_ids=self.task_id, key=OLDER_ASKED_KEY, run_id=previous.run_id):
-            return True
-        states = ti.get_task_states(dag_id=previous.dag_id, task_ids=[self.task_id], run_ids=[previous.run_id])
-        if states.get(previous.run_id, {}).get(self.task_id) in ("success", "skipped", "failed", "upstream_failed"):
-            return True
-        if waiting_since and (now - datetime.fromisoformat(waiting_since)).total_seconds() > trainings.OLDER_WAIT_S:
-            self.log.warning(
-                "Run %s, of the date before, has not asked for its inputs in %d s: deciding without it",
-                previous.run_id, trainings.OLDER_WAIT_S,
-            )
-            return True
-        return False
-
     def _ended_owner(self, context: Context, claim: dict[str, Any]) -> str | None:
-        """The run holding ``claim`` for training, if it ended (or no longer exists); else None."""
+        """The run holding ``claim`` for training, if it is provably over: ended, or not in Airflow (404).
+
+        Any other error reading its state (the API server's 5xx, a timeout, a refused connection) proves
+        nothing: the run is followed on, and its state read again at the next look."""
+        from airflow.sdk.api.client import ServerResponseError
         from airflow.sdk.exceptions import AirflowRuntimeError
 
         owner = claim.get("run_id")
@@ -344,9 +324,15 @@ class InputsCheckOperator(BaseOperator):
             return None
         try:
             state = context["ti"].get_dagrun_state(context["dag_run"].dag_id, owner)
-        except AirflowRuntimeError as err:
-            self.log.info("Run %s, which holds these inputs, is not found (%s): taken for ended", owner, err)
-            return owner
+        except (AirflowRuntimeError, ServerResponseError) as err:  # the latter in-process (``airflow dags test``)
+            if _status_code(err) == 404:
+                self.log.info("Run %s, which holds these inputs, is not in Airflow (%s): taken for ended", owner, err)
+                return owner
+            self.log.warning(
+                "Could not read the state of run %s, which holds these inputs (%s): following it on, and asking "
+                "again in %d s", owner, err, trainings.RECHECK_S,
+            )
+            return None
         return owner if state in ("success", "failed") else None
 
     def _as_of(self, context: Context) -> datetime | None:
@@ -529,6 +515,18 @@ def _last_published(dag_id: str) -> dict[str, Any] | None:
     from airflow.sdk import Variable
 
     return Variable.get(published_inputs_variable(dag_id), default=None, deserialize_json=True)
+
+
+def _status_code(err: Exception) -> int | None:
+    """The HTTP status the API server answered a Task SDK call with (None: no answer, e.g. a refused connection).
+
+    A task under Airflow's supervisor gets it in an ``AirflowRuntimeError``'s detail; one run in-process, the
+    client's own ``ServerResponseError``."""
+    response = getattr(err, "response", None)
+    if response is not None:
+        return response.status_code
+    detail = getattr(getattr(err, "error", None), "detail", None)
+    return detail.get("status_code") if isinstance(detail, dict) else None
 
 
 def _model_place(model: dict[str, Any]) -> str:

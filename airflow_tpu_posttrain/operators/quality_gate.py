@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_tpu_posttrain.defaults import GCP_CONN_ID
 from airflow_tpu_posttrain.exceptions import InvalidInputError, QualityGateError
+from airflow_tpu_posttrain.operators.inputs_check import REFUSAL_RECORDED, record_refused
 from airflow_tpu_posttrain.recipes import quality_gate
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -26,9 +28,12 @@ class QualityGateOperator(BaseOperator):
         is at least as good), or ``min_improvement``.
     :param min_improvement_pct: for ``min_improvement``: SFT, how many percent lower the eval loss must be; GRPO,
         how many points higher the accuracy (in percent) must be.
+    :param training_claim: the inputs check's claim on the run's inputs (its ``training_claim`` XCom; None: no
+        shared storage). A failed gate marks it refused: later runs with these inputs train nothing.
+    :param gcp_conn_id: the Google connection that writes the claim.
     """
 
-    template_fields: Sequence[str] = ("trained", "rule", "min_improvement_pct")
+    template_fields: Sequence[str] = ("trained", "rule", "min_improvement_pct", "training_claim")
     ui_color = "#f4ecd8"
 
     def __init__(
@@ -37,12 +42,16 @@ class QualityGateOperator(BaseOperator):
         trained: Any,
         rule: str = quality_gate.DEFAULT_RULE,
         min_improvement_pct: float | str = quality_gate.DEFAULT_MIN_IMPROVEMENT_PCT,
+        training_claim: str | None = None,
+        gcp_conn_id: str = GCP_CONN_ID,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.trained = trained
         self.rule = rule
         self.min_improvement_pct = min_improvement_pct
+        self.training_claim = training_claim
+        self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Context) -> dict[str, object]:
         trained = self.trained if isinstance(self.trained, dict) else {}
@@ -60,6 +69,8 @@ class QualityGateOperator(BaseOperator):
         self.log.info("Quality gate: %s", verdict.message)
         if not verdict.passed:
             context["ti"].xcom_push(key="return_value", value=verdict.as_xcom())  # the numbers, failed or not
+            if record_refused(context, self.training_claim, f"quality gate: {verdict.message}", self.gcp_conn_id):
+                self.log.info(REFUSAL_RECORDED, self.training_claim)
             raise QualityGateError(
                 f"The trained model did not pass the quality gate ({verdict.message}); nothing was published. "
                 + _where_the_checkpoint_stays(str(trained.get("checkpoint") or ""))
