@@ -179,26 +179,27 @@ def run_in_group(command: list[str]) -> str:
     return output
 
 
-def plain_baseline() -> dict[str, float]:
-    """Seconds per step of bench/plain_pipeline.sh --sft-only, and ``pipeline total`` (convert → export)."""
-    output = run_in_group(["bash", "bench/plain_pipeline.sh", "--sft-only", str(BENCH / "plain")])
+def plain_baseline(work: Path = BENCH / "plain") -> dict[str, float]:
+    """Seconds per step of bench/plain_pipeline.sh --sft-only in ``work``, and ``pipeline total`` (convert → export)."""
+    output = run_in_group(["bash", "bench/plain_pipeline.sh", "--sft-only", str(work)])
     return {
         m["step"]: float(m["s"])
         for m in re.finditer(r"^(?P<step>\S+(?: total)?) +(?P<s>\d+\.\d) s\b", output, re.MULTILINE)
     }
 
 
-def environment_archive(venv: Path = REPO / ".local" / "maxtext-venv", python: Path | None = None) -> dict[str, float]:
+def environment_archive(
+    venv: Path = REPO / ".local" / "maxtext-venv", python: Path | None = None, work: Path = BENCH / "environment"
+) -> dict[str, float]:
     """Seconds to save ``venv`` as an archive in storage and to restore it into an empty directory.
 
-    Both with the install script's commands (the storage tool run by ``python``, default the venv's own); also
-    the venv's and the archive's bytes."""
+    Both with the install script's commands (the storage tool run by ``python``, default the venv's own), against
+    a local GCS server under ``work`` (emptied first, removed after); also the venv's and the archive's bytes."""
     tool = storage.GcsTool(
         script=str(REPO / "airflow_tpu_posttrain" / "vm_scripts" / storage.GCS_TOOL_NAME),
         python=str(python or venv / "bin" / "python"),
     )
     archive = "gs://bench/environments/maxtext-env.tar.gz"
-    work = BENCH / "environment"
     shutil.rmtree(work, ignore_errors=True)
     restored = work / "restored"
     restored.mkdir(parents=True)
