@@ -254,6 +254,11 @@ def test_the_pages_secret_manager_backend_asks_for_no_variable_and_only_valid_co
     backend = _backend(configs)
     variables = _variables_the_code_uses()
     assert {"airflow_tpu_posttrain.deployment_id", "airflow_tpu_posttrain.timings"} <= variables
+    page = PAGE.read_text()
+    dag_ids = _example_dag_ids()
+    for name in variables:  # the page names each Variable the backend is kept away from
+        named = {name, *(name.replace(dag_id, "<dag_id>") for dag_id in dag_ids if name.endswith(f".{dag_id}"))}
+        assert any(f"`{form}`" in page for form in named), name
     for name in sorted(variables):
         assert backend.get_variable(name) is None
     assert secret_manager.asked == []  # not one request: the Variables are Airflow's database's alone
@@ -262,7 +267,6 @@ def test_the_pages_secret_manager_backend_asks_for_no_variable_and_only_valid_co
         assert backend.get_conn_value(conn_id) is None
     # The page's secrets (step 8) are the ids asked for, and Secret Manager accepts each.
     assert secret_manager.asked == [f"airflow-connections-{conn_id}" for conn_id in (GCP_CONN_ID, SSH_CONN_ID, HF_CONN_ID)]
-    page = PAGE.read_text()
     for secret in secret_manager.asked[1:]:
         assert SECRET_ID.fullmatch(secret) and f"gcloud secrets create {secret} " in page, secret
     assert secret_manager.errors == []
