@@ -151,7 +151,7 @@ def test_the_readme_roles_table_grants_airflows_connection_the_objects_under_the
     storage_at = "gs://bucket/some/prefix"
     default_places = places_location(None, storage_at).removeprefix("gs://bucket/")
     claims_under = trainings.claim_uri(storage_at, "d", "dag", {}).removeprefix(f"{storage_at}/").split("/")[0]
-    rows = [line for line in (REPO / "README.md").read_text().splitlines() if "roles/storage.objectUser" in line]
+    rows = [line for line in (REPO / "docs" / "google-cloud.md").read_text().splitlines() if "roles/storage.objectUser" in line]
     [row] = [row for row in rows if "the same |" in row or "Airflow's Google connection |" in row]
     assert "`<capacity_claims>/`" in row and f"`{default_places}/`" in row, row
     assert f"`<checkpoint_storage>/{claims_under}/`" in row, row
