@@ -44,12 +44,16 @@ BY_HAND = "sft_tutorial_by_hand"  # the operators wired by hand (dags/sft_tutori
 SPLIT_DAGS = (SFT_GEMMA, RL_LLAMA, SFT_SLICE, SFT_LORA, SFT_TINY, RL_TINY, SFT_TWIN, RL_TWIN, SLICE_TWIN, LORA_TWIN)
 
 CREATE, DELETE, WATCHER = "create_tpu_vm", "delete_tpu_vm", "fail_run_if_a_step_failed"
-CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"
+CREATE_CPU, DELETE_CPU, INSTALL_CPU = "create_cpu_vm", "delete_cpu_vm", "install_maxtext_cpu"  # the conversion's
+CREATE_EXPORT, DELETE_EXPORT, INSTALL_EXPORT = "create_export_vm", "delete_export_vm", "install_maxtext_export"
+# The split layout's VMs: (create, install, delete) of the TPU VM, the conversion's CPU VM and the export's.
+SPLIT_VMS = ((CREATE, "install_maxtext", DELETE), (CREATE_CPU, INSTALL_CPU, DELETE_CPU),
+             (CREATE_EXPORT, INSTALL_EXPORT, DELETE_EXPORT))
 INSTALL = "install_maxtext"
 BODY = ("install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
 CHECK = "check_inputs"  # first: a run with the inputs of the last published model creates nothing
 GATE = "quality_gate"  # between the training and the export: needs no VM, and takes no time worth a timeout's share
-ON_TPU = ("install_maxtext", "train")  # split layout: the steps on the TPU VM; the others run on the CPU VM
+ON_TPU = ("install_maxtext", "train")  # split layout: the steps on the TPU VM; the others run on a CPU VM
 POOL = "tpu_vms"
 
 # Modules that must never be imported while the DAG file is parsed (the DAG processor re-parses it often).
@@ -169,9 +173,7 @@ def test_serializes_like_the_dag_processor(dags, dag_id):
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
 def test_setup_teardown_pair(dags, dag_id):
     dag = dags[dag_id]
-    pairs = [(CREATE, INSTALL, DELETE), (CREATE_CPU, INSTALL_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [
-        (CREATE, INSTALL, DELETE)
-    ]
+    pairs = SPLIT_VMS if dag_id in SPLIT_DAGS else [(CREATE, INSTALL, DELETE)]
     for setup_id, install_id, teardown_id in pairs:
         create, delete = dag.get_task(setup_id), dag.get_task(teardown_id)
         assert create.is_setup and not create.is_teardown
@@ -195,7 +197,7 @@ def test_setup_teardown_pair(dags, dag_id):
 def _cleared_vms(dags, dag_id: str, step: str) -> list[tuple[str, str]]:
     """The (create, install) pairs the UI's "Clear" of ``step`` re-runs, asserted to include each install."""
     cleared = set(dags[dag_id].partial_subset([step], include_downstream=True, include_upstream=False).task_ids)
-    vms = [(CREATE, INSTALL, DELETE)] + ([(CREATE_CPU, INSTALL_CPU, DELETE_CPU)] if dag_id in SPLIT_DAGS else [])
+    vms = SPLIT_VMS if dag_id in SPLIT_DAGS else [(CREATE, INSTALL, DELETE)]
     recreated = [(create, install) for create, install, _ in vms if create in cleared]
     assert recreated, cleared  # the step runs on a VM that the clear re-creates
     for create, install in recreated:
@@ -214,6 +216,14 @@ def test_clearing_a_step_recreates_its_vms_with_maxtext(dags, dag_id, step):
     _cleared_vms(dags, dag_id, step)
 
 
+@pytest.mark.parametrize("dag_id", SPLIT_DAGS)
+def test_clearing_the_export_makes_an_export_vm_and_no_conversion_vm(dags, dag_id):
+    """The UI's Clear of the export re-runs it on a fresh export VM; the conversion (in storage) stays done."""
+    recreated = _cleared_vms(dags, dag_id, "export_and_publish")
+    assert recreated == [(CREATE_EXPORT, INSTALL_EXPORT)]
+    assert (CREATE_CPU, INSTALL_CPU) not in _cleared_vms(dags, dag_id, "train")
+
+
 @pytest.mark.parametrize("dag_id", [d for d in ALL_DAGS if d not in SPLIT_DAGS])
 def test_seeds_layout_chain(dags, dag_id):
     dag = dags[dag_id]
@@ -230,26 +240,37 @@ def test_seeds_layout_chain(dags, dag_id):
 def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     dag = dags[dag_id]
     upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
-    assert set(dag.task_ids) == {CHECK, CREATE, DELETE, CREATE_CPU, DELETE_CPU, INSTALL_CPU, *BODY, GATE, WATCHER}
+    assert set(dag.task_ids) == {CHECK, *(t for vm in SPLIT_VMS for t in vm), *BODY, GATE, WATCHER}
     # The CPU VM converts while the TPU VM is created and installed; training needs both. Neither is created
     # when the inputs are those of the last published model.
     assert upstream[CHECK] == set() and upstream[CREATE] == upstream[CREATE_CPU] == {CHECK}
     # Each step is wired to its VM by the create's XComArg (``vm=create.output``): the create is its upstream.
     assert upstream[INSTALL_CPU] == {CREATE_CPU} and upstream["convert_to_maxtext"] == {INSTALL_CPU, CREATE_CPU, CHECK}
     assert upstream["install_maxtext"] == {CREATE}
+    # The conversion's VM goes as soon as the conversion is in storage: its teardown follows the conversion
+    # directly, no TPU VM task between (it idles neither through the TPU VM's wait in line nor its training).
+    assert upstream[DELETE_CPU] == {CREATE_CPU, INSTALL_CPU, "convert_to_maxtext"}
+    assert not set(dag.get_task(DELETE_CPU).get_flat_relative_ids(upstream=True)) & {CREATE, INSTALL, "train"}
     # The training reads the dataset at the revision the check recorded (wired as the check's XComArg).
     assert upstream["train"] == {"install_maxtext", "convert_to_maxtext", CREATE, CHECK}
     assert dag.get_task("train").inputs.operator.task_id == CHECK
-    # The TPU VM's teardown follows the training directly; the export runs on the CPU VM meanwhile.
+    # The TPU VM's teardown follows the training directly; the export runs on a VM of its own meanwhile.
     assert upstream[DELETE] == {CREATE, INSTALL, "train"}
-    # The quality gate judges the training before anything is exported or published.
-    assert upstream[GATE] == {"train"}
+    # The quality gate judges the training before anything is exported or published; the export's VM is made
+    # once the gate passed (after the training: none idles through it), and goes once the export is done.
+    assert "train" in upstream[GATE] and not {CREATE_EXPORT, INSTALL_EXPORT} & upstream[GATE]
+    assert upstream[CREATE_EXPORT] == {GATE} and upstream[INSTALL_EXPORT] == {CREATE_EXPORT}
     # The export records the inputs it published (wired as the check's XComArg).
-    assert upstream["export_and_publish"] == {GATE, "train", CREATE_CPU, CHECK}
+    assert upstream["export_and_publish"] == {INSTALL_EXPORT, "train", CREATE_EXPORT, CHECK}
     assert dag.get_task("export_and_publish").inputs.operator.task_id == CHECK
-    assert upstream[DELETE_CPU] == {CREATE_CPU, INSTALL_CPU, "export_and_publish"}
-    for task_id in (INSTALL_CPU, "convert_to_maxtext", "export_and_publish"):
+    assert upstream[DELETE_EXPORT] == {CREATE_EXPORT, INSTALL_EXPORT, "export_and_publish"}
+    for task_id in (INSTALL_CPU, "convert_to_maxtext"):
         assert create_task_id(dag.get_task(task_id)) == CREATE_CPU, task_id
+    for task_id in (INSTALL_EXPORT, "export_and_publish"):
+        assert create_task_id(dag.get_task(task_id)) == CREATE_EXPORT, task_id
+    # The export VM restores the environment the conversion's VM saved; the TPU VM too.
+    assert dag.get_task(INSTALL_CPU).save_environment
+    assert not dag.get_task(INSTALL_EXPORT).save_environment and not dag.get_task(INSTALL).save_environment
     for task_id in ON_TPU:
         assert create_task_id(dag.get_task(task_id)) == CREATE, task_id
     # The training starts from the conversion's output, the export from the training's.
@@ -260,15 +281,19 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
     storage = {dag.get_task(t).checkpoint_storage for t in BODY}
     assert len(storage) == 1
     [uri] = storage
-    cpu, tpu = dag.get_task(CREATE_CPU), dag.get_task(CREATE)
-    if dag_id in CLOUD_DAGS:
-        assert uri.startswith("gs://")
-        assert cpu.accelerator_type == "cpu-highmem-16" and cpu.provisioning_model == "STANDARD"
-        assert cpu.service_account_scopes == tpu.service_account_scopes != ()
-    else:
-        assert uri == "gs://local-posttrain/airflow-tpu-posttrain"
-        assert cpu.accelerator_type == "cpu"
-    assert cpu.name_prefix == "cpu" and tpu.name_prefix == "tpu"
+    cpu, export, tpu = dag.get_task(CREATE_CPU), dag.get_task(CREATE_EXPORT), dag.get_task(CREATE)
+    for vm in (cpu, export):
+        if dag_id in CLOUD_DAGS:
+            assert uri.startswith("gs://")
+            assert vm.accelerator_type == "cpu-highmem-16" and vm.provisioning_model == "STANDARD"
+            assert vm.service_account_scopes == tpu.service_account_scopes != ()
+        else:
+            assert uri == "gs://local-posttrain/airflow-tpu-posttrain"
+            assert vm.accelerator_type == "cpu"
+        assert vm.max_tpu_vms is None  # a CPU VM: not under the TPU cap
+    # Each VM its own deterministic name (a retry or a re-run finds it again).
+    assert (cpu.name_prefix, export.name_prefix, tpu.name_prefix) == ("cpu", "export", "tpu")
+    assert dag.get_task(DELETE_EXPORT).name_prefix == "export"
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
@@ -278,7 +303,7 @@ def test_only_the_training_is_stopped_when_silent(dags, dag_id):
     An environment upload or a large conversion writes nothing for long stretches, and is not stopped."""
     dag = dags[dag_id]
     assert dag.get_task("train").stall_timeout_s > 0
-    for task_id in {*BODY, INSTALL_CPU} - {"train"} if dag_id in SPLIT_DAGS else set(BODY) - {"train"}:
+    for task_id in {*BODY, INSTALL_CPU, INSTALL_EXPORT} - {"train"} if dag_id in SPLIT_DAGS else set(BODY) - {"train"}:
         assert dag.get_task(task_id).stall_timeout_s == 0, task_id
 
 
@@ -290,13 +315,14 @@ def test_watcher_fails_the_run_when_a_body_step_fails(dags, dag_id):
     assert watcher.retries == 0
     # Every body step is upstream; the installs (setups) through the steps that follow them.
     assert {*BODY, GATE} - {INSTALL} <= watcher.upstream_task_ids
-    for install in (INSTALL, INSTALL_CPU) if dag_id in SPLIT_DAGS else (INSTALL,):
+    vms = SPLIT_VMS if dag_id in SPLIT_DAGS else [(CREATE, INSTALL, DELETE)]
+    for _, install, _ in vms:
         assert set(dag.get_task(install).downstream_task_ids) & watcher.upstream_task_ids
     assert watcher.downstream_task_ids == set()
     # Teardowns do not count toward the run's state: the watcher must not wait for (or depend on) a teardown,
-    assert not {DELETE, DELETE_CPU} & set(watcher.get_flat_relative_ids(upstream=True))
+    assert not {delete for *_, delete in vms} & set(watcher.get_flat_relative_ids(upstream=True))
     # and a non-ALL_SUCCESS task may not follow a setup directly.
-    assert not {CREATE, CREATE_CPU, INSTALL, INSTALL_CPU} & watcher.upstream_task_ids
+    assert not {setup for *setups, _ in vms for setup in setups} & watcher.upstream_task_ids
 
 
 @pytest.mark.parametrize("dag_id", ALL_DAGS)
@@ -343,6 +369,14 @@ def _bounded_without_a_run_timeout(dags, dag_id: str) -> tuple[timedelta, int]:
     create = dag.get_task(CREATE)
     in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if create.max_tpu_vms is not None else timedelta(0)
     assert create.max_run_duration > on_vm + create.execution_timeout - in_line
+    # A CPU VM's deadline outlives every try of its own steps: none lives through the TPU VM's wait in line (the
+    # conversion's is deleted once the conversion is stored, the export's made after the training).
+    for create_id, steps in ((CREATE_CPU, (INSTALL_CPU, "convert_to_maxtext")),
+                             (CREATE_EXPORT, (INSTALL_EXPORT, "export_and_publish"))):
+        if create_id in dag.task_ids:
+            cpu = dag.get_task(create_id)
+            own = sum((dag.get_task(t).execution_timeout for t in steps), timedelta(0)) * tries
+            assert cpu.max_run_duration > own + cpu.execution_timeout
     return dag.get_task(CREATE).max_run_duration, tries
 
 
@@ -964,8 +998,8 @@ def test_two_deployments_share_a_conversion_and_nothing_of_a_run(dags, monkeypat
     assert task.run_spec(_context(dag), conversion_key="same-content").layout == staging
 
 
-def test_an_entry_with_approval_asks_once_both_vms_are_gone_and_publishes_from_a_vm_of_its_own():
-    """The export is kept, then the answer asked once both VMs' teardowns ran; approved, a VM of its own publishes.
+def test_an_entry_with_approval_asks_once_every_vm_is_gone_and_publishes_from_a_vm_of_its_own():
+    """The export is kept, then the answer asked once every VM's teardown ran; approved, a VM of its own publishes.
 
     Nothing but the kept export is held while a person decides, for up to ``approval_timeout_hours``."""
     from airflow_tpu_posttrain.pipelines.posttrain import build_dag
@@ -978,23 +1012,25 @@ def test_an_entry_with_approval_asks_once_both_vms_are_gone_and_publishes_from_a
         "export_and_keep", "approve_publish", "create_pub_vm", "install_maxtext_pub", "delete_pub_vm"
     }
     upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
-    assert {GATE, "train", CREATE_CPU} <= upstream["export_and_keep"]
-    assert upstream[DELETE_CPU] == {"export_and_keep", CREATE_CPU, INSTALL_CPU}
-    assert upstream["approve_publish"] == {GATE, "export_and_keep", DELETE, DELETE_CPU}
+    assert {INSTALL_EXPORT, "train", CREATE_EXPORT} <= upstream["export_and_keep"]
+    assert upstream[DELETE_EXPORT] == {"export_and_keep", CREATE_EXPORT, INSTALL_EXPORT}
+    assert upstream[DELETE_CPU] == {"convert_to_maxtext", CREATE_CPU, INSTALL_CPU}
+    assert {GATE, "export_and_keep", DELETE, DELETE_CPU, DELETE_EXPORT} <= upstream["approve_publish"]
+    assert not {CREATE, CREATE_CPU, CREATE_EXPORT, "create_pub_vm"} & upstream["approve_publish"]
     assert upstream["create_pub_vm"] == {"approve_publish"}
     assert {"install_maxtext_pub", "create_pub_vm"} <= upstream["export_and_publish"]
     assert upstream["delete_pub_vm"] == {"export_and_publish", "create_pub_vm", "install_maxtext_pub"}
     keep, approve, publish = (dag.get_task(t) for t in ("export_and_keep", "approve_publish", "export_and_publish"))
     assert keep.publish is False and publish.publish is True
-    assert create_task_id(keep) == CREATE_CPU and create_task_id(publish) == "create_pub_vm"
+    assert create_task_id(keep) == CREATE_EXPORT and create_task_id(publish) == "create_pub_vm"
     assert approve.response_timeout == timedelta(hours=24) and approve.defaults == ["Reject"]
     assert approve.fail_on_reject is True and approve.required == "{{ params.approval }}"
-    for teardown in (DELETE_CPU, "delete_pub_vm"):
+    for teardown in (DELETE_CPU, DELETE_EXPORT, "delete_pub_vm"):
         assert dag.get_task(teardown).is_teardown and dag.get_task(teardown).trigger_rule == "none_skipped"
     assert dag.get_task("delete_pub_vm").name_prefix == "pub"
-    # No VM waits for the answer: neither VM's cloud-side deadline grows with it.
-    assert dag.get_task(CREATE_CPU).max_run_duration == plain.get_task(CREATE_CPU).max_run_duration
-    assert dag.get_task("create_pub_vm").max_run_duration == plain.get_task(CREATE_CPU).max_run_duration
+    # No VM waits for the answer: no CPU VM's cloud-side deadline grows with it.
+    for create in (CREATE_CPU, CREATE_EXPORT, "create_pub_vm"):
+        assert dag.get_task(create).max_run_duration == plain.get_task(CREATE_CPU).max_run_duration, create
     assert {"export_and_keep", "approve_publish"} <= dag.get_task(WATCHER).upstream_task_ids
     assert dag.params["approval"] is True and "approval" not in plain.params
 

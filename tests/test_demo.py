@@ -77,7 +77,7 @@ def test_demo_shows_the_run_in_a_few_lines_and_ends_with_its_summary():
     assert len(lines) < TERMINAL_LINES_MAX, demo.stdout
 
     assert _line(r"^demo: run \S+ success in ", lines)
-    for task in ("create_tpu_vm", "train", "export_and_publish", "delete_tpu_vm", "delete_cpu_vm"):
+    for task in ("create_tpu_vm", "train", "export_and_publish", "delete_tpu_vm", "delete_cpu_vm", "delete_export_vm"):
         assert _line(
             rf"^\s+{task}\s+success\s+\d+( min \d+)? s$", lines
         )  # its duration, in the summary's table
@@ -88,8 +88,10 @@ def test_demo_shows_the_run_in_a_few_lines_and_ends_with_its_summary():
     assert (stored / "config.json").is_file()
     assert _line(r"^demo: on the Hub: http://\S+ \(revision run-\S+, commit [0-9a-f]{12}\)$", lines)
     assert _line(r"^demo: sample: 'What is 2 plus 3\?' → '.+'$", lines)
-    # Both VMs' time, creation to deletion, at the price table's e2-standard-2 price (what the local VMs are).
-    assert _line(r"^demo: VM cost: \$\d+\.\d{4} for .+ of VM time: \S+ .+ \(e2-standard-2\), \S+ .+ \(e2-standard-2\)$", lines)
+    # Each VM's time, creation to deletion, at the price table's e2-standard-2 price (what the local VMs are): the
+    # TPU VM's, the conversion's CPU VM's and the export's.
+    vm = r"\S+ .+ \(e2-standard-2\)"
+    assert _line(rf"^demo: VM cost: \$\d+\.\d{{4}} for .+ of VM time: tpu-{vm}, cpu-{vm}, export-{vm}$", lines)
     assert "demo: VMs left: 0" in lines
     # The rest went to the log file it names: Airflow's task logs and the VMs' output.
     log = Path(_line(r"^demo: full logs in (\S+)$", lines)[1]).read_text()

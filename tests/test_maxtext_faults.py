@@ -47,6 +47,7 @@ KILL_AFTER_STEP = 4
 CHECKPOINT_PERIOD = 2  # what the local DAGs use (registry.py: the local entries' checkpoint_period)
 _COMPLETED = re.compile(rb"completed step: (\d+),")
 JOBS = f"{WORKDIR}/jobs"  # on each VM
+VM_KINDS = ("tpu", "cpu", "export")  # the run's VMs: create_<kind>_vm, delete_<kind>_vm
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -356,7 +357,7 @@ def _faulted_run(stack, capfd) -> dict:
         tis = _tis(dag_run)
         assert faults.error is None, faults.error
         returns = {task_id: _return_value(dag_run, task_id) for task_id in tis}
-        vms = {kind: (returns.get(f"create_{kind}_vm") or {}).get("name") for kind in ("tpu", "cpu")}
+        vms = {kind: (returns.get(f"create_{kind}_vm") or {}).get("name") for kind in VM_KINDS}
         vm_end_error = _wait_gone(ends, vms)
     # The train job's files, as they were on the TPU VM at its end (copied then).
     train_dir = scratch / "vm-ends" / str(vms["tpu"]) / train_name
@@ -385,7 +386,7 @@ def _faulted_run(stack, capfd) -> dict:
 
 
 def _wait_gone(ends, vms: dict[str, str | None]) -> str | None:
-    """Why the run's VMs were not both probed at their end and their disks deleted, or None.
+    """Why the run's VMs were not all probed at their end and their disks deleted, or None.
 
     The tests assert it: an assertion here would make each test run the DAG again."""
     try:
@@ -399,7 +400,7 @@ def _wait_gone(ends, vms: dict[str, str | None]) -> str | None:
 def _assert_vms_deleted_and_checkpoint_kept(run: dict, stack) -> None:
     """The fault matrix's "VM deleted" and "model intact" cells of the faulted run."""
     assert run["returns"]["delete_tpu_vm"]["deleted"] is True
-    assert run["returns"]["delete_cpu_vm"]["deleted"] is True
+    assert run["returns"]["delete_cpu_vm"]["deleted"] is True and run["returns"]["delete_export_vm"]["deleted"] is True
     assert stack.compute.instances() == [], [i["name"] for i in stack.compute.instances()]
     assert run["vm_end_error"] is None, run["vm_end_error"]  # each VM probed at its end, its disk gone since
     assert storage_has(run["returns"]["train"]["checkpoint"])  # in checkpoint storage: it outlives the VMs
@@ -470,8 +471,9 @@ def test_killed_training_resumes_from_checkpoint_on_retry(faulted_run, stack, fa
     assert metrics["steps_completed"] == STEPS
     assert run["returns"]["train"]["checkpoint"].endswith(f"/checkpoints/{STEPS}/model_params")
     assert storage_has(run["returns"]["train"]["checkpoint"])
-    # The retry reused the run's VMs: one instance insert each (TPU VM, CPU VM) for the whole run.
-    assert run["instance_inserts"] == 2
+    # The retry reused the run's VMs: one instance insert each (TPU VM, the conversion's and the export's CPU VMs)
+    # for the whole run.
+    assert run["instance_inserts"] == len(VM_KINDS)
     _assert_vms_deleted_and_checkpoint_kept(run, stack)
     fault_matrix.record(
         f"MaxText: trainer SIGKILLed after step {KILL_AFTER_STEP} -> retry resumes from checkpoint",
@@ -538,15 +540,15 @@ def test_hf_token_leaks_nowhere(faulted_run, stack, fault_matrix):
     assert sampler.samples >= 0.5 * run["seconds"], (sampler.samples, run["seconds"])
     assert sampler.leaks == []
 
-    # Each VM's disk at its end (the token file was the exporting CPU VM's): the token files are gone, no file
-    # of the VM holds the token. The scans saw the jobs' files on both VMs and the export root on the CPU VM.
+    # Each VM's disk at its end (the token file was the export VM's): the token files are gone, no file of the VM
+    # holds the token. The scans saw the jobs' files on every VM and the export root on the export VM.
     for kind, name in run["vms"].items():
         on_vm = run["vm_ends"][name]
         assert on_vm["workdir_files"], f"{kind} VM {name}: no files under {WORKDIR}"
         assert on_vm["secrets_left"] == [], (kind, on_vm["secrets_left"])
         assert on_vm["token_in"] == [], (kind, on_vm["token_in"])
-    cpu_vm = run["vm_ends"][run["vms"]["cpu"]]
-    assert cpu_vm["root_on_vm"], f"no {SEEDS_ROOT} on the CPU VM: the export was not scanned"
+    export_vm = run["vm_ends"][run["vms"]["export"]]
+    assert export_vm["root_on_vm"], f"no {SEEDS_ROOT} on the export VM: the export was not scanned"
     _assert_vms_deleted_and_checkpoint_kept(run, stack)
     fault_matrix.record(
         "MaxText: HF token absent from logs, XCom, rendered fields, argv, VM files",
@@ -572,7 +574,7 @@ def test_gated_base_model_is_read_with_the_token(faulted_run, stack, fault_matri
     ]
     fetched = [r.path.rsplit("/", 1)[-1] for r in downloads]
     assert "model.safetensors" in fetched, fetched  # the conversion read the weights from the Hub
-    # Training (TPU VM) and export (CPU VM) each took the tokenizer into their VM's own cache.
+    # Training (TPU VM) and export (export VM) each took the tokenizer into their VM's own cache.
     assert fetched.count("tokenizer.json") >= 2, fetched
     assert all(r.headers.get("authorization") == REDACTED for r in downloads), [r.path for r in downloads]
 
@@ -714,7 +716,7 @@ def rerun(faulted_run, stack, capfd):
             (copies / "rerun.log").write_text(logs)  # the task logs, to read when a test fails
             tis = _tis(dag_run)
             returns = {task_id: _return_value(dag_run, task_id) for task_id in tis}
-            vms = {kind: (returns.get(f"create_{kind}_vm") or {}).get("name") for kind in ("tpu", "cpu")}
+            vms = {kind: (returns.get(f"create_{kind}_vm") or {}).get("name") for kind in VM_KINDS}
             vm_end_error = _wait_gone(ends, vms)
         _RERUN.update(
             debug_log=copies / "rerun.log",
@@ -769,17 +771,17 @@ def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun, fa
     assert rerun["state"] == "success", rerun["states"]
     inserts = [r for r in rerun["requests"] if r["method"] == "POST" and r["path"].endswith("/instances")]
     # The first run's teardowns deleted its VMs, so the re-run creates exactly one of each (the same
-    # deterministic names): the TPU VM and the CPU VM.
-    vms = [(f"create_{kind}_vm", f"delete_{kind}_vm") for kind in ("tpu", "cpu")]
+    # deterministic names): the TPU VM, the conversion's CPU VM and the export's.
+    vms = [(f"create_{kind}_vm", f"delete_{kind}_vm") for kind in VM_KINDS]
     for create, delete in vms:
         assert rerun["returns"][create]["name"] == faulted_run["returns"][create]["name"]
         assert rerun["returns"][delete]["deleted"] is True
         assert rerun["tries"][create] == 1, rerun["tries"]
     assert rerun["instances_after"] == [], [i["name"] for i in rerun["instances_after"]]
-    assert rerun["vm_end_error"] is None, rerun["vm_end_error"]  # both VMs' disks are gone
+    assert rerun["vm_end_error"] is None, rerun["vm_end_error"]  # every VM's disk is gone
     assert sorted(r["body"]["name"] for r in inserts) == sorted(rerun["returns"][c]["name"] for c, _ in vms)
     fault_matrix.record(
         "MaxText: re-run creates each VM once at the first try, deletes them",
         rerun["instances_after"] == [], rerun["state"], None,
-        f"{len(inserts)} instance inserts (TPU + CPU VM), create tries=1",
+        f"{len(inserts)} instance inserts (TPU + 2 CPU VMs), create tries=1",
     )

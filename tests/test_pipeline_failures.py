@@ -13,10 +13,10 @@ Every fault is injected through the environment the pipeline runs in, never by p
   test workers share the slow runs): a regular file where the exports' parent directory goes, then the Hub
   refusing the upload; each re-run goes on from what the last one kept.
 
-The DAG has the split layout: a CPU VM converts and exports, the TPU VM trains. Each failed run must end FAILED
-with the watcher failed, both VMs deleted (by their teardowns, or, when a create itself fails, by the create),
-nothing left in the emulator and nothing of the VMs on this machine; the failed task's log must say what
-failed.
+The DAG has the split layout: a CPU VM converts, the TPU VM trains, another CPU VM (made after the training)
+exports. Each failed run must end FAILED with the watcher failed, every VM it made deleted (by their teardowns, or,
+when a create itself fails, by the create), nothing left in the emulator and nothing of the VMs on this machine;
+the failed task's log must say what failed.
 What is on a VM's disk is looked at just before the VM is destroyed (``stack.fleet.before_end``).
 
 One stack for the module (its VMs' disks and checkpoint storage in a fresh temp dir); SFT runs with 2 steps.
@@ -42,8 +42,11 @@ from airflow_tpu_posttrain.local.stack import LOCAL_LOGIN
 
 DAG_ID = "posttrain_sft__tiny-llama"
 STEPS = 2
-BODY_STEPS = ("install_maxtext_cpu", "install_maxtext", "convert_to_maxtext", "train", "export_and_publish")
-VMS = (("create_tpu_vm", "delete_tpu_vm"), ("create_cpu_vm", "delete_cpu_vm"))
+BODY_STEPS = (
+    "install_maxtext_cpu", "install_maxtext", "convert_to_maxtext", "train", "install_maxtext_export", "export_and_publish"
+)
+# The run's VMs: the TPU VM and the conversion's CPU VM, made at its start; the export's, made after the training.
+VMS = (("create_tpu_vm", "delete_tpu_vm"), ("create_cpu_vm", "delete_cpu_vm"), ("create_export_vm", "delete_export_vm"))
 WATCHER = "fail_run_if_a_step_failed"
 
 
@@ -96,7 +99,7 @@ def local_zones() -> list[str]:
 
 
 def root() -> Path:
-    """The run files' root on each VM (production's ``/dev/shm/<model>``): the CPU VM exports there."""
+    """The run files' root on each VM (production's ``/dev/shm/<model>``): the export VM exports there."""
     return Path(SEEDS_ROOT)
 
 
@@ -160,14 +163,14 @@ def _each_vm_probed(vm_ends):
 
 
 def assert_vms_gone(vm_ends, dr) -> None:
-    """The run's VMs were probed just before their end, and nothing of them is left on this machine."""
-    names = [xcom(dr, create)["name"] for create, _ in VMS]
+    """The VMs the run made were probed just before their end, and nothing of them is left on this machine."""
+    names = [xcom(dr, create)["name"] for create, _ in VMS if states(dr)[create] == "success"]
     vm_ends.wait_gone(names)
 
 
 @contextlib.contextmanager
-def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
-    """As soon as the run's CPU VM is up, a regular file where ``guest_path`` goes.
+def file_in_place_of_on_export_vm(stack, guest_path: Path, timeout: float = 900.0):
+    """As soon as the run's export VM is up, a regular file where ``guest_path`` goes.
 
     The file is the VM login's; ``guest_path`` is a directory the pipeline writes on that VM. Yields the names
     of the VMs it was put on (one, once the run is over)."""
@@ -178,7 +181,7 @@ def file_in_place_of_on_cpu_vm(stack, guest_path: Path, timeout: float = 900.0):
         deadline = time.monotonic() + timeout
         while not stop.is_set() and time.monotonic() < deadline:
             for vm in stack.vms():
-                if not vm.name.startswith("cpu-"):
+                if not vm.name.startswith("export-"):
                     continue
                 with contextlib.suppress(Exception):  # not booted yet
                     target = vm.guest_path(str(guest_path))
@@ -242,17 +245,22 @@ def bucket_missing(stack, after_the_check: bool = False):
 def assert_failed_cleanly(stack, vm_ends, dr, failed_step: str) -> None:
     """The run failed at ``failed_step``, and cleanly.
 
-    The steps after it did not run, the watcher failed the run, the teardowns deleted both VMs, the emulator
-    holds nothing and nothing of the VMs is left on this machine."""
+    The steps after it did not run, the watcher failed the run, the teardowns deleted every VM it made (a VM made
+    after the failed step was never made), the emulator holds nothing and nothing of the VMs is left on this
+    machine."""
     st = states(dr)
     assert dr.state == "failed", st
     assert st[failed_step] == "failed", st
-    later = set(_dag().get_task(failed_step).get_flat_relative_ids(upstream=False)) & set(BODY_STEPS)
-    assert all(st[step] == "upstream_failed" for step in later), st
+    after = set(_dag().get_task(failed_step).get_flat_relative_ids(upstream=False))
+    assert all(st[step] == "upstream_failed" for step in after & set(BODY_STEPS)), st
     for create, delete in VMS:
-        assert st[create] == "success" and st[delete] == "success", st
+        assert st[delete] == "success", st
         deleted = xcom(dr, delete)
-        assert deleted["deleted"] is True and deleted["name"] == xcom(dr, create)["name"]
+        if create in after:
+            assert st[create] == "upstream_failed" and deleted["deleted"] is False, (st, deleted)
+        else:
+            assert st[create] == "success", st
+            assert deleted["deleted"] is True and deleted["name"] == xcom(dr, create)["name"]
     assert st[WATCHER] == "failed", st
     assert stack.compute.instances() == []
     assert_vms_gone(vm_ends, dr)
@@ -285,7 +293,8 @@ def test_create_fails_when_every_zone_is_out_of_capacity(stack, capfd, fault_mat
     st = states(dr)
     assert dr.state == "failed", st
     assert all(st[step] == "upstream_failed" for step in BODY_STEPS), st
-    for create, delete in VMS:  # locally both VMs are the "cpu" shape: both are out of capacity
+    assert st["create_export_vm"] == "upstream_failed", st
+    for create, delete in VMS[:2]:  # locally both VMs are the "cpu" shape: both are out of capacity
         assert st[create] == "failed", st
         # The create cleans up after itself; its teardown still runs (a failed create may have inserted its VM)
         # and finds nothing left to delete.
@@ -330,7 +339,7 @@ def test_a_token_without_the_gated_models_grant_fails_before_any_vm(stack, capfd
     st = states(dr)
     assert dr.state == "failed", st
     assert st["check_inputs"] == "failed", st
-    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, "create_tpu_vm", "create_cpu_vm")), st
+    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, *(create for create, _ in VMS))), st
     assert len(instance_inserts(stack)) == inserts_before and stack.compute.instances() == []
     assert f"The model {TINY_LLAMA_REPO} is gated and the token of connection 'local_hub' has no access" in logs
     assert "accept the licence at" in logs and "No VM was created" in logs
@@ -351,7 +360,7 @@ def test_a_hub_repo_the_token_cannot_write_fails_before_any_vm(stack, capfd, fau
     logs = "".join(capfd.readouterr())
     st = states(dr)
     assert dr.state == "failed" and st["check_inputs"] == "failed", st
-    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, "create_tpu_vm", "create_cpu_vm")), st
+    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, *(create for create, _ in VMS))), st
     assert len(instance_inserts(stack)) == inserts_before and stack.compute.instances() == []
     assert (
         "The model cannot be published to someone-else/tiny-llama-sft: the token of connection 'local_hub' belongs "
@@ -387,7 +396,7 @@ def test_a_run_whose_checkpoint_bucket_is_missing_fails_its_check_before_any_vm(
     logs = "".join(capfd.readouterr())
     st = states(dr)
     assert dr.state == "failed" and st["check_inputs"] == "failed", st
-    assert {st[t] for t in ("create_tpu_vm", "create_cpu_vm", "convert_to_maxtext", "train")} == {"upstream_failed"}
+    assert {st[t] for t in (*(create for create, _ in VMS), "convert_to_maxtext", "train")} == {"upstream_failed"}
     assert f"checkpoint_storage: the bucket {bucket} does not exist" in logs and "No VM was created." in logs
     assert len([r for r in stack.compute.requests if r["method"] == "POST"]) == inserts_before  # no VM, no rule
     fault_matrix.record(
@@ -420,7 +429,7 @@ def test_an_override_maxtext_does_not_define_fails_the_check_before_any_vm(stack
     logs = "".join(capfd.readouterr())
     st = states(dr)
     assert dr.state == "failed" and st["check_inputs"] == "failed", st
-    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, "create_tpu_vm", "create_cpu_vm")), st
+    assert all(st[step] == "upstream_failed" for step in (*BODY_STEPS, *(create for create, _ in VMS))), st
     assert len(instance_inserts(stack)) == inserts_before and stack.compute.instances() == []
     assert "overrides[1]='learnin_rate=1e-5': sets 'learnin_rate', which MaxText 0.2.5's SFT trainer does not " \
         "define" in logs

@@ -35,6 +35,8 @@ VM_PLACES = ("/tmp", "/var/tmp", "/home", "/root", "/dev/shm")
 # Not the VM's own files: its MaxText venv and package cache (links of the package mirror's files), and the image's
 # Python, bound read-only into its /root (2.5 GB: reading it took 45-70 s per VM).
 NOT_SCANNED = ("/var/tmp/maxtext-venv", "/var/tmp/uv-cache", str(PYENV_ROOT))
+# The split layout's VMs: the TPU VM, the conversion's CPU VM and the export's.
+SPLIT_CREATES = ("create_tpu_vm", "create_cpu_vm", "create_export_vm")
 
 
 def run_pipeline(dag_id: str, conf: dict | None = None):
@@ -181,16 +183,17 @@ def test_tiny_sft_end_to_end(stack, capfd):
         dr = run_pipeline(SFT_TWIN_DAG, {"storage_uri": str(published_dir)})
         logs = "".join(capfd.readouterr())
         assert_succeeded(dr, logs)
-        vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
+        vms = [xcom(dr, create)["name"] for create in SPLIT_CREATES]
         ends.wait_gone(vms)
     assert states(dr)["fail_run_if_a_step_failed"] == "skipped"
 
     # Split layout: the CPU VM converted into the cache in checkpoint storage (the local GCS server's bucket),
-    # the TPU VM trained from there and wrote its checkpoints there, and both VMs are gone.
+    # the TPU VM trained from there and wrote its checkpoints there, a CPU VM of its own exported, and every VM
+    # is gone.
     storage = LOCAL_CHECKPOINT_STORAGE
     converted = xcom(dr, "convert_to_maxtext")
     assert converted["converted_params"].startswith(f"{storage}/conversions/{SFT_TWIN}/mt0.2.2-")
-    assert xcom(dr, "create_cpu_vm")["machine_type"] == "e2-standard-2"
+    assert xcom(dr, "create_cpu_vm")["machine_type"] == xcom(dr, "create_export_vm")["machine_type"] == "e2-standard-2"
     trained = xcom(dr, "train")
     assert trained["checkpoint"].endswith("/checkpoints/5/model_params") and storage_has(trained["checkpoint"])
     assert trained["checkpoint"].startswith(f"{storage}/post-train/")
@@ -216,7 +219,10 @@ def test_tiny_sft_end_to_end(stack, capfd):
     profile = f"post-train/{run}/tensorboard/plugins/profile/"
     assert any(o.startswith(profile) and o.endswith(".xplane.pb") for o in objects), objects
     assert f"exports/{run}.complete" in objects and f"exports/{run}/model.safetensors" in objects
-    assert xcom(dr, "delete_cpu_vm")["deleted"] is True
+    assert xcom(dr, "delete_cpu_vm")["deleted"] is True and xcom(dr, "delete_export_vm")["deleted"] is True
+    # The export's VM was made once the training had ended, and the conversion's was gone by then: never two CPU VMs.
+    ran = {ti.task_id: ti for ti in dr.get_task_instances()}
+    assert max(ran["train"].end_date, ran["delete_cpu_vm"].end_date) <= ran["create_export_vm"].start_date
     # What a later run's TPU VM request is timed by: this conversion (cached now) and the TPU VM's ready time.
     from airflow.models import Variable
 
@@ -279,14 +285,14 @@ def test_tiny_sft_end_to_end(stack, capfd):
     # What each VM cost: its time (Compute's creation to the end of its delete), within the run's, at the price
     # table's price of its machine type (the local VMs are e2-standard-2, on demand).
     run_seconds = (dr.end_date - dr.start_date).total_seconds()
-    for kind in ("tpu", "cpu"):
+    for kind in ("tpu", "cpu", "export"):
         spent = xcom(dr, f"delete_{kind}_vm")
         assert spent["machine_type"] == "e2-standard-2" and spent["usd_per_hour"] == 0.067, spent
         assert 0 < spent["vm_seconds"] <= run_seconds + 1, (spent, run_seconds)
         billed_s = max(spent["vm_seconds"], 60)  # Compute bills a minute at least
         assert abs(spent["cost_usd"] - billed_s / 3600 * 0.067) < 1e-4, spent
     assert re.search(r"Cost: \S+ \(e2-standard-2, STANDARD\) ran \d+ min \d+ s: \$0\.\d\d at \$0\.067/h", logs)
-    # The token: nowhere in the task logs, XCom, or left on either VM (every file of its own at its end; the
+    # The token: nowhere in the task logs, XCom, or left on any VM (every file of its own at its end; the
     # token files in the secrets directory removed).
     assert HF_TOKEN not in logs
     assert HF_TOKEN not in json.dumps([xcom(dr, t) for t in states(dr)], default=str)
@@ -337,7 +343,7 @@ def test_tiny_rl_end_to_end(stack, capfd):
         dr = run_pipeline(RL_TWIN_DAG)
         logs = "".join(capfd.readouterr())
         assert_succeeded(dr, logs)
-        vms = [xcom(dr, create)["name"] for create in ("create_tpu_vm", "create_cpu_vm")]
+        vms = [xcom(dr, create)["name"] for create in SPLIT_CREATES]
         ends.wait_gone(vms)
     sampler.stop.set()
     sampler.join()

@@ -18,7 +18,7 @@ from test_pipeline_failures import (  # noqa: F401 - vm_ends and _each_vm_probed
     assert_failed_cleanly,
     assert_vms_gone,
     checkpoint_storage,
-    file_in_place_of_on_cpu_vm,
+    file_in_place_of_on_export_vm,
     instance_inserts,
     root,
     run_pipeline,
@@ -34,7 +34,7 @@ SFT_HUB_REPO = "local/tiny-llama-sft"  # dags/models.yaml
 def test_export_fails_then_the_hub_refuses_then_a_rerun_publishes(stack, vm_ends, capfd, monkeypatch, fault_matrix):
     """One DAG run, three times: each re-run goes on from what the one before kept, on new VMs.
 
-    1. The export cannot write its output directory (a regular file where ``<root>/hf-trained`` goes on the CPU VM,
+    1. The export cannot write its output directory (a regular file where ``<root>/hf-trained`` goes on the export VM,
        put there as soon as that VM is up): the run fails at the export; the trained checkpoint is kept.
     2. Re-run: the training is reused, not done again; the export succeeds, and the Hub refuses the upload (the
        token's write role is taken away as the export starts; it still reads the gated base model. A token
@@ -45,10 +45,10 @@ def test_export_fails_then_the_hub_refuses_then_a_rerun_publishes(stack, vm_ends
     logical_date, run_id = datetime(2026, 2, 2, tzinfo=UTC), "manual__export-and-publish-fail"
 
     # 1. The export fails.
-    with file_in_place_of_on_cpu_vm(stack, root() / "hf-trained") as placed:
+    with file_in_place_of_on_export_vm(stack, root() / "hf-trained") as placed:
         dr = run_pipeline(logical_date=logical_date, run_id=run_id)
     logs = "".join(capfd.readouterr())
-    assert placed == [xcom(dr, "create_cpu_vm")["name"]], placed
+    assert placed == [xcom(dr, "create_export_vm")["name"]], placed
     assert_failed_cleanly(stack, vm_ends, dr, "export_and_publish")
     trained = xcom(dr, "train")
     assert trained["reused"] is False and trained["metrics"]["steps_completed"] == STEPS
@@ -90,7 +90,7 @@ def test_export_fails_then_the_hub_refuses_then_a_rerun_publishes(stack, vm_ends
 
     hub, revision = HfApi(endpoint=stack.hub.url, token=stack.hf_token), f"run-{trained['run_name']}"
     assert not (hub.repo_exists(SFT_HUB_REPO) and hub.revision_exists(SFT_HUB_REPO, revision)), "published"
-    # Both VMs and their disks are gone (assert_failed_cleanly), yet the checked export is whole in checkpoint
+    # Every VM and its disk is gone (assert_failed_cleanly), yet the checked export is whole in checkpoint
     # storage: the error and XCom say where.
     kept = f"{checkpoint_storage(stack)}/exports/{trained['run_name']}"
     assert f"The checked export is kept at {kept}" in logs

@@ -124,6 +124,8 @@ def test_a_model_that_fails_the_gate_is_not_published(stack, capfd, fault_matrix
     assert dr.state == "failed", states(dr)
     assert states(dr) | {"quality_gate": "failed", "export_and_publish": "upstream_failed"} == states(dr)
     assert states(dr)["delete_tpu_vm"] == states(dr)["delete_cpu_vm"] == "success"
+    # No VM is made for an export that will not happen: the export VM's create never ran, its teardown found none.
+    assert states(dr)["create_export_vm"] == "upstream_failed" and xcom(dr, "delete_export_vm")["deleted"] is False
     assert stack.compute.instances() == []
 
     trained = xcom(dr, "train")

@@ -159,7 +159,8 @@ def test_a_slice_trains_as_one_process_and_when_it_loses_a_vm_is_made_again_and_
             (tmp_path / "run.log").write_text(logs)
             assert_succeeded(dr, logs)
             made = xcom(dr, "create_tpu_vm")
-            ends.wait_gone([vm["name"] for vm in made["vms"]] + [xcom(dr, "create_cpu_vm")["name"]])
+            cpu_vms = [xcom(dr, create)["name"] for create in ("create_cpu_vm", "create_export_vm")]
+            ends.wait_gone([vm["name"] for vm in made["vms"]] + cpu_vms)
     finally:
         breaker.stop.set()
         breaker.join(10)

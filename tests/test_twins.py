@@ -71,7 +71,7 @@ class _VmRecords:
     def xcom_pull(self, task_ids=None, *args, **kwargs):
         if task_ids == "train":  # the same trained checkpoint in both worlds: the export's own arguments compared
             return {"checkpoint": "/dev/shm/trained/checkpoints/5/model_params"}
-        if task_ids not in ("create_cpu_vm", "create_tpu_vm"):
+        if task_ids not in ("create_cpu_vm", "create_export_vm", "create_tpu_vm"):
             return None
         machine = self.dag.get_task(task_ids).accelerator_type
         record = {"accelerator_type": self.params["accelerator_type"] if "{{" in machine else machine}

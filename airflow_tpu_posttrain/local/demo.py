@@ -231,7 +231,7 @@ def _demo(args: argparse.Namespace, console: Console, demo_dir: Path, log_file: 
             run_logs = home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
             tail = LogTail(lambda: sorted(p for p in run_logs.glob("task_id=train/**/*") if p.is_file()))
         else:
-            console.print(f"demo: running {dag_id} (a CPU VM converts and exports, a TPU VM trains)")
+            console.print(f"demo: running {dag_id} (a CPU VM converts, a TPU VM trains, another CPU VM exports)")
             command = [sys.executable, "-m", "airflow", "dags", "test", dag_id, "--conf", json.dumps(conf)]
             command += ["--dagfile-path", str(REPO / "dags" / "local_dags.py")]
             runner = subprocess.Popen(
@@ -314,8 +314,10 @@ def _summary(
 
 
 def _vm_costs(dag_id: str, run_id: str) -> str:
-    """The run's VM time and cost, from the teardowns' XCom (what the price table says those VMs cost)."""
-    deleted = [task_result(dag_id, run_id, f"delete_{kind}_vm") for kind in ("tpu", "cpu")]
+    """The run's VM time and cost, from the teardowns' XCom (what the price table says those VMs cost).
+
+    Its VMs: the TPU VM, the conversion's CPU VM and the export's."""
+    deleted = [task_result(dag_id, run_id, f"delete_{kind}_vm") for kind in ("tpu", "cpu", "export")]
     priced = [d for d in deleted if d.get("vm_seconds") is not None]
     if not priced:
         return "VM cost: not known (no teardown reported a VM's time)"

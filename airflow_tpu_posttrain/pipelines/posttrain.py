@@ -1,7 +1,9 @@
 """The DAG factory: one post-training DAG per (recipe, model) entry of the model registry.
 
-Shape (split layout, the default): a CPU VM converts (cached) and later exports while the TPU VM is created
-(just in time for the conversion's end), installed and trains; the TPU VM's teardown follows the training directly. Seeds' layout: create VM (setup) →
+Shape (split layout, the default): a CPU VM converts (cached in checkpoint storage) and is deleted at once, while
+the TPU VM is created (just in time for the conversion's end), installed and trains; the TPU VM's teardown follows
+the training directly, and a CPU VM of its own, made once the training passed the quality gate, exports. No VM
+idles while the run waits in line for its TPU VM or while it trains. Seeds' layout: create VM (setup) →
 install → convert → train → export + publish → delete VM (teardown). Teardowns run whatever happened; a
 watcher fails the run when a body step failed (teardowns do not count toward the run's state). Every value a
 user can change per run is a Param, validated by the trigger form and the REST API, and again by the operators
@@ -68,10 +70,12 @@ DOC = """
 """
 SHAPES = {
     "split": (
-        "CPU VM: create → install MaxText → convert HF → MaxText (cached in checkpoint storage) ... export to HF + "
-        "publish → delete.  \nTPU VM, meanwhile (requested as the conversion nears its end, at once when it is cached): "
+        "CPU VM: create → install MaxText → convert HF → MaxText (cached in checkpoint storage) → delete.  \n"
+        "TPU VM, meanwhile (requested as the conversion nears its end, at once when it is cached): "
         "create → install MaxText → {train} (checkpoints to storage) → "
-        "delete as soon as the final checkpoint is in storage."
+        "delete as soon as the final checkpoint is in storage.  \n"
+        "Export VM (a CPU VM), once the training passed the quality gate: create → restore MaxText → "
+        "export to HF + publish → delete."
     ),
     "seeds": "create VM → install MaxText → convert HF → MaxText → {train} → export to HF + publish → delete VM",
 }
@@ -89,10 +93,10 @@ class Output:
 class Step:
     """One task of the DAG: its operator and the operator's arguments for a registry entry.
 
-    ``vm``: the VM the step runs on ("tpu" or "cpu"); the step gets that VM (its create's result) and the
-    connections to it, and a step on the TPU VM a slot of the registry's ``tpu_pool``, if any. The seeds layout has no CPU
-    VM: its "cpu" steps run on the TPU VM. ``layout``, ``recipe``: the step is only in that layout's or that
-    recipe's DAGs.
+    ``vm``: the VM the step runs on ("tpu", or a CPU VM: "cpu" the conversion's, "export" the export's, "pub" an
+    approved publish's); the step gets that VM (its create's result) and the connections to it, and a step on the
+    TPU VM a slot of the registry's ``tpu_pool``, if any. The seeds layout has no CPU VM: its steps all run on the
+    TPU VM. ``layout``, ``recipe``: the step is only in that layout's or that recipe's DAGs.
     """
 
     task_id: str
@@ -180,7 +184,7 @@ STEPS = (
         },
         slice=True,
     ),
-    # The split layout's CPU VM: the conversion and the export run there, outside the TPU pool.
+    # The split layout's CPU VM for the conversion, outside the TPU pool; deleted once the conversion is stored.
     Step("create_cpu_vm", TpuVmCreateOperator, lambda cfg: _creating_cpu_vm(cfg, "cpu"), layout="split"),
     Step(
         "install_maxtext",
@@ -246,6 +250,20 @@ STEPS = (
             "execution_timeout": FIVE_MINUTES,
         },
     ),
+    # The split layout's export VM (a CPU VM), made once the training passed the gate: none idles through the
+    # TPU VM's wait in line or its training. It restores the environment the conversion's VM saved.
+    Step("create_export_vm", TpuVmCreateOperator, lambda cfg: _creating_cpu_vm(cfg, "export"), layout="split"),
+    Step(
+        "install_maxtext_export",
+        MaxTextInstallOperator,
+        lambda cfg: {
+            "maxtext_version": "{{ params.maxtext_version }}",
+            "execution_timeout": cfg.timeouts.install,
+            "poll_interval": _poll(cfg, 15),
+        },
+        vm="export",
+        layout="split",
+    ),
     # With approval: the export checked and kept in storage (published nowhere), then a person's answer.
     Step(
         "export_and_keep",
@@ -259,7 +277,7 @@ STEPS = (
             "execution_timeout": cfg.timeouts.export,
             "poll_interval": _poll(cfg, 15),
         },
-        vm="cpu",
+        vm="export",
         approval=True,
     ),
     Step(
@@ -274,7 +292,7 @@ STEPS = (
         },
         approval=True,
     ),
-    Step("export_and_publish", HfExportOperator, lambda cfg: _publishing(cfg), vm="cpu", approval=False),
+    Step("export_and_publish", HfExportOperator, lambda cfg: _publishing(cfg), vm="export", approval=False),
     # Once approved, a CPU VM of its own publishes the kept export: none is held while a person decides.
     Step("create_pub_vm", TpuVmCreateOperator, lambda cfg: _creating_cpu_vm(cfg, "pub"), approval=True),
     Step(
@@ -318,6 +336,7 @@ STEPS = (
     ),
     Step("delete_cpu_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "cpu"), layout="split"),
     Step("delete_pub_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "pub"), approval=True),
+    Step("delete_export_vm", TpuDeleteOperator, lambda cfg: _deleting_vm(cfg, "export"), layout="split"),
 )
 
 # The steps whose failure fails the run, through the watcher (those of its DAG).
@@ -329,7 +348,9 @@ WIRING = {
     "split": (
         ("check_inputs", "create_tpu_vm", "install_maxtext", "train", "delete_tpu_vm"),
         ("check_inputs", "create_cpu_vm", "install_maxtext_cpu", "convert_to_maxtext", "train"),
-        ("train", "quality_gate", "export_and_publish"),
+        # The conversion is in checkpoint storage: its VM goes at once, before the TPU VM's wait and training.
+        ("convert_to_maxtext", "delete_cpu_vm"),
+        ("train", "quality_gate", "create_export_vm", "install_maxtext_export"),
         ("body", WATCHER),
     ),
     "seeds": (
@@ -346,24 +367,29 @@ WIRING = {
         ("body", WATCHER),
     ),
 }
-# The split layout's CPU VM goes once the export is done: published, or kept for a person's answer.
-CPU_VM_END = {False: (("export_and_publish", "delete_cpu_vm"),), True: (("export_and_keep", "delete_cpu_vm"),)}
-# With approval (split layout only): after the gate, the export kept, then the answer, asked once the TPU VM and
-# the CPU VM are gone; once approved, the publish VM publishes the kept export.
+# The split layout's export VM exports, then goes: the model published, or kept for a person's answer.
+EXPORT_VM = {
+    False: (("install_maxtext_export", "export_and_publish", "delete_export_vm"),),
+    True: (("install_maxtext_export", "export_and_keep", "delete_export_vm"),),
+}
+# With approval (split layout only): the export kept, then the answer, asked once every VM of the run is gone;
+# once approved, the publish VM publishes the kept export.
 APPROVAL_WIRING = (
-    ("quality_gate", "export_and_keep", "approve_publish", "create_pub_vm", "install_maxtext_pub",
-     "export_and_publish", "delete_pub_vm"),
-    (("delete_tpu_vm", "delete_cpu_vm"), "approve_publish"),
+    ("export_and_keep", "approve_publish", "create_pub_vm", "install_maxtext_pub", "export_and_publish",
+     "delete_pub_vm"),
+    (("delete_tpu_vm", "delete_cpu_vm", "delete_export_vm"), "approve_publish"),
 )
 
 # Each VM's teardown (its delete) and its setups (its create and its install): clearing a step (a re-run of
-# train or of the export) clears the setups in its scope, so the fresh VMs get MaxText too. A setup is
+# train or of the export) clears the setups in its scope, so the fresh VMs get MaxText too (clearing the export
+# re-creates the export VM only: the conversion's VM is out of its scope). A setup is
 # followed by all_success tasks only: a failed install reaches the watcher as its steps' upstream_failed. A
 # teardown runs unless its run was skipped (nothing changed, no VM made), a failed create included: it may
 # have inserted its VM.
 TEARDOWNS = {
     "delete_tpu_vm": ("create_tpu_vm", "install_maxtext"),
     "delete_cpu_vm": ("create_cpu_vm", "install_maxtext_cpu"),
+    "delete_export_vm": ("create_export_vm", "install_maxtext_export"),
     "delete_pub_vm": ("create_pub_vm", "install_maxtext_pub"),
 }
 
@@ -431,7 +457,7 @@ def _wire(tasks: dict[str, BaseOperator], cfg: PipelineConfig) -> None:
     body = [tasks[t] for t in BODY if t in tasks]
     lines = WIRING[cfg.layout]
     if cfg.layout == "split":
-        lines += CPU_VM_END[cfg.approval] + (APPROVAL_WIRING if cfg.approval else ())
+        lines += EXPORT_VM[cfg.approval] + (APPROVAL_WIRING if cfg.approval else ())
     for line in lines:
         chain(*(body if link == "body" else _linked(tasks, link) for link in line))
     for teardown_id, setup_ids in TEARDOWNS.items():
@@ -517,7 +543,7 @@ SLICE_CREATE_ARGUMENTS = (
 
 
 def _creating_cpu_vm(cfg: PipelineConfig, kind: str) -> dict[str, Any]:
-    """The create of a CPU VM (``kind`` ``cpu``: the conversion and the export; ``pub``: an approved publish)."""
+    """The create of a CPU VM (``kind``: ``cpu`` the conversion's, ``export``, ``pub`` an approved publish's)."""
     return {
         "name_prefix": kind,
         "max_tpu_vms": None,  # a CPU VM: not under the TPU cap
@@ -547,13 +573,23 @@ def _publishing(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _whole_run(cfg: PipelineConfig) -> timedelta:
-    """The longest a run may take: its place's wait, the conversion's, its VM's lifetime and a person's answer."""
+    """The longest a run may take: its place's wait, the conversion's, its VMs' lifetime and a person's answer."""
     return (
         _place_wait(cfg)
         + _conversion_wait(cfg)
         + cfg.timeouts.vm_lifetime(cfg.retries, MAX_RETRY_DELAY)
+        + _later_vms_wait(cfg)
         + _approval_wait(cfg)
     )
+
+
+def _later_vms_wait(cfg: PipelineConfig) -> timedelta:
+    """The making of the CPU VMs after the training: the export's (and with approval the publish's) create and install.
+
+    Their steps are counted in ``vm_lifetime``."""
+    if cfg.layout != "split":
+        return timedelta(0)
+    return (cfg.timeouts.create + cfg.timeouts.install) * (2 if cfg.approval else 1)
 
 
 def _approval_wait(cfg: PipelineConfig) -> timedelta:
