@@ -1,7 +1,8 @@
-"""The TPU cap counts VMs, not tasks: a create takes a place in its line before it inserts, waiting in the triggerer.
+"""The TPU cap counts chips, not tasks: a create takes a place in its line before it inserts, waiting in the triggerer.
 
-It waits in line (``recipes/places.py``) until a place is free; a fully used reservation is waited for too; a wait
-that times out fails having created nothing."""
+It waits in line (``recipes/places.py``) until a place is free, however long the runs ahead train; a place whose
+holder is gone is given back; a fully used reservation is waited for up to max_wait_for_capacity, then the create
+fails having created nothing."""
 
 from __future__ import annotations
 
@@ -26,17 +27,21 @@ from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
     create = TpuVmCreateOperator(
         task_id="create_tpu_vm", zones=["us-east5-b"], reservation={reservation!r}, poll_interval=0.5,
-        max_tpu_vms={cap!r}, max_wait_for_capacity={wait!r}, capacity_claims={claims!r},
+        {cap_key}={cap!r}, max_wait_for_capacity={wait!r}, capacity_claims={claims!r},
     )
     delete = TpuDeleteOperator(task_id="delete_tpu_vm", zones=["us-east5-b"], poll_interval=0.2)
     create >> delete.as_teardown(setups=create)
 """
 
 
+CHIPS = 8  # a v6e-8 VM's (the default accelerator_type)
+
+
 def cap_dag(
-    dag_id: str, cap: int | None = 1, wait: int = 60, reservation: str = "my-reservation", claims: str | None = None
+    dag_id: str, cap: int | None = CHIPS, wait: int = 60, reservation: str = "my-reservation", claims: str | None = None,
+    cap_key: str = "max_tpu_chips",
 ) -> str:
-    return CAP_DAG.format(dag_id=dag_id, cap=cap, wait=wait, reservation=reservation, claims=claims)
+    return CAP_DAG.format(dag_id=dag_id, cap=cap, wait=wait, reservation=reservation, claims=claims, cap_key=cap_key)
 
 
 def _client(emulator):
@@ -48,12 +53,15 @@ def _client(emulator):
 
 
 def hold_place(
-    emulator, name: str, reservation: str = "my-reservation", claims: str | None = None, key: str | None = None
+    emulator, name: str, reservation: str = "my-reservation", claims: str | None = None, key: str | None = None,
+    expires_at: int = 2**31, vm: bool = True, cap: int = CHIPS,
 ) -> None:
     """Another run's TPU VM in the same line (as its create would have made it), RUNNING.
 
     With ``claims``, its create took its place in the line first, as every create under a cap does; without, it
-    holds none (a VM made by a create that took no place). ``key``: the line's, when not the VM's own."""
+    holds none (a VM made by a create that took no place). ``key``: the line's, when not the VM's own. ``vm``
+    False: the place alone, its VM gone (its run ended without its teardown), expiring at ``expires_at``. ``cap``:
+    the line's, in chips (the VM holds 8)."""
     from google.cloud import compute_v1
 
     from airflow_tpu_posttrain.recipes.compute import TpuVmSpec, instance_body
@@ -63,12 +71,14 @@ def hold_place(
     if claims:
         other = places.Request(
             claim=name, run="posttrain_rl__other/scheduled__other", deployment="other", started="2026-12-01T00:00:00+00:00",
-            logical_date="2026-12-01T00:00:00+00:00", expires_at=2**31,
+            logical_date="2026-12-01T00:00:00+00:00", expires_at=expires_at, size=CHIPS,
         )
         taken = StoredRecordHook().change(
-            places.line_uri(claims, key), lambda line: places.ask(line, other, 1, datetime.now(UTC).isoformat())
+            places.line_uri(claims, key), lambda line: places.ask(line, other, cap, datetime.now(UTC).isoformat())
         )
         assert taken.granted
+    if not vm:
+        return
     labels = {capacity.GROUP_LABEL: capacity.group_label(key)}
     metadata = {"airflow-dag-id": "posttrain_rl__other", "airflow-run-id": "scheduled__other"}
     body = instance_body(spec, name, "us-east5-b", labels, metadata)
@@ -132,15 +142,15 @@ def test_create_waits_in_line_holding_no_vm(emulator, capacity_claims, run_dag, 
     assert dr.state == "success", task_states(dr)
     logs = "".join(capfd.readouterr())
     assert "Waiting for TPU capacity, #1 in line" in logs
-    assert "1 of 1 in use by posttrain_rl__other/scheduled__other (tpu-other-run)" in logs
-    assert "Took a place under the cap of 1 TPU VMs" in logs and "Gave back the place of tpu-" in logs
+    assert "8 of 8 TPU chips in use by posttrain_rl__other/scheduled__other (tpu-other-run, 8 chips)" in logs
+    assert "Took a place of 8 TPU chips under the cap of 8" in logs and "Gave back the place of tpu-" in logs
     assert max(counts) == 1  # never our VM beside the other run's
     assert len(inserts(emulator)) == 2  # the other run's, then ours once it had ended
     assert no_instances_within(emulator)
     assert StoredRecordHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}  # the delete gave it back
     fault_matrix.record(
         "capacity: cap of 1 reached -> create waits in line in the triggerer, then creates", True, dr.state, None,
-        log_excerpt(logs, "1 of 1 in use by"),
+        log_excerpt(logs, "8 of 8 TPU chips in use by"),
     )
 
 
@@ -153,7 +163,7 @@ def test_a_vm_that_holds_no_place_counts_against_the_cap(emulator, capacity_clai
     stop.set()
     assert dr.state == "success", task_states(dr)
     logs = "".join(capfd.readouterr())
-    assert "1 of 1 in use by a VM that holds no place (tpu-other-run)" in logs
+    assert "8 of 8 TPU chips in use by a VM that holds no place (tpu-other-run, 8 chips)" in logs
     assert max(counts) == 1 and len(inserts(emulator)) == 2
     assert no_instances_within(emulator)
     fault_matrix.record(
@@ -163,24 +173,49 @@ def test_a_vm_that_holds_no_place_counts_against_the_cap(emulator, capacity_clai
 
 
 def test_a_cap_without_a_place_to_take_it_fails_naming_the_field(emulator, run_dag, capfd):
-    dr = run_dag("cap_noclaims", cap_dag("cap_noclaims"))
+    dr = run_dag("cap_noclaims", cap_dag("cap_noclaims", cap=1, cap_key="max_tpu_vms"))
     assert task_states(dr)["create_tpu_vm"] == "failed" and inserts(emulator) == []
     logs = "".join(capfd.readouterr())
     assert "capacity_claims=None: is needed with max_tpu_vms=1" in logs and "Fix: give a gs://" in logs
 
 
-def test_wait_for_capacity_times_out_having_created_nothing(emulator, capacity_claims, run_dag, capfd, fault_matrix):
+def test_first_in_line_behind_a_training_run_waits_past_max_wait_for_capacity(
+    emulator, capacity_claims, run_dag, capfd, fault_matrix
+):
+    """The run ahead trains for longer than max_wait_for_capacity (3 s here): the next waits, then creates."""
     hold_place(emulator, "tpu-other-run", claims=capacity_claims)
-    dr = run_dag("cap_timeout", cap_dag("cap_timeout", wait=8, claims=capacity_claims))
-    assert task_states(dr)["create_tpu_vm"] == "failed" and dr.state == "failed"
+    release_when_waiting(emulator, "tpu-other-run", 10, f"labels.{capacity.GROUP_LABEL} =", line_of(capacity_claims))
+    started = time.monotonic()
+    dr = run_dag("cap_long", cap_dag("cap_long", wait=3, claims=capacity_claims))
+    took = time.monotonic() - started
+    assert dr.state == "success", task_states(dr)
     logs = "".join(capfd.readouterr())
-    assert "No TPU capacity for" in logs and "within 8 s" in logs and "Nothing was created" in logs
-    assert [i["name"] for i in emulator.instances()] == ["tpu-other-run"]
-    assert len(inserts(emulator)) == 1
-    assert list(StoredRecordHook().read(line_of(capacity_claims))["holders"]) == ["tpu-other-run"]  # out of line
+    assert "Waiting for TPU capacity, #1 in line" in logs and "No TPU capacity" not in logs
+    assert len(inserts(emulator)) == 2 and no_instances_within(emulator)
     fault_matrix.record(
-        "capacity: first in line for max_wait_for_capacity -> fails, nothing created, out of line", None, dr.state,
-        None, log_excerpt(logs, "No TPU capacity for"),
+        "capacity: first in line behind a live holder for longer than max_wait_for_capacity -> keeps waiting, "
+        "creates once the holder leaves", True, dr.state, None,
+        f"waited past the 3 s bound behind a 10 s holder; run took {took:.0f} s",
+    )
+
+
+def test_a_place_whose_holder_is_gone_and_expired_is_given_back_by_the_next_in_line(
+    emulator, capacity_claims, run_dag, capfd, fault_matrix
+):
+    """A run ended without its teardown (its VM reaped): its place, expired, goes to the next in line."""
+    from airflow_tpu_posttrain.triggers.places import HOLDER_GRACE_S
+
+    expired = int(time.time()) - HOLDER_GRACE_S - 60
+    hold_place(emulator, "tpu-dead-run", claims=capacity_claims, expires_at=expired, vm=False)
+    dr = run_dag("cap_dead", cap_dag("cap_dead", wait=3, claims=capacity_claims))
+    assert dr.state == "success", task_states(dr)
+    logs = "".join(capfd.readouterr())
+    assert "Gave back the place of tpu-dead-run" in logs and f"expired at {expired}" in logs
+    assert len(inserts(emulator)) == 1 and no_instances_within(emulator)
+    assert StoredRecordHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}
+    fault_matrix.record(
+        "capacity: a place held by a gone, expired holder -> given back by the next in line, which creates", True,
+        dr.state, None, log_excerpt(logs, "Gave back the place of tpu-dead-run"),
     )
 
 
@@ -359,4 +394,30 @@ def test_three_dags_at_once_never_hold_more_vms_than_the_cap(emulator, capacity_
     fault_matrix.record(
         "capacity: two runs, reservation of 1 VM, no cap (real components)", True, "success", None,
         f"never more than 1 VM RUNNING over {len(reserved)} samples; the second waited for the reservation",
+    )
+
+
+def test_a_vm_granted_after_a_wait_in_line_expires_its_whole_life_after_it_is_made(
+    emulator, capacity_claims, run_dag, capfd, fault_matrix
+):
+    """Its expires-at label and its ssh-keys' expireOn count max_run_duration from its insert, not from the request."""
+    hold_place(emulator, "tpu-other-run", claims=capacity_claims)
+    release_when_waiting(emulator, "tpu-other-run", 8, f"labels.{capacity.GROUP_LABEL} =", line_of(capacity_claims))
+    create_only = cap_dag("cap_expiry", claims=capacity_claims).replace(
+        "poll_interval=0.5,", "poll_interval=0.5, max_run_duration=3600,"
+    ).split("    delete = ")[0]
+    requested = time.time()
+    dr = run_dag("cap_expiry", create_only)
+    assert dr.state == "success", task_states(dr)
+    [vm] = [i for i in emulator.instances() if i["name"].startswith("tpu-cap-expiry")]
+    made = datetime.fromisoformat(vm["creationTimestamp"]).timestamp()
+    expires_at = int(vm["labels"]["expires-at"])
+    [keys] = [item["value"] for item in vm["metadata"]["items"] if item["key"] == "ssh-keys"]
+    expire_on = datetime.strptime(json.loads(keys.split(" google-ssh ", 1)[1])["expireOn"], "%Y-%m-%dT%H:%M:%S%z")
+    assert made - requested > 7  # it waited in line
+    assert abs(expires_at - (made + 3600)) <= 2 and expire_on.timestamp() == expires_at
+    fault_matrix.record(
+        "capacity: a VM granted after a wait in line -> expires max_run_duration after its insert (label, ssh-keys)",
+        None, dr.state, None,
+        f"waited {made - requested:.0f} s; expires-at - creation = {expires_at - made:.0f} s (max_run_duration 3600)",
     )

@@ -19,6 +19,7 @@ def request(claim: str, started: str = "2026-12-06T11:00:00+00:00", logical_date
     return places.Request(
         claim=claim, run=f"dag/{claim}", deployment=more.get("deployment", "prod"), started=started,
         logical_date=logical_date or started, expires_at=more.get("expires_at", int(NOW.timestamp()) + 3600),
+        size=more.get("size", 1),
     )
 
 
@@ -30,8 +31,8 @@ def test_one_place_goes_to_the_first_and_the_next_waits_in_line():
     line, first = places.ask({}, request("tpu-a"), 1, at(0))
     assert first.granted
     line, second = places.ask(line, request("tpu-b"), 1, at(1))
-    assert (second.granted, second.position, second.first_since) == (False, 1, at(1))
-    assert second.holders == ["dag/tpu-a (tpu-a)"] and second.describe(1) == "1 of 1 in use by dag/tpu-a (tpu-a)"
+    assert (second.granted, second.position) == (False, 1)
+    assert second.describe(1) == "1 of 1 TPU chips in use by dag/tpu-a (tpu-a, 1 chips)"
     line, again = places.ask(line, request("tpu-a"), 1, at(2))  # a retried create keeps its place
     assert again.granted
     line, held = places.release(line, "tpu-a")
@@ -50,7 +51,7 @@ def test_the_line_is_served_in_the_order_runs_started_then_by_logical_date():
         assert not answer.granted
     # A run that started later waits behind them all, though its logical date is older.
     line, late = places.ask(line, request("tpu-late", "2026-12-06T11:00:02+00:00", "2025-01-01T00:00:00+00:00"), 1, at(4))
-    assert late.position == 4 and late.ahead == ["dag/tpu-d1 (tpu-d1)", "dag/tpu-d2 (tpu-d2)", "dag/tpu-d3 (tpu-d3)"]
+    assert late.position == 4 and late.ahead == [f"dag/{d} ({d}, 1 chips)" for d in ("tpu-d1", "tpu-d2", "tpu-d3")]
     line, _ = places.release(line, "tpu-holder")
     served = []
     for _ in backfill:
@@ -75,30 +76,20 @@ def test_runs_started_across_the_autumn_clock_change_are_served_in_the_order_the
     )
 
 
-def test_a_vm_holding_no_place_counts_as_one_and_a_slice_counts_once():
-    def vm(name, group=None, status="RUNNING"):
+def test_a_vm_holding_no_place_counts_its_chips_and_a_slice_counts_all_its_vms():
+    def vm(name, group=None, status="RUNNING", machine_type="ct6e-standard-4t"):
         items = [{"key": "created-by", "value": f"projects/p/zones/z/instanceGroupManagers/{group}"}] if group else []
-        return {"name": name, "status": status, "metadata": {"items": items}}
+        return {"name": name, "status": status, "metadata": {"items": items}, "machineType": f"zones/z/machineTypes/{machine_type}"}
 
     live = capacity.live_places(
-        [vm(f"tpu-s-00{i}", "tpu-s") for i in range(4)] + [vm("tpu-old"), vm("tpu-gone", status="TERMINATED")]
+        [vm(f"tpu-s-00{i}", "tpu-s") for i in range(4)]
+        + [vm("tpu-old", machine_type="ct6e-standard-8t"), vm("tpu-gone", status="TERMINATED")]
     )
-    assert live == ["tpu-old", "tpu-s"]
-    line, answer = places.ask({}, request("tpu-new"), 2, at(0), unclaimed=live)
-    assert not answer.granted and "a VM that holds no place (tpu-old)" in answer.describe(2)
-    line, answer = places.ask({}, request("tpu-new"), 3, at(0), unclaimed=live)
+    assert live == {"tpu-old": 8, "tpu-s": 16}  # a slice of 4 VMs of 4 chips holds 16, never one
+    line, answer = places.ask({}, request("tpu-new", size=8), 31, at(0), unclaimed=live)
+    assert not answer.granted and "a VM that holds no place (tpu-old, 8 chips)" in answer.describe(31)
+    line, answer = places.ask({}, request("tpu-new", size=8), 32, at(0), unclaimed=live)
     assert answer.granted
-
-
-def test_the_bound_counts_only_while_first_in_line():
-    line, _ = places.ask({}, request("tpu-a"), 1, at(0))
-    line, b = places.ask(line, request("tpu-b", "2026-12-06T11:00:01+00:00"), 1, at(0))
-    line, c = places.ask(line, request("tpu-c", "2026-12-06T11:00:02+00:00"), 1, at(0))
-    assert (b.first_since, c.first_since) == (at(0), None)
-    line, _ = places.release(line, "tpu-a")
-    line, b = places.ask(line, request("tpu-b", "2026-12-06T11:00:01+00:00"), 1, at(100))
-    line, c = places.ask(line, request("tpu-c", "2026-12-06T11:00:02+00:00"), 1, at(101))
-    assert b.granted and c.first_since == at(101)  # first from the moment b took the place, not from its asking
 
 
 def test_a_waiting_create_that_stopped_asking_is_dropped_from_the_line():
@@ -121,9 +112,6 @@ def test_a_waiting_create_writes_the_line_once_per_refresh_not_per_poll():
 
 def test_keys_name_the_line_a_vm_competes_in():
     assert places.line_key("p", "us-east5-b", None, "ct6e-standard-8t") == "p/us-east5-b-ct6e"
-    # One per zone, a block of a shared one: a line is the set of reservations, however they are named.
-    per_zone = "us-east5-a=r2,us-east5-b=projects/host-project/reservations/r1/reservationBlocks/b1"
-    assert places.line_key("p", "us-east5-a", per_zone, "x") == places.line_key("p", "us-east5-b", "r1,r2", "y")
     assert places.line_key("p", "z", "r", "x") == "p/reservation-r"
     assert capacity.group_label("p/z-e2", "tpu") != capacity.group_label("p/z-e2", "cpu")  # a CPU VM never counts
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import PROJECT, compute_clients
+from conftest import PROJECT, compute_clients, log_excerpt
 from test_capacity import hold_place, release_when_waiting
 from test_tpu_vm_operators import task_states, xcom
 
@@ -22,7 +22,7 @@ from airflow_tpu_posttrain.operators.tpu_slice import TpuSliceCreateOperator, Tp
 with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
     create = TpuSliceCreateOperator(
         task_id="create_tpu_vm", zone="us-east5-b", accelerator_type={accelerator!r},
-        reservation="slice-reservation", poll_interval=0.2, max_wait_for_capacity={wait}, max_tpu_vms={cap!r},
+        reservation="slice-reservation", poll_interval=0.2, max_wait_for_capacity={wait}, {cap_key}={cap!r},
         capacity_claims={claims!r}, network={network!r}, subnetwork={subnetwork!r},
     )
 
@@ -46,11 +46,11 @@ with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=Fal
 
 def slice_dag(
     dag_id: str, accelerator: str = "v6e-16", wait: int = 60, cap: int | None = None, claims: str | None = None,
-    network: str = "default", subnetwork: str | None = None,
+    network: str = "default", subnetwork: str | None = None, cap_key: str = "max_tpu_chips",
 ) -> str:
     return SLICE_DAG.format(
         dag_id=dag_id, accelerator=accelerator, wait=wait, cap=cap, claims=claims, network=network,
-        subnetwork=subnetwork,
+        subnetwork=subnetwork, cap_key=cap_key,
     )
 
 
@@ -162,6 +162,23 @@ def test_the_reaper_ends_a_slice_left_behind_whole_then_its_template_and_policy(
         time.sleep(0.2)
 
 
+def test_a_slice_larger_than_the_cap_is_refused_before_anything_is_made(
+    sliced, capacity_claims, run_dag, capfd, fault_matrix
+):
+    """max_tpu_vms=1 (deprecated: VMs of 4 chips) admits 4 chips: a slice of 4 VMs (16 chips) is refused, naming it."""
+    dr = run_dag("slice_over", slice_dag("slice_over", cap=1, claims=capacity_claims, cap_key="max_tpu_vms"))
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "max_tpu_vms=1: admits 4 TPU chips at once, fewer than the 16 of this create's 4 VM(s)" in logs
+    assert "Fix: raise max_tpu_vms to at least 4" in logs
+    assert not [r for r in sliced.requests if r["method"] == "POST"]  # nothing made, nothing asked of Compute
+    assert StoredRecordHook().lines(capacity_claims) == []  # not in any line
+    fault_matrix.record(
+        "capacity: a slice of 16 chips (4 VMs) under max_tpu_vms=1 -> refused before anything is made, naming the cap",
+        None, dr.state, None, log_excerpt(logs, "admits 4 TPU chips"),
+    )
+
+
 def test_a_slice_waits_in_line_for_its_place_having_made_nothing(sliced, capacity_claims, run_dag, capfd):
     """Another run's VM holds the line's one place: the slice's create waits, then makes the slice.
 
@@ -170,13 +187,13 @@ def test_a_slice_waits_in_line_for_its_place_having_made_nothing(sliced, capacit
     sliced.add_reservation("other-reservation", "us-east5-b", 1)
     key = places.line_key(PROJECT, "us-east5-b", "slice-reservation", "ct6e-standard-4t")
     line = places.line_uri(capacity_claims, key)
-    hold_place(sliced, "tpu-other-run", reservation="other-reservation", claims=capacity_claims, key=key)
+    hold_place(sliced, "tpu-other-run", reservation="other-reservation", claims=capacity_claims, key=key, cap=16)
     release_when_waiting(sliced, "tpu-other-run", 3, f"labels.{capacity.GROUP_LABEL} =", line)
-    dr = run_dag("slice_cap", slice_dag("slice_cap", cap=1, claims=capacity_claims))
+    dr = run_dag("slice_cap", slice_dag("slice_cap", cap=16, claims=capacity_claims))
     assert dr.state == "success", task_states(dr)
     logs = "".join(capfd.readouterr())
-    assert "Waiting for TPU capacity, #1 in line" in logs
-    assert "1 of 1 in use by posttrain_rl__other/scheduled__other (tpu-other-run)" in logs
+    assert "Waiting for TPU capacity, #1 in line" in logs and "for 16 TPU chips" in logs  # its 4 VMs' chips
+    assert "8 of 16 TPU chips in use by posttrain_rl__other/scheduled__other (tpu-other-run, 8 chips)" in logs
     # Nothing of the slice was made while the other run's VM lived: its VM's delete came before the slice's policy.
     paths = [(r["method"], r["path"]) for r in sliced.requests]
     released = paths.index(("DELETE", f"/compute/v1/projects/{PROJECT}/zones/us-east5-b/instances/tpu-other-run"))

@@ -94,9 +94,14 @@ def max_run_duration_s(explicit: timedelta | int | None, context: Context) -> in
     return int(DEFAULT_MAX_RUN_DURATION.total_seconds())
 
 
+def vm_lifetime_s(spec: compute.TpuVmSpec) -> int:
+    """How long the VM (and the key that lets Airflow in) lives, from its insert: its expiry is set then."""
+    return spec.max_run_duration_s or int(DEFAULT_MAX_RUN_DURATION.total_seconds())
+
+
 def vm_expires_at(spec: compute.TpuVmSpec) -> int:
-    """When the VM (and the key that lets Airflow in) expires."""
-    return compute.expiry(spec.max_run_duration_s, int(DEFAULT_MAX_RUN_DURATION.total_seconds()))
+    """When the VM would expire if it were made now: what a body carries until its create sets it at the insert."""
+    return compute.expiry(spec.max_run_duration_s, vm_lifetime_s(spec))
 
 
 def request_id(context: Context, *parts: object) -> str:

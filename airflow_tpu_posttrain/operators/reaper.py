@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 
-def _status_code(err: Exception) -> int | None:
+def status_code(err: Exception) -> int | None:
     """The HTTP status of Airflow's answer.
 
     A task sees the Execution API's error as an ``AirflowRuntimeError`` from its supervisor, or (in-process,
@@ -88,7 +88,7 @@ class TpuVmReaperOperator(ComputeOperator):
             # A worker's task SDK answers its own DagRunState, a str Enum whose str() is "DagRunState.RUNNING".
             return str(getattr(state, "value", state))
         except Exception as err:  # noqa: BLE001 - any failure but a 404 leaves the state unknown, never "gone"
-            if _status_code(err) == 404:
+            if status_code(err) == 404:
                 self.log.info("No DAG run %s / %s (Airflow answered 404)", dag_id, run_id)
                 return reaper.RUN_ABSENT
             self.log.warning("Cannot read the state of DAG run %s / %s: %s", dag_id, run_id, err)

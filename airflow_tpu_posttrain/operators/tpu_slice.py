@@ -23,9 +23,10 @@ from airflow_tpu_posttrain.operators.compute_base import (
     max_run_duration_s,
     seconds,
     vm_expires_at,
+    vm_lifetime_s,
 )
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
-from airflow_tpu_posttrain.recipes import capacity, compute, cost, places, slices, validation
+from airflow_tpu_posttrain.recipes import capacity, compute, cost, places, slices
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
 from airflow_tpu_posttrain.recipes.validation import SpecError
@@ -61,14 +62,17 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
     :param ssh_conn_id: the SSH connection the steps use; its login and public key go into the template's
         ``ssh-keys`` metadata, so every VM of the slice takes it.
     :param ready_timeout: how long the RUNNING VMs may take to publish their host keys and answer on SSH.
-    :param max_tpu_vms: how many places of the slice's line (the reservation, else the zone and the machine
-        series) TPU VMs and slices may hold at once, across DAGs and deployments: a slice holds one place, however
-        many VMs it has. The create waits in line in the triggerer, first come first served (``recipes/places.py``);
-        None (the default): no cap. Needs ``capacity_claims``.
+    :param max_tpu_chips: how many TPU chips the VMs of the slice's line (the zone's reservation, else the zone and
+        the machine series) may hold at once, across DAGs and deployments: the slice takes all its chips (a v6e-16
+        takes 16), never one place for its VMs. The create waits in line in the triggerer, first come first served
+        (``recipes/places.py``); a slice larger than the cap is refused before anything is made. None (the
+        default): no cap. Needs ``capacity_claims``.
+    :param max_tpu_vms: deprecated, use ``max_tpu_chips``: the cap in VMs (times the slice's chips per VM); the
+        slice takes one for each of its VMs.
     :param capacity_claims: the ``gs://`` location of the lines of places; every create under the same cap, in
         every deployment, must name the same location.
-    :param max_wait_for_capacity: how long to wait while first in line for a place under ``max_tpu_vms``, and then
-        for the whole slice's capacity (a timedelta or seconds); then the slice is deleted and the task fails.
+    :param max_wait_for_capacity: how long to wait for the whole slice's capacity once its place is taken (a
+        timedelta or seconds); then the slice is deleted and the task fails. The wait in line is not bounded by it.
     :param tags: network tags of every VM.
     :param boot_disk_size_gb: each VM's boot disk.
     :param image_project: the boot image's project.
@@ -118,6 +122,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         network_path: str = "external",
         ssh_conn_id: str = SSH_CONN_ID,
         ready_timeout: timedelta = timedelta(minutes=10),
+        max_tpu_chips: int | None = None,
         max_tpu_vms: int | None = None,
         capacity_claims: str | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
@@ -143,6 +148,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         self.network_path = network_path
         self.ssh_conn_id = ssh_conn_id
         self.ready_timeout = ready_timeout
+        self.max_tpu_chips = max_tpu_chips
         self.max_tpu_vms = max_tpu_vms
         self.capacity_claims = capacity_claims
         self.max_wait_for_capacity = max_wait_for_capacity
@@ -174,7 +180,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                 raise SpecError(
                     "network_path", self.network_path, "is not served for a slice", "use 'internal' or 'external'"
                 )
-            validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
+            self._cap()
             return compute.TpuVmSpec(
                 project_id=self.project,
                 zones=(self.zone,),
@@ -196,6 +202,11 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
             )
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
+
+    def _cap(self) -> places.Cap | None:
+        """The cap the slice asks under, and its size (all its VMs' chips); None: no cap."""
+        shape = accelerator(self.accelerator_type)
+        return places.cap_of(self.max_tpu_chips, self.max_tpu_vms, self.capacity_claims, shape.chips_per_vm, shape.vms)
 
     def _name(self, context: Context) -> str:
         return self.instance_name or compute.instance_name(
@@ -225,17 +236,22 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
         name = self._name(context)
         requested_at = time.time()
         key = places.line_key(spec.project_id, self.zone, spec.reservation, spec.machine_type)
-        claims = validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
-        line = places.line_uri(claims, key) if claims else None
+        cap = self._cap()
+        if self.max_tpu_vms is not None:
+            self.log.warning(
+                "max_tpu_vms is deprecated: give max_tpu_chips=%s (the TPU chips of %s VM(s) of %s)",
+                cap.chips, self.max_tpu_vms, spec.machine_type,
+            )
+        line = places.line_uri(cap.claims, key) if cap else None
         self._record(context, name, status="CREATING", place_lines={self.zone: line} if line else None)
-        expires_at = vm_expires_at(spec)
+        expires_at = vm_expires_at(spec)  # were it made now: the trigger sets it when the slice's place is granted
         labels = compute.ownership_labels(
             context["dag"].dag_id, context["run_id"], self.task_id, expires_at, deployment_id()
         )
         group = capacity.group_label(key, self.name_prefix)
         labels[capacity.GROUP_LABEL] = group
         metadata = {"airflow-dag-id": context["dag"].dag_id, "airflow-run-id": context["run_id"]}
-        ssh_keys, _, login = self._authorize_key(spec, vm_expires_at(spec))
+        ssh_keys, _, login = self._authorize_key(spec, expires_at)
         bodies = slices.slice_bodies(spec, name, self.zone, labels, metadata, ssh_keys)
         self.log.info(
             "Requesting slice %s (%s: %d VMs of %s, %s) in %s, from the triggerer",
@@ -252,10 +268,11 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                 network_path=self.network_path,
                 ssh_port=self._ssh_port(),
                 group=group,
-                cap=self.max_tpu_vms,
+                cap=cap.chips if cap else None,
                 line=line,
-                request=places.request_of(context["dag_run"], bodies.group["name"], deployment_id(), expires_at)
-                if line else None,
+                request=places.request_of(context["dag_run"], bodies.group["name"], deployment_id(), cap.size)
+                if cap else None,
+                lifetime_s=vm_lifetime_s(spec),
                 capacity_wait=float(seconds(self.max_wait_for_capacity) or 0),
                 ready_timeout=self.ready_timeout.total_seconds(),
                 state={
@@ -267,7 +284,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
             method_name="execute_complete",
             timeout=self.wait_timeout
             + timedelta(seconds=seconds(self.max_wait_for_capacity) or 0)
-            + (timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if self.max_tpu_vms is not None else timedelta(0))
+            + (timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if cap is not None else timedelta(0))
             + self.ready_timeout
             + timedelta(minutes=5),
         )
@@ -320,11 +337,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
     def _failure(self, name: str, event: dict[str, Any]) -> Exception:
         reason, detail = event["reason"], event["detail"]
         if reason == "no-place":
-            return CapacityTimeoutError(
-                f"No place for slice {name} under max_tpu_vms={self.max_tpu_vms} within "
-                f"{seconds(self.max_wait_for_capacity)} s: {detail}. Nothing was created. Raise max_tpu_vms or "
-                "max_wait_for_capacity, or trigger the run later."
-            )
+            return InvalidInputError(f"{self.task_id}: invalid input: {detail}. Nothing was created.")
         if reason == "no-capacity":
             return CapacityTimeoutError(
                 f"No capacity for slice {name} ({self.accelerator_type}) within "

@@ -26,11 +26,12 @@ from airflow_tpu_posttrain.operators.compute_base import (
     max_run_duration_s,
     seconds,
     vm_expires_at,
+    vm_lifetime_s,
 )
 from airflow_tpu_posttrain.operators.just_in_time import JustInTimeMixin
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
 from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, places, validation
-from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, single_host
+from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator, single_host
 from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
@@ -88,16 +89,19 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     :param oslogin_user: the account whose OS Login profile gets the key (default: the Google Cloud
         connection's account, as ``gcloud compute ssh`` does).
     :param ready_timeout: how long a RUNNING VM may take to publish its host keys and answer on its SSH port.
-    :param max_tpu_vms: how many VMs may live at once per line of places (the reservation, else the zone and
-        machine series, in the project; a multi-host slice counts once), across DAGs and Airflow deployments: a
-        create takes a place in its zone's line before it inserts, waiting in line in the triggerer, holding no VM
-        (``recipes/places.py``). None (the default): no cap. Needs ``capacity_claims``.
+    :param max_tpu_chips: how many TPU chips (as quota and reservations count them: a v6e-8 VM holds 8) the VMs of
+        one line of places may hold at once (a zone's reservation, else the zone and machine series), across DAGs
+        and Airflow deployments: a create takes a place of its chips in its zone's line before it inserts, waiting in
+        line in the triggerer, first come first served, holding no VM (``recipes/places.py``). Every create sharing
+        a line must give the same cap. None (the default): no cap. Needs ``capacity_claims``.
+    :param max_tpu_vms: deprecated, use ``max_tpu_chips``: the cap in VMs of this create's size (``max_tpu_vms``
+        times its chips per VM).
     :param capacity_claims: the ``gs://`` location of the lines of places (one object per line); every create
         under the same cap, in every deployment, must name the same location.
-    :param max_wait_for_capacity: how long to wait while first in line for a place under ``max_tpu_vms``, or for a
-        fully used reservation (a timedelta or seconds); then the task fails, having created nothing. With
-        FLEX_START it is also how long Compute keeps the VM PENDING in its queue (``params.requestValidForDuration``,
-        at most 2 h).
+    :param max_wait_for_capacity: how long to wait for a fully used reservation (a timedelta or seconds); then the
+        task fails, having created nothing. A wait in line for a place under the cap is not bounded by it: the line
+        moves as the runs holding it end. With FLEX_START it is also how long Compute keeps the VM PENDING in its
+        queue (``params.requestValidForDuration``, at most 2 h).
     :param tags: network tags.
     :param max_run_duration: cloud-side backstop (``scheduling.maxRunDuration``, termination action DELETE).
         Default: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
@@ -156,6 +160,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         ssh_key_mode: str = "metadata",
         oslogin_user: str | None = None,
         ready_timeout: timedelta = timedelta(minutes=10),
+        max_tpu_chips: int | None = None,
         max_tpu_vms: int | None = None,
         capacity_claims: str | None = None,
         max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
@@ -187,6 +192,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         self.ssh_key_mode = ssh_key_mode
         self.oslogin_user = oslogin_user
         self.ready_timeout = ready_timeout
+        self.max_tpu_chips = max_tpu_chips
         self.max_tpu_vms = max_tpu_vms
         self.capacity_claims = capacity_claims
         self.max_wait_for_capacity = max_wait_for_capacity
@@ -232,7 +238,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                 metadata=dict(self.metadata or {}),
             )
             single_host("accelerator_type", spec.accelerator_type)
-            validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
+            self._cap(spec)
             if self.oslogin_user:
                 access.oslogin_user("oslogin_user", self.oslogin_user)
             return spec
@@ -267,10 +273,16 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         """Each zone's line of places (``recipes/places.py``): its key, whatever the cap."""
         return {zone: places.line_key(spec.project_id, zone, spec.reservation, spec.machine_type) for zone in spec.zones}
 
+    def _cap(self, spec: compute.TpuVmSpec) -> places.Cap | None:
+        """The cap this create asks under, and its size (the VM's chips); None: no cap."""
+        return places.cap_of(
+            self.max_tpu_chips, self.max_tpu_vms, self.capacity_claims, accelerator(spec.accelerator_type).chips, 1
+        )
+
     def _place_lines(self, spec: compute.TpuVmSpec) -> dict[str, str] | None:
         """Each zone's line object under ``capacity_claims``, where the create takes its place; None: no cap."""
-        claims = validation.capacity_claims(self.max_tpu_vms, self.capacity_claims)
-        return {zone: places.line_uri(claims, key) for zone, key in self._lines(spec).items()} if claims else None
+        cap = self._cap(spec)
+        return {zone: places.line_uri(cap.claims, key) for zone, key in self._lines(spec).items()} if cap else None
 
     def execute(self, context: Context) -> Any:
         spec = self._spec(context)
@@ -289,9 +301,15 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         from airflow_tpu_posttrain.triggers.create import TpuVmCreateTrigger
 
         requested_at = time.time()
+        cap = self._cap(spec)
+        if self.max_tpu_vms is not None:
+            self.log.warning(
+                "max_tpu_vms is deprecated: give max_tpu_chips=%s (the TPU chips of %s VM(s) of %s)",
+                cap.chips, self.max_tpu_vms, spec.accelerator_type,
+            )
         place_lines = self._place_lines(spec)
         self._record(context, spec, name, None, status="CREATING", place_lines=place_lines)
-        expires_at = vm_expires_at(spec)
+        expires_at = vm_expires_at(spec)  # were it made now: the trigger sets it when the VM's place is granted
         labels = compute.ownership_labels(
             context["dag"].dag_id, context["run_id"], self.task_id, expires_at, deployment_id()
         )
@@ -321,9 +339,10 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
                     "egress": [list(pair) for pair in compute.egress_subnetworks(spec)],
                 },
                 groups=groups,
-                cap=self.max_tpu_vms,
+                cap=cap.chips if cap else None,
                 lines=place_lines,
-                request=places.request_of(context["dag_run"], name, deployment_id(), expires_at) if place_lines else None,
+                request=places.request_of(context["dag_run"], name, deployment_id(), cap.size) if cap else None,
+                lifetime_s=vm_lifetime_s(spec),
                 capacity_wait=float(seconds(self.max_wait_for_capacity)),
                 oslogin=oslogin,
                 ssh_port=client_identity(self.ssh_conn_id).port,
@@ -338,7 +357,7 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
             # The trigger ends its own waits; this only backs them up.
             timeout=self.wait_timeout
             + timedelta(seconds=seconds(self.max_wait_for_capacity))
-            + (timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if self.max_tpu_vms is not None else timedelta(0))
+            + (timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if cap is not None else timedelta(0))
             + self.ready_timeout
             + timedelta(minutes=5),
         )
@@ -391,9 +410,8 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
             )
         if action is Action.FAIL_NO_CAPACITY:
             return CapacityTimeoutError(
-                f"No TPU capacity for {name} within {seconds(self.max_wait_for_capacity)} s "
-                f"({detail or f'reservation {spec.reservation} fully used'}). Nothing was created. Raise "
-                "max_wait_for_capacity or max_tpu_vms, or trigger the run later."
+                f"No TPU capacity for {name} within {seconds(self.max_wait_for_capacity)} s ({detail}). Nothing was "
+                "created. Raise max_wait_for_capacity, or trigger the run later."
             )
         if action is Action.FAIL_NO_ZONE_LEFT:
             return CapacityUnavailableError(

@@ -1,10 +1,11 @@
 """The TPU capacity cap's labels: which live VMs compete for the same places.
 
-Pure. Places under the cap are taken in a line per reservation, else per zone and machine series
-(``recipes/places.py``), before any insert. Every VM carries its line's label (and its role: a run's CPU VM never
-counts against TPU VMs), so the live VMs of a line are also found in Compute by that label: a VM there that holds
-no place in the line (made by a create that took none) counts as a place held. A multi-host slice holds one
-place, however many VMs it has: its VMs are counted together, by the managed instance group that made them.
+Pure. Places under the cap are taken in a line per pool of capacity (a zone's reservation, else the zone and
+machine series: ``recipes/places.py``), before any insert. Every VM carries its line's label (and its role: a
+run's CPU VM never counts against TPU chips), so the live VMs of a line are also found in Compute by that label: a
+VM there that holds no place in the line (made by a create that took none) counts as its chips held. A multi-host
+slice is one place of all its VMs' chips: its VMs are counted together, by the managed instance group that made
+them.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ def group_label(line_key: str, role: str = "tpu") -> str:
     return hashlib.sha256(f"{line_key}\0{role}".encode()).hexdigest()[:16]
 
 
-def reservation_names(reservation: str) -> list[str]:
-    """The names of the reservations ``reservation`` gives, in whatever form.
-
-    A name, a shared reservation's path, one of its blocks, one per zone: a line is the same reservations
-    however they are named."""
-    refs = (pair.rsplit("=", 1)[-1] for pair in reservation.split(","))
-    return sorted({re.sub(r"^projects/[^/]+/reservations/|/reservationBlocks/.*$", "", ref) for ref in refs})
+def chips_of_machine_type(machine_type: str) -> int:
+    """The TPU chips of one VM of ``machine_type`` (a name or its URL): ``ct6e-standard-8t`` has 8."""
+    found = re.search(r"-(\d+)t$", machine_type)
+    return int(found.group(1)) if found else 1
 
 
-def live_places(instances: Iterable[dict]) -> list[str]:
-    """The places the line's live instances hold, by name: a VM, or a multi-host slice's VMs as one (its group)."""
-    return sorted({slice_group_of(i) or i.get("name", "") for i in instances if i.get("status") in HOLDING_STATES})
+def live_places(instances: Iterable[dict]) -> dict[str, int]:
+    """The places the line's live instances hold, by name, with their TPU chips: a VM, or a slice's VMs as one."""
+    held: dict[str, int] = {}
+    for instance in instances:
+        if instance.get("status") in HOLDING_STATES:
+            place = slice_group_of(instance) or instance.get("name", "")
+            held[place] = held.get(place, 0) + chips_of_machine_type(instance.get("machineType", ""))
+    return dict(sorted(held.items()))

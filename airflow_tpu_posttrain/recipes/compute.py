@@ -438,6 +438,24 @@ def slice_firewall_body(spec: TpuVmSpec, instance: str) -> dict:
     }
 
 
+def expiring_at(body: dict, expires_at: int) -> dict:
+    """``body`` (an instance's, or an instance template's ``properties``) expiring at ``expires_at`` (epoch s).
+
+    Its ``expires-at`` label and the ``expireOn`` of each key in its ``ssh-keys``: set when the VM is made, so a
+    VM granted after a wait in line gets its whole life."""
+    items = []
+    for item in (body.get("metadata") or {}).get("items") or []:
+        if item.get("key") == "ssh-keys":
+            keys = []
+            for entry in str(item["value"]).splitlines():
+                login, _, rest = entry.partition(":")
+                keys.append(access.ssh_keys_metadata(login, rest.partition(" google-ssh ")[0], expires_at))
+            item = {**item, "value": "\n".join(keys)}
+        items.append(item)
+    labels = {**(body.get("labels") or {}), "expires-at": str(int(expires_at))}
+    return {**body, "labels": labels, **({"metadata": {**body["metadata"], "items": items}} if "metadata" in body else {})}
+
+
 def expiry(max_run_duration_s: int | None, default_s: int, now: float | None = None) -> int:
     """Unix time after which a reaper may delete the VM."""
     return int((now if now is not None else time.time()) + (max_run_duration_s or default_s))

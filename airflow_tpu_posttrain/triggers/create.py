@@ -25,7 +25,13 @@ from airflow_tpu_posttrain.triggers.compute import (
     not_ready_message,
     ssh_port_check,
 )
-from airflow_tpu_posttrain.triggers.places import give_place_back, take_place
+from airflow_tpu_posttrain.triggers.places import (
+    PlaceRefused,
+    give_place_back,
+    leave_line,
+    take_place,
+    timed_out,
+)
 
 if TYPE_CHECKING:
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
@@ -41,7 +47,6 @@ class _Ended(NamedTuple):
     status: str
     errors: list[dict]
     instance: dict | None = None
-    in_use: str = ""
     host_keys: dict[str, str] | None = None
 
 
@@ -58,11 +63,14 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     """Create a run's VM: find an earlier try's, else insert (zone by zone), then wait until it can be logged into.
 
     What it does, in order: refuse a network the VM cannot use (missing, custom-mode without ``subnetwork``, no
-    NAT or Private Google Access for a VM without an external IP); import the key into OS Login (``oslogin``); look for the instance of an earlier try in
+    NAT or Private Google Access for a VM without an external IP); look for the instance of an earlier try in
     each zone (reuse a live one, replace a dead one, never touch another deployment's); take a place under ``cap``
-    in the zone's line (``recipes/places.py``), waiting in line first come, first served; insert the SSH firewall
-    rule and the instance, moving to the next zone's line on a stock-out and waiting on a fully used reservation;
-    then wait for the VM's host keys and sshd. A failure deletes what the attempt left (the instance, if this
+    in the zone's line (``recipes/places.py``), waiting in line first come, first served, for as long as the line
+    moves or its holders are live runs; set the VM's expiry from then (``lifetime_s``: its label, its ``ssh-keys``)
+    and import the key into OS Login until then (``oslogin``); insert the SSH firewall rule and the instance, moving
+    to the next zone's line on a stock-out and waiting on a fully used reservation; then wait for the VM's host keys
+    and sshd. A wait cancelled (the task marked failed or cleared, the deferral timed out) leaves the line at once;
+    a triggerer that stops keeps it. A failure deletes what the attempt left (the instance, if this
     deployment's, and the firewall rule) and gives its place back before the event; the VM's delete gives it back
     otherwise (``TpuDeleteOperator``).
 
@@ -80,12 +88,15 @@ class TpuVmCreateTrigger(_OperationsTrigger):
     :param deployment: the Airflow deployment id the instance must be labelled with to be used or deleted.
     :param network_check: ``{"network", "subnetwork_given", "network_path", "egress": [[region, subnetwork]]}``.
     :param groups: the capacity label's value of each zone's line (``capacity.group_label``).
-    :param cap: ``max_tpu_vms`` of a line; None: no cap.
+    :param cap: the TPU chips a line's VMs may hold at once (``max_tpu_chips``); None: no cap.
     :param lines: each zone's line of places (``gs://`` object, ``hooks/stored_records.py``); with ``cap``.
-    :param request: the create's request for a place (``places.Request``'s fields); with ``cap``.
+    :param request: the create's request for a place (``places.request_of``: ``places.Request``'s fields but its
+        expiry); with ``cap``.
+    :param lifetime_s: the VM's life from its insert (its ``maxRunDuration``): its ``expires-at`` label, the
+        ``expireOn`` of its ``ssh-keys`` and its OS Login key's expiry are set from when its place is granted.
     :param capacity_wait: seconds to wait while first in line, or for a fully used reservation.
-    :param oslogin: ``ssh_key_mode="oslogin"``: ``{"user", "public_key", "expires_at"}``, the key to import into
-        the OS Login profile of ``user`` (None: the Google connection's account) before anything is created; the
+    :param oslogin: ``ssh_key_mode="oslogin"``: ``{"user", "public_key"}``, the key to import into the OS Login
+        profile of ``user`` (None: the Google connection's account) until the VM expires, before it is inserted; the
         event's ``ssh_login`` is then the POSIX login OS Login answers. None: the key is in the instance metadata.
     :param ssh_port: the port the VM's sshd must answer on.
     :param ready_timeout: seconds a RUNNING VM has to publish its host keys and answer on ``ssh_port``.
@@ -114,6 +125,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         reservation: str | None = None,
         lines: dict[str, str] | None = None,
         request: dict[str, Any] | None = None,
+        lifetime_s: int = 0,
         **common: Any,
     ) -> None:
         super().__init__(project_id, **common)
@@ -127,6 +139,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         self.cap = cap
         self.lines = lines
         self.request = request
+        self.lifetime_s = lifetime_s
         self.capacity_wait = capacity_wait
         self.oslogin = oslogin
         self.ssh_port = ssh_port
@@ -148,6 +161,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
             "cap": self.cap,
             "lines": self.lines,
             "request": self.request,
+            "lifetime_s": self.lifetime_s,
             "capacity_wait": self.capacity_wait,
             "oslogin": self.oslogin,
             "ssh_port": self.ssh_port,
@@ -164,6 +178,22 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         run = _CreateRun(self, self._hook(), lines, uuid.uuid4().hex)
         yield self._event(await run.walk())
 
+    async def on_kill(self) -> None:
+        """The task was marked failed, cleared or succeeded while this create waited: its wait leaves the line."""
+        await self._leave_line()
+
+    async def cleanup(self) -> None:
+        """The deferral timed out: the wait leaves the line. A triggerer that stops keeps it (asked again there)."""
+        if timed_out(getattr(self, "timeout_after", None)):
+            await self._leave_line()
+
+    async def _leave_line(self) -> None:
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
+
+        if self.cap is not None and self.lines:
+            lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+            await leave_line(lines, self.lines.values(), self.name, self.log)
+
 
 class _CreateRun:
     """One run of :class:`TpuVmCreateTrigger`: its hook, where the create stands, and the steps of each phase."""
@@ -177,6 +207,8 @@ class _CreateRun:
         self.nonce = nonce
         self.progress = Progress()
         self.in_play = False  # an instance of this run may exist: a failure from here on deletes it
+        self.expires_at: int | None = None  # set when the place is granted (or an earlier try's VM is found)
+        self.login: str | None = None  # the POSIX login OS Login answered, once the key is imported
         self.log = trigger.log
 
     @property
@@ -201,7 +233,6 @@ class _CreateRun:
         phase = Phase.CREATE
         try:
             await self._check_network()
-            login = await self._import_oslogin_key()
             ended = await self._start()
             if ended is None:
                 action = Action.INSERT
@@ -225,7 +256,7 @@ class _CreateRun:
                     self.progress = self.progress._replace(attempt=self.progress.attempt + 1)
                     ended = await self._wait_for_reservation()
                 elif action is Action.FAIL_NO_CAPACITY:
-                    raise _Failed(action, ended.in_use)
+                    raise _Failed(action, f"reservation {self.trigger.reservation} fully used")
                 else:
                     raise _Failed(action, compute.describe_errors(ended.errors))
                 phase = ended.phase
@@ -245,7 +276,7 @@ class _CreateRun:
             "zone": self.zone,
             "instance": ended.instance,
             "host_keys": ended.host_keys,
-            "ssh_login": login,
+            "ssh_login": self.login,
             "without_max_run_duration": self.progress.without_max_run_duration,
         }
 
@@ -280,21 +311,21 @@ class _CreateRun:
         if problem is not None:
             raise _Failed(Action.FAIL_INVALID_INPUT, str(problem))
 
-    async def _import_oslogin_key(self) -> str | None:
-        """``oslogin``: the key into the OS Login profile until the VM expires; the POSIX login it answers."""
+    async def _import_oslogin_key(self) -> None:
+        """``oslogin``: the key into the OS Login profile until the VM expires, once; the POSIX login it answers."""
         # The REST transport raises by HTTP status (Forbidden, Unauthorized), gRPC by canonical code.
         from google.api_core.exceptions import Forbidden, PermissionDenied, Unauthenticated, Unauthorized
 
         from airflow_tpu_posttrain.hooks.oslogin import OsLoginKeyAsyncHook
 
         request, trigger = self.trigger.oslogin, self.trigger
-        if not request:
-            return None
+        if not request or self.login is not None:
+            return
         hook = OsLoginKeyAsyncHook(gcp_conn_id=trigger.gcp_conn_id, impersonation_chain=trigger.impersonation_chain)
         user = request["user"] or await hook.account_email()
         try:
             login = await hook.import_key(
-                access.oslogin_user("oslogin_user", user), request["public_key"], request["expires_at"], self.project
+                access.oslogin_user("oslogin_user", user), request["public_key"], self.expires_at, self.project
             )
         except SpecError as err:
             raise _Failed(Action.FAIL_INVALID_INPUT, str(err)) from None
@@ -306,7 +337,7 @@ class _CreateRun:
                 "roles/compute.osAdminLogin on the project.",
             ) from None
         self.log.info("SSH key added to %s's OS Login profile until the VM expires; login %s", user, login)
-        return login
+        self.login = login
 
     async def _start(self) -> _Ended | None:
         """An earlier try's instance: wait for a live one, replace a dead one; None: there is none, insert."""
@@ -322,6 +353,9 @@ class _CreateRun:
             status = existing.get("status")
             if status in compute.LIVE_STATES:
                 self.log.info("Reusing instance %s in %s (status %s) from an earlier try", self.name, zone, status)
+                expires = str((existing.get("labels") or {}).get("expires-at", ""))
+                self.expires_at = int(expires) if expires.isdigit() else int(time.time()) + self.trigger.lifetime_s
+                await self._import_oslogin_key()
                 return await self._settled(Phase.WAIT, [], {"name": self.name, "zone": zone})
             self.log.info(
                 "Instance %s in %s is %s: deleting it before creating a fresh one", self.name, zone, status
@@ -336,30 +370,34 @@ class _CreateRun:
         return None
 
     # -- capacity -----------------------------------------------------------------------------------------
-    async def _live_places(self, zone: str) -> list[str]:
-        """The places the live VMs of ``zone``'s line hold (by their label), ours left out."""
+    async def _live_places(self, zone: str) -> dict[str, int]:
+        """The places the live VMs of ``zone``'s line hold (by their label) with their chips, ours left out."""
         label_filter = f"labels.{capacity.GROUP_LABEL} = {self.trigger.groups[zone]}"
         found = await self.trigger._poll(lambda: self.hook.list_instances(self.project, zone, label_filter))
-        return [name for name in capacity.live_places(found) if name != self.name]
+        return {name: chips for name, chips in capacity.live_places(found).items() if name != self.name}
 
     async def _insert_when_capacity(self) -> _Ended:
-        """Insert once this create holds a place in its zone's line (at once with no cap)."""
+        """Insert once this create holds a place in its zone's line (at once with no cap), expiring from then."""
         if self.progress.zone_index < len(self.trigger.zones):  # else _insert fails: no zone left
-            waited = await self._take_place()
-            if waited is not None:
-                return waited
+            granted_until = await self._take_place()
+            if self.expires_at is None:
+                self.expires_at = granted_until or int(time.time()) + self.trigger.lifetime_s
+            await self._import_oslogin_key()
         return await self._insert()
 
-    async def _take_place(self) -> _Ended | None:
-        """Wait in the current zone's line until a place under ``cap`` is this create's; None once it is."""
+    async def _take_place(self) -> int | None:
+        """Wait in the current zone's line until a place under ``cap`` is this create's; when the VM then expires."""
         trigger, zone = self.trigger, self.zone
         if trigger.cap is None:
             return None
-        timed_out = await take_place(
-            self.lines, trigger.lines[zone], places.Request(**trigger.request), trigger.cap, trigger.capacity_wait,
-            lambda: self._live_places(zone), trigger.poll_interval, self.log,
-        )
-        return None if timed_out is None else _Ended(Phase.CAPACITY, "timeout", [], in_use=timed_out)
+        request = places.Request(**trigger.request, expires_at=0)
+        try:
+            return await take_place(
+                self.lines, trigger.lines[zone], request, trigger.lifetime_s, trigger.cap,
+                lambda: self._live_places(zone), trigger.poll_interval, self.log,
+            )
+        except PlaceRefused as refused:
+            raise _Failed(Action.FAIL_INVALID_INPUT, f"max_tpu_chips={trigger.cap}: {refused}") from None
 
     async def _give_place_back(self) -> None:
         """Leave the line of the zone this create stands in (its place, or its wait there)."""
@@ -399,7 +437,7 @@ class _CreateRun:
             )
             if firewall_op:
                 operations.append({"name": firewall_op, "zone": None})
-        body = self.trigger.bodies[zone]
+        body = compute.expiring_at(self.trigger.bodies[zone], self.expires_at)
         if progress.without_max_run_duration:
             body = {**body, "scheduling": {k: v for k, v in body["scheduling"].items() if k != "maxRunDuration"}}
         scheduling = body.get("scheduling") or {}

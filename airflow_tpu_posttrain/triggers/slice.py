@@ -22,7 +22,13 @@ from airflow_tpu_posttrain.triggers.compute import (
     not_ready_message,
     ssh_port_check,
 )
-from airflow_tpu_posttrain.triggers.places import give_place_back, take_place
+from airflow_tpu_posttrain.triggers.places import (
+    PlaceRefused,
+    give_place_back,
+    leave_line,
+    take_place,
+    timed_out,
+)
 
 if TYPE_CHECKING:
     from airflow_tpu_posttrain.hooks.compute import TpuVmAsyncHook
@@ -86,8 +92,9 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     """Create a run's multi-host slice and wait until every VM of it can be reached over SSH: all, or nothing.
 
     In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
-    without one, a place under ``cap`` is taken in the zone's line (``recipes/places.py``: the slice holds one
-    place), waiting in line first; the firewall rules (between the slice's VMs, and SSH's when the run opens one),
+    without one, a place of all its chips under ``cap`` is taken in the zone's line (``recipes/places.py``),
+    waiting in line first (a cancelled wait leaves the line at once), and the VMs' expiry is set from then; the
+    firewall rules (between the slice's VMs, and SSH's when the run opens one),
     the workload policy, the instance template and the group are inserted (each insert's 409 is "there already"); the group is polled while it creates its VMs (bulk mode: all at once or
     none) or waits for capacity, up to ``capacity_wait`` seconds; then every VM must publish its host keys and
     answer on ``ssh_port`` within ``ready_timeout``. A slice that cannot be completed (no capacity in time, a VM lost, a
@@ -96,7 +103,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
 
     Fires once with fixed keys: ``{"status": "ready", "zone", "vms": [{"name", "instance",
     "host_keys"}] by name, "state"}`` or ``{"status": "failed", "reason": "no-capacity" | "broken" |
-    "not-ready" | "refused" | "no-place", "detail", "kind" (``compute.ErrorKind`` of a refusal Compute explained, or
+    "not-ready" | "refused" | "no-place" (the line can never grant it), "detail", "kind" (``compute.ErrorKind`` of a refusal Compute explained, or
     None), "state"}``.
 
     :param project_id: the slice's project.
@@ -105,10 +112,13 @@ class TpuSliceCreateTrigger(_SliceTrigger):
     :param network_path: how Airflow reaches the VMs: ``internal`` or ``external`` (``access.ssh_address``).
     :param ssh_port: the port every VM's sshd must answer on.
     :param group: the capacity label's value of the slice's line (on every VM of the slice).
-    :param cap: ``max_tpu_vms`` of the line, a slice counting once; None: no cap.
+    :param cap: the TPU chips the line's VMs may hold at once (``max_tpu_chips``); None: no cap.
     :param line: the zone's line of places (``gs://`` object, ``hooks/stored_records.py``); with ``cap``.
-    :param request: the slice's request for a place (``places.Request``'s fields); with ``cap``.
-    :param capacity_wait: seconds to wait while first in line, and then for the slice's capacity.
+    :param request: the slice's request for a place (``places.request_of``: ``places.Request``'s fields but its
+        expiry); with ``cap``.
+    :param lifetime_s: the VMs' life from their insert (their ``maxRunDuration``): their ``expires-at`` label and
+        the ``expireOn`` of their ``ssh-keys`` are set from when the slice's place is granted.
+    :param capacity_wait: seconds to wait for the slice's capacity once its place is taken.
     :param ready_timeout: seconds the RUNNING VMs have to publish their host keys and answer on ``ssh_port``.
     """
 
@@ -125,6 +135,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         cap: int | None = None,
         line: str | None = None,
         request: dict[str, Any] | None = None,
+        lifetime_s: int = 0,
         **common: Any,
     ) -> None:
         super().__init__(project_id, **common)
@@ -136,6 +147,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         self.cap = cap
         self.line = line
         self.request = request
+        self.lifetime_s = lifetime_s
         self.capacity_wait = capacity_wait
         self.ready_timeout = ready_timeout
 
@@ -152,6 +164,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             "cap": self.cap,
             "line": self.line,
             "request": self.request,
+            "lifetime_s": self.lifetime_s,
         }
 
     @property
@@ -178,7 +191,10 @@ class TpuSliceCreateTrigger(_SliceTrigger):
                 await self._delete_whole(hook, "the earlier try's broken slice could not be deleted")
                 earlier = None
             if not earlier:
-                await self._take_place(hook, lines)
+                expires_at = await self._take_place(hook, lines) or int(time.time()) + self.lifetime_s
+                template = self.bodies["template"]
+                properties = compute.expiring_at(template["properties"], expires_at)
+                self.bodies = {**self.bodies, "template": {**template, "properties": properties}}
             deadline = time.monotonic() + self.capacity_wait
             await self._insert(hook)
             try:
@@ -221,22 +237,39 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         if left:
             raise _SliceFailed("broken", f"{failure}: {left}")
 
-    async def _live_places(self, hook: TpuVmAsyncHook) -> list[str]:
-        """The places the live VMs of the slice's line hold (by their label), the slice's own left out."""
+    async def _live_places(self, hook: TpuVmAsyncHook) -> dict[str, int]:
+        """The places the live VMs of the slice's line hold (by their label) with their chips, the slice's left out."""
         label_filter = f"labels.{capacity.GROUP_LABEL} = {self.group}"
         found = await self._poll(lambda: hook.list_instances(self.project_id, self.zone, label_filter))
-        return [name for name in capacity.live_places(found) if name != self._group]
+        return {name: chips for name, chips in capacity.live_places(found).items() if name != self._group}
 
-    async def _take_place(self, hook: TpuVmAsyncHook, lines: StoredRecordAsyncHook) -> None:
-        """Wait in the zone's line until a place under ``cap`` is the slice's; nothing is created meanwhile."""
+    async def _take_place(self, hook: TpuVmAsyncHook, lines: StoredRecordAsyncHook) -> int | None:
+        """Wait in the zone's line until a place under ``cap`` is the slice's; when its VMs then expire."""
         if self.cap is None or not self.line or not self.request:
-            return
-        timed_out = await take_place(
-            lines, self.line, places.Request(**self.request), self.cap, self.capacity_wait,
-            lambda: self._live_places(hook), self.poll_interval, self.log,
-        )
-        if timed_out is not None:
-            raise _SliceFailed("no-place", timed_out)
+            return None
+        try:
+            return await take_place(
+                lines, self.line, places.Request(**self.request, expires_at=0), self.lifetime_s, self.cap,
+                lambda: self._live_places(hook), self.poll_interval, self.log,
+            )
+        except PlaceRefused as refused:
+            raise _SliceFailed("no-place", f"max_tpu_chips={self.cap}: {refused}") from None
+
+    async def on_kill(self) -> None:
+        """The task was marked failed, cleared or succeeded while the slice waited in line: it leaves the line."""
+        await self._leave_line()
+
+    async def cleanup(self) -> None:
+        """The deferral timed out: the wait leaves the line. A triggerer that stops keeps it (asked again there)."""
+        if timed_out(getattr(self, "timeout_after", None)):
+            await self._leave_line()
+
+    async def _leave_line(self) -> None:
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
+
+        if self.cap is not None and self.line:
+            lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+            await leave_line(lines, [self.line], self._group, self.log)
 
     async def _insert(self, hook: TpuVmAsyncHook) -> None:
         """The firewall rules, the policy, the template, the group, each waited for; one Compute refuses fails the slice."""
