@@ -421,3 +421,20 @@ def test_a_vm_granted_after_a_wait_in_line_expires_its_whole_life_after_it_is_ma
         None, dr.state, None,
         f"waited {made - requested:.0f} s; expires-at - creation = {expires_at - made:.0f} s (max_run_duration 3600)",
     )
+
+
+def test_a_run_that_brings_another_cap_to_a_line_is_refused_before_any_vm(
+    emulator, capacity_claims, run_dag, capfd, fault_matrix
+):
+    """The line keeps the cap of the runs in it (8 chips): a run of another DAG bringing 16 is refused, not let in."""
+    hold_place(emulator, "tpu-other-run", claims=capacity_claims)
+    dr = run_dag("cap_other", cap_dag("cap_other", cap=16, claims=capacity_claims))
+    assert task_states(dr)["create_tpu_vm"] == "failed"
+    logs = "".join(capfd.readouterr())
+    assert "invalid input: max_tpu_chips=16:" in logs and "the line keeps a cap of 8 TPU chips" in logs
+    assert len(inserts(emulator)) == 1  # the other run's alone
+    assert list(StoredRecordHook().read(line_of(capacity_claims))["waiting"]) == []
+    fault_matrix.record(
+        "capacity: a run brings a cap of 16 chips to a line whose runs keep 8 -> refused before any VM, naming both",
+        None, dr.state, None, log_excerpt(logs, "the line keeps a cap"),
+    )

@@ -171,3 +171,61 @@ def test_of_many_creates_asking_at_once_exactly_the_cap_take_places(emulator, ca
         "capacity: 8 creates ask for 2 places at once (GCS generation preconditions) -> exactly 2 take one",
         None, "n/a", None, f"granted {sorted(granted)}; 6 wait in line",
     )
+
+
+def test_a_line_is_the_zones_own_reservation_however_the_run_writes_it():
+    """``res1`` alone and ``us-east5-b=res1,us-east5-a=res2`` are one pool in us-east5-b: one line, not two."""
+    alone = places.line_key("p", "us-east5-b", "res1", "ct6e-standard-8t")
+    assert places.line_key("p", "us-east5-b", "us-east5-b=res1,us-east5-a=res2", "ct6e-standard-8t") == alone
+    assert places.line_key("p", "us-east5-b", "projects/p/reservations/res1/reservationBlocks/b1", "x") == alone
+    assert places.line_key("p", "us-east5-a", "us-east5-b=res1,us-east5-a=res2", "x") == "p/reservation-res2"
+    # A shared reservation is its owner's pool, whichever project consumes it.
+    shared = "projects/host/reservations/r"
+    assert places.line_key("p1", "z", shared, "x") == places.line_key("p2", "z", shared, "x") == "host/reservation-r"
+
+
+def test_the_line_keeps_its_cap_and_refuses_a_run_that_brings_another():
+    line, first = places.ask({}, request("tpu-a", size=8), 8, at(0))
+    assert first.granted and line["cap"] == 8
+    line, waiting = places.ask(line, request("tpu-b", size=8), 8, at(1))
+    unchanged, other = places.ask(line, request("tpu-c", size=8), 16, at(2))
+    assert not other.granted and unchanged == line  # refused, and not in line
+    assert "the line keeps a cap of 8 TPU chips" in other.refused and "this run brings 16" in other.refused
+    for claim in ("tpu-a", "tpu-b"):
+        line, _ = places.release(line, claim)
+    line, later = places.ask(line, request("tpu-c", size=8), 16, at(3))  # an empty line takes the next cap
+    assert later.granted and line["cap"] == 16
+
+
+def test_a_large_request_is_neither_overtaken_nor_starved_and_one_over_the_cap_is_refused():
+    """Strict first come, first served by chips: a v6e-8 behind a waiting 16-chip slice waits, though 8 are free."""
+    line, _ = places.ask({}, request("tpu-vm", size=8), 16, at(0))
+    line, big = places.ask(line, request("tpu-slice", "2026-12-06T11:00:01+00:00", size=16), 16, at(1))
+    line, small = places.ask(line, request("tpu-small", "2026-12-06T11:00:02+00:00", size=8), 16, at(2))
+    assert (big.granted, small.granted, small.position) == (False, False, 2)
+    assert big.describe(16) == "8 of 16 TPU chips in use by dag/tpu-vm (tpu-vm, 8 chips)"
+    line, _ = places.release(line, "tpu-vm")
+    line, small = places.ask(line, request("tpu-small", "2026-12-06T11:00:02+00:00", size=8), 16, at(3))
+    line, big = places.ask(line, request("tpu-slice", "2026-12-06T11:00:01+00:00", size=16), 16, at(4))
+    assert (small.granted, big.granted) == (False, True)
+    _, over = places.ask({}, request("tpu-huge", size=32), 16, at(5))
+    assert not over.granted and "needs 32 TPU chips, more than the cap of 16" in over.refused
+
+
+def test_a_cancelled_wait_leaves_the_line_but_a_place_held_stays():
+    line, _ = places.ask({}, request("tpu-a"), 1, at(0))
+    line, _ = places.ask(line, request("tpu-b"), 1, at(1))
+    left, waited = places.leave_waiting(line, "tpu-b")
+    assert waited and left["waiting"] == {} and list(left["holders"]) == ["tpu-a"]
+    kept, waited = places.leave_waiting(line, "tpu-a")
+    assert not waited and kept == line
+
+
+def test_the_cap_counts_chips_and_max_tpu_vms_counts_vms_of_the_create_size():
+    assert places.cap_of(16, None, "gs://bkt/places", 4, 4) == places.Cap(16, 16, "gs://bkt/places")
+    assert places.cap_of(None, 2, "gs://bkt/places", 8, 1) == places.Cap(16, 8, "gs://bkt/places")  # deprecated: 2 VMs of 8
+    assert places.cap_of(None, None, None, 8, 1) is None
+    with pytest.raises(ValueError, match="max_tpu_vms=1: admits 4 TPU chips at once, fewer than the 16"):
+        places.cap_of(None, 1, "gs://bkt/places", 4, 4)  # a slice of 4 VMs: 16 chips, never one place
+    with pytest.raises(ValueError, match="max_tpu_vms=1: is given with max_tpu_chips=8"):
+        places.cap_of(8, 1, "gs://bkt/places", 8, 1)

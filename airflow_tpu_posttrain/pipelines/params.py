@@ -122,10 +122,10 @@ FORM = (
         schema={"minimum": 0, "maximum": lambda cfg: cfg.max_wait_for_capacity_minutes},
         title="Max wait for TPU capacity (minutes)",
         description=lambda cfg: (
-            "How long the run may wait, holding no VM, for a place under the cap of "
-            f"{cfg.max_tpu_vms or 'no'} TPU VM(s) of its reservation or zones, or in a fully used "
-            f"reservation; e.g. 30. 0 to {cfg.max_wait_for_capacity_minutes}; then the run fails having "
-            "created nothing."
+            "How long the run may wait, holding no VM, for a fully used reservation (or FLEX_START's queue); "
+            f"e.g. 30. 0 to {cfg.max_wait_for_capacity_minutes}; then the run fails having created nothing. Its "
+            f"wait in line under the cap of {cfg.tpu_cap_chips or 'no'} TPU chips of its reservation or zone is "
+            "not bounded by it: the line moves as the runs ahead end."
         ),
     ),
     FormField(

@@ -15,7 +15,7 @@ from typing import Any
 
 from airflow_tpu_posttrain import defaults
 from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT, INPUTS_AS_OF
-from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, validation
+from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, places, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.lora import LoraSettings, check_model
@@ -75,6 +75,19 @@ LOCAL_TIMEOUTS = StepTimeouts(
 
 LAYOUTS = ("split", "seeds")
 RECIPES = ("sft", "rl")
+
+
+def _cap_problems(accelerator_type: str, max_tpu_chips: int | None, max_tpu_vms: int | None) -> list[SpecError]:
+    """A cap the entry's own TPU VM (or slice) cannot fit under: it would wait in line for ever."""
+    shape = ACCELERATORS.get(accelerator_type)
+    if shape is None or not shape.is_tpu:
+        return []
+    vms = None if max_tpu_chips is not None else max_tpu_vms
+    try:  # the location is checked above: any stands in for it here
+        places.cap_of(max_tpu_chips, vms, "gs://capacity", shape.chips_per_vm, shape.vms)
+    except SpecError as err:
+        return [err]
+    return []
 
 
 def _is_slice(accelerator_type: str) -> bool:
@@ -167,18 +180,27 @@ class PipelineConfig:
         default="default",
         metadata=_doc("The VMs' service account (scope cloud-platform); grant it `checkpoint_storage` in IAM."),
     )
+    max_tpu_chips: int | None = field(
+        default=None,
+        metadata=_doc(
+            "How many TPU chips (as quota and reservations count them: a v6e-8 VM holds 8, a v6e-16 slice 16) the "
+            "pipelines' TPU VMs may hold at once per line (a zone's reservation, else the zone and machine "
+            "series), across DAGs and deployments: a create takes its chips in `capacity_claims` before it "
+            "inserts, first come first served, and waits in line as long as the runs ahead train. Entries "
+            "sharing a line must give the same cap. Given, it replaces `max_tpu_vms`; null: `max_tpu_vms`."
+        ),
+    )
     max_tpu_vms: int | None = field(
         default=defaults.MAX_TPU_VMS,
         metadata=_doc(
-            "How many of the pipelines' TPU VMs may live at once per line (the reservation, else the zone and "
-            "machine series), across DAGs and deployments: a create takes a place in `capacity_claims` before it "
-            "inserts, first come first served; a multi-host slice counts once; null: no cap."
+            "Deprecated, use `max_tpu_chips`: the cap in VMs of the entry's size (times its chips per VM; a "
+            "slice takes one for each of its VMs). null (and no `max_tpu_chips`): no cap."
         ),
     )
     capacity_claims: str | None = field(
         default=None,
         metadata=_doc(
-            "`gs://bucket/prefix` where the places under `max_tpu_vms` are taken (one object per line); every "
+            "`gs://bucket/prefix` where the places under the cap are taken (one object per line); every "
             "deployment sharing the cap must name the same. null: `tpu-capacity` in `checkpoint_storage`'s bucket."
         ),
     )
@@ -187,7 +209,7 @@ class PipelineConfig:
         metadata=_doc(
             "The Airflow pool of the TPU VM's steps (install, train): worker slots, not VMs. Create it first "
             "(`airflow pools set --include-deferred NAME SLOTS DESCRIPTION`): Airflow never runs a task of a pool "
-            "that does not exist. null: no pool (Airflow's `default_pool`); the TPU VMs are capped by `max_tpu_vms`."
+            "that does not exist. null: no pool (Airflow's `default_pool`); the TPU VMs are capped by `max_tpu_chips`."
         ),
     )
     max_wait_for_capacity_minutes: int = field(
@@ -336,11 +358,21 @@ class PipelineConfig:
                     "set capacity_claims (or checkpoint_storage) to a gs://bucket/prefix, or max_tpu_vms to null",
                 )
             )
+        problems += _cap_problems(self.accelerator_type, self.max_tpu_chips, self.max_tpu_vms)
         return problems
 
     @property
+    def tpu_cap_chips(self) -> int | None:
+        """The TPU chips a line's VMs may hold at once: ``max_tpu_chips``, else ``max_tpu_vms`` VMs of this size."""
+        if self.max_tpu_chips is not None:
+            return self.max_tpu_chips
+        if self.max_tpu_vms is None:
+            return None
+        return self.max_tpu_vms * accelerator(self.accelerator_type).chips_per_vm
+
+    @property
     def places_location(self) -> str | None:
-        """Where the places under ``max_tpu_vms`` are taken (:func:`places_location`)."""
+        """Where the places under the cap are taken (:func:`places_location`)."""
         return places_location(self.capacity_claims, self.checkpoint_storage)
 
     @property
@@ -533,6 +565,31 @@ def _local_entry_settings(local_dir: str) -> dict[str, Any]:
     }
 
 
+def shared_line_problems(configs: Iterable[PipelineConfig]) -> list[str]:
+    """Entries whose TPU VMs share a line of places (``places.line_key``) but not its cap or its location.
+
+    Two caps on one pool each admit what the other did not mean to, and two locations are two lines for it."""
+    first: dict[str, tuple[str, int | None, str | None]] = {}
+    problems: list[str] = []
+    for config in configs:
+        shape = ACCELERATORS.get(config.accelerator_type)
+        if shape is None or not shape.is_tpu:
+            continue
+        mine = (config.dag_id, config.tpu_cap_chips, config.places_location if config.tpu_cap_chips else None)
+        for zone in config.zones:
+            key = places.line_key(config.project_id or "(the connection's project)", zone, config.reservation, shape.machine_type)
+            other = first.setdefault(key, mine)
+            problem = (
+                f"pipelines: {other[0]} and {mine[0]} share the line of places {key} but not its cap "
+                f"({other[1] or 'none'} and {mine[1] or 'none'} TPU chips) and location ({other[2]} and {mine[2]}). "
+                "Fix: give both the same max_tpu_chips and capacity_claims (checkpoint_storage's bucket), or "
+                "different reservations or zones"
+            )
+            if other[1:] != mine[1:] and problem not in problems:
+                problems.append(problem)
+    return problems
+
+
 def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineConfig]:
     """Read ``models.yaml``: its ``models`` known to this process, ``defaults`` merged into each of ``pipelines``.
 
@@ -554,6 +611,8 @@ def load_registry(path: str | Path, local: bool | None = None) -> list[PipelineC
     except SpecError as err:
         problems.append(f"models: {err}")
     entries = _validated_entries(data, local_stack_dir(), problems)
+    if not problems:
+        problems += shared_line_problems([config for _, config in entries])
     if problems:
         raise RegistryError(path, problems)
     local_dir = local_stack_dir()
