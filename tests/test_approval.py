@@ -167,6 +167,8 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         assert _xcom(airflow, "export_and_publish") is None
         said = _task_log(airflow, "approve_publish")
         assert "Not published: rejected by" in said and f"The checked export is kept at {kept}" in said
+        # The refusal is in the inputs' claim: a later run with these inputs trains nothing and asks no one.
+        assert "Runs with these inputs train nothing now (their model was refused" in said
 
         # Asked again (as from the UI: clear approve_publish and what follows): approved, the kept copy published
         # from a VM made for it.

@@ -147,3 +147,21 @@ def test_a_model_that_fails_the_gate_is_not_published(stack, capfd, fault_matrix
         storage_has(trained["checkpoint"]),
         log_excerpt(logs, "did not pass the quality gate"),
     )
+
+    # Its inputs are refused now: a second run with the same inputs trains nothing, makes no VM, asks no one.
+    from test_pipeline_failures import instance_inserts
+
+    inserted = len(instance_inserts(stack))
+    again = run_pipeline("posttrain_rl__tiny-llama", {"quality_gate": "min_improvement", "min_improvement_pct": 5})
+    logs = "".join(capfd.readouterr())
+    refusal = f"Inputs equal those of run {dr.run_id}, whose model was refused (quality gate: GRPO accuracy (%) 0 → 0"
+    assert again.state == "success" and refusal in logs, states(again)
+    assert set(states(again).values()) == {"skipped"}, states(again)
+    assert len(instance_inserts(stack)) == inserted
+    fault_matrix.record(
+        "claims: a second run with the inputs of a model the gate refused -> trains nothing, no VM, no one asked",
+        stack.compute.instances() == [],
+        again.state,
+        storage_has(trained["checkpoint"]),
+        log_excerpt(logs, "whose model was refused"),
+    )
