@@ -16,8 +16,19 @@ tutorial's commands, which do not evaluate; and force=true: the warm run's input
           measured (the cold run's), so its TPU VM is requested just in time     P1, P2
   warm    the same DAG, another run id                               P1, P2, P4 warm, conversions repeated
   seeds   posttrain_sft__tiny-llama__seeds (the tutorials' layout)   P1, P2 (row skipped if the DAG is absent)
+  gemma   posttrain_sft__tiny-gemma3-4b (the full SFT twin)          P1, P2
+  lora    posttrain_sft__tiny-gemma3-4b__lora (its LoRA twin)       P1, P2
   fault   our DAG with steps=8, trainer SIGKILLed at step 5          P5 (not with --quick)
   fault-sync  the same with synchronous checkpoints (an override)    P5 (not with --quick)
+
+then what the pipelines' policies cost, in Airflow's components started again on a DAGs folder of their own
+(.local/bench/policy-dags: models.yaml's tiny Llama SFT, scheduled daily, and GRPO, both capped at one TPU VM, and
+the LoRA twin asking a person before it publishes):
+
+  holder, date 1-3  a GRPO run takes the line's one place, then a 3-date backfill of the SFT DAG (the model
+          committed between dates 1 and 2: dates 2 and 3 share their inputs) waits behind it in line
+          VM-seconds held idle in line; worker resumes and API-server calls per run (the claim decision)
+  approval  the LoRA twin, answered Approve APPROVAL_HOLD_S after it asked   worker and VM seconds of the wait
 
 P6, what storage costs a VM: the seconds and bytes to load the converted checkpoint (orbax's own figures, from the
 cold run's train task: its XCom), and to save and restore the MaxText environment archive through the install
@@ -44,12 +55,13 @@ import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import parse_time
 import suite_time
 from local_airflow import LocalAirflow
-from run_probe import RunRecord, TrainerKiller, watch_run
+from run_probe import TPU_CREATE, Approver, RunRecord, TrainerKiller, watch_run, watch_runs
 
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
 from airflow_tpu_posttrain.local.processes import stop_group
@@ -61,10 +73,20 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / ".local" / "bench"
 OURS = "posttrain_sft__tiny-llama"
 SEEDS = "posttrain_sft__tiny-llama__seeds"
+GRPO = "posttrain_rl__tiny-llama"
+GEMMA = "posttrain_sft__tiny-gemma3-4b"  # the full SFT twin of Gemma 3, beside its LoRA twin
+LORA = "posttrain_sft__tiny-gemma3-4b__lora"
+RUN_LABELS = ("cold", "revision", "warm", "seeds", "gemma", "lora")  # the runs with P1 and P2 rows
+BACKFILL_DATES = 3
+APPROVAL_HOLD_S = 60  # how long the bench's person takes to answer (Approve)
+HOLDER_TRAINS_S = 600  # until the GRPO run that holds the line's place trains
 KILL_AT_STEP = 5
 FAULT_STEPS = 8
 CHECKPOINT_PERIOD = 2  # the local SFT DAGs' checkpoint_period (pipelines/posttrain.py)
-TARGETS = {"P1": 1.15, "P2": 0.05, "P3": 100.0, "P4": 1.10, "P5": CHECKPOINT_PERIOD, "conversions": 0}
+TARGETS = {
+    "P1": 1.15, "P2": 0.05, "P3": 100.0, "P4": 1.10, "P5": CHECKPOINT_PERIOD, "conversions": 0, "idle in line": 0,
+    "approval": 0,
+}
 
 
 # -- P1 at the tutorials' scale, from stated and measured parts --------------------------------------------
@@ -203,7 +225,10 @@ def environment_archive(
     shutil.rmtree(work, ignore_errors=True)
     restored = work / "restored"
     restored.mkdir(parents=True)
-    save = f"tar -cz -C {venv.parent} {venv.name} | {storage.write_command(archive, tool)}"
+    # tar's status 1, a file that changed as it was read, is the link count of the package cache's files, which
+    # this machine's local VMs link into their venvs meanwhile (another bench, a test): the bytes are the same.
+    tar = f"tar -cz --warning=no-file-changed -C {venv.parent} {venv.name}"
+    save = f"{{ {tar}; [ $? -le 1 ]; }} | {storage.write_command(archive, tool)}"
     restore = f"{storage.read_command(archive, tool)} | tar -xz -C {restored}"
     figures: dict[str, float] = {}
     with GcsServer(work / "gcs", buckets=("bench",)) as server:
@@ -247,7 +272,7 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
     # run's jobs included) and its disk.
     with stdout_to_stderr(), stack as env, LocalAirflow(BENCH / "airflow", env) as airflow:
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
-        present = airflow.wait_for_dags([OURS, SEEDS], present=OURS)
+        present = airflow.wait_for_dags([OURS, SEEDS, GEMMA, LORA], present=OURS)
         # Like for like: the plain script (P4's baseline) runs the tutorial's commands, which do not evaluate.
         # Forced: the warm run has the cold run's inputs, which check_inputs would skip as already published.
         plain = {"quality_gate": "off", "force": True}
@@ -256,6 +281,8 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
             ("revision", OURS, plain, None),
             ("warm", OURS, plain, None),
             ("seeds", SEEDS, plain, None),
+            ("gemma", GEMMA, plain, None),
+            ("lora", LORA, plain, None),
         ]
         if not quick:
             # MaxText saves checkpoints asynchronously: a kill can catch the newest one half-written, so
@@ -273,19 +300,104 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
                 new_model_revision(stack)
             print(f"perf: running {dag_id} ({label}) ...", file=sys.stderr, flush=True)
             records[label] = watch_run(airflow, stack.compute, dag_id, f"bench-{label}", conf, killer)
-            train = records[label].tasks.get("train")
-            if not train or train.state != "success":  # its figures would measure a run that did not train
-                raise SystemExit(f"perf: {dag_id} ({label}) did not train: train {train}, run {records[label].state}")
+            must_train(label, records[label])
+        policy_dags = BENCH / "policy-dags"
+        write_policy_dags(policy_dags)
+        with LocalAirflow(BENCH / "airflow-policy", env, dags_folder=policy_dags) as airflow:
+            airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
+            airflow.wait_for_dags([OURS, GRPO, LORA], present=OURS)
+            print(f"perf: running {GRPO} (holder) and a {BACKFILL_DATES}-date backfill of {OURS} ...", file=sys.stderr)
+            records.update(backfill_runs(airflow, stack))
+            print(f"perf: running {LORA} with approval ...", file=sys.stderr, flush=True)
+            approver = Approver(airflow, LORA, "bench-approval", APPROVAL_HOLD_S)
+            records["approval"] = watch_run(airflow, stack.compute, LORA, "bench-approval", {"force": True}, approver)
+            if not approver.answered:
+                raise SystemExit(f"perf: {LORA} (approval) never asked: {records['approval'].tasks}")
+            must_train("approval", records["approval"])
     return records, skipped
 
 
-def new_model_revision(stack: LocalStack) -> str:
-    """A new commit of the tiny model on the local Hub (its model card): the next run's conversion misses."""
+def must_train(label: str, record: RunRecord) -> None:
+    """Stop the bench at a run that did not train: its figures would measure something else."""
+    train = record.tasks.get("train")
+    if not train or train.state != "success" or record.state != "success":
+        raise SystemExit(f"perf: {record.dag_id} ({label}) did not train: train {train}, run {record.state}")
+
+
+def write_policy_dags(folder: Path) -> None:
+    """The policy runs' DAGs alone in ``folder``: models.yaml's local entries they need, and dags/local_dags.py.
+
+    The tiny Llama's SFT, scheduled daily (a backfill's dates), and its GRPO, both capped at one TPU VM (one line,
+    one place); the LoRA twin asking a person before it publishes."""
+    import yaml
+
+    registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
+    local = [entry for entry in registry["pipelines"] if entry.get("local") and "layout" not in entry]
+
+    def entry(model: str, recipe: str, lora: bool = False) -> dict:
+        (found,) = (e for e in local if (e["model"], e["recipe"], bool(e.get("lora"))) == (model, recipe, lora)
+                    and e.get("accelerator_type") == "cpu")
+        return found
+
+    registry["pipelines"] = [
+        {**entry("tiny-llama", "sft"), "schedule": "@daily", "max_tpu_vms": 1},
+        {**entry("tiny-llama", "rl"), "max_tpu_vms": 1},
+        {**entry("tiny-gemma3-4b", "sft", lora=True), "approval": True},
+    ]
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / "models.yaml").write_text(yaml.safe_dump(registry))
+    shutil.copy(REPO / "dags" / "local_dags.py", folder)
+
+
+def backfill_runs(airflow, stack: LocalStack) -> dict[str, RunRecord]:
+    """A GRPO run takes the line's one place; then a backfill of the SFT DAG's last dates waits behind it.
+
+    The model gets a commit between the first and the second date, so the later dates share their inputs: one
+    trains them, the other follows its claim. Records by label: ``holder``, ``date 1``, ``date 2``..."""
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    # Ending today: the newest date is the DAG's latest tick, so unpausing it adds no scheduled run.
+    dates = [today - timedelta(days=n) for n in reversed(range(BACKFILL_DATES))]
+    new_model_revision(stack, dates[0] + timedelta(hours=12))
+    holder = (GRPO, "bench-holder")
+
+    def start() -> None:
+        airflow.trigger(*holder, {"quality_gate": "off", "force": True})
+        deadline = time.monotonic() + HOLDER_TRAINS_S
+        db = airflow.db()
+        query = "SELECT state FROM task_instance WHERE dag_id = ? AND run_id = ? AND task_id = 'train'"
+        while (db.execute(query, holder).fetchone() or (None,))[0] not in ("running", "deferred"):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"perf: {GRPO} (holder) did not train within {HOLDER_TRAINS_S} s")
+            time.sleep(1)
+        db.close()
+        body = {
+            "dag_id": OURS, "from_date": dates[0].isoformat(), "to_date": dates[-1].isoformat(),
+            "dag_run_conf": {"quality_gate": "off"}, "max_active_runs": BACKFILL_DATES, "reprocess_behavior": "none",
+        }
+        for _ in range(30):  # SQLite-backed Airflow answers 503 while another writer holds the DB; nothing made
+            made = airflow.client.post("/backfills", json=body)
+            if made.status_code != 503:
+                break
+            time.sleep(1)
+        made.raise_for_status()
+        airflow.api("PATCH", f"/dags/{OURS}", json={"is_paused": False})
+
+    records = watch_runs(airflow, stack.compute, start, {holder: RunRecord(*holder)}, (OURS,), 1 + BACKFILL_DATES)
+    must_train("holder", records[holder])
+    by_date = sorted((r for key, r in records.items() if key != holder), key=lambda r: r.logical_date or 0)
+    return {"holder": records[holder], **{f"date {i}": r for i, r in enumerate(by_date, 1)}}
+
+
+def new_model_revision(stack: LocalStack, when: datetime | None = None) -> str:
+    """A new commit of the tiny model on the local Hub (its model card), dated ``when`` (default now).
+
+    The next run whose date is after it converts again."""
     card = BENCH / "revision"
     shutil.rmtree(card, ignore_errors=True)
     card.mkdir(parents=True)
     (card / "README.md").write_text(f"tiny-llama, revised {time.time():.0f}\n")
-    return stack.hub.store.seed_repo(TINY_LLAMA_REPO, card, gated="manual")
+    return stack.hub.store.seed_repo(TINY_LLAMA_REPO, card, gated="manual", date=when)
 
 
 # -- figures and table --------------------------------------------------------------------------------
@@ -341,6 +453,36 @@ def converted_checkpoint_load(record: RunRecord) -> tuple[float | None, str]:
     return load.get("seconds"), f"{_mib(load.get('bytes'))} from {load['uri']}"
 
 
+def line_wait(record: RunRecord) -> tuple[float, float]:
+    """Seconds the run waited in line for a TPU place, and the VM-seconds it held idle meanwhile.
+
+    In line: its TPU VM's create deferred, without its VM, while another run's TPU VM exists (the cap is one).
+    Held idle: each VM of the run, while none of its other tasks runs or waits (deferred) on anything."""
+    waited = idle = 0.0
+    for sample in record.timeline:
+        if sample.states.get(TPU_CREATE) != "deferred" or TPU_CREATE in sample.vms or not sample.other_tpu_vms:
+            continue
+        waited += sample.seconds
+        busy = any(state in ("running", "deferred") for task, state in sample.states.items() if task != TPU_CREATE)
+        idle += 0.0 if busy else sample.seconds * len(sample.vms)
+    return waited, idle
+
+
+def approval_wait(record: RunRecord) -> tuple[float, float, float]:
+    """Seconds a person was asked, and the run's worker seconds (its tasks running) and VM-seconds meanwhile."""
+    asked = worker = vm = 0.0
+    for sample in record.timeline:
+        if sample.states.get(Approver.TASK) == "awaiting_input":
+            asked += sample.seconds
+            worker += sample.seconds * sum(state == "running" for state in sample.states.values())
+            vm += sample.seconds * len(sample.vms)
+    return asked, worker, vm
+
+
+def _per_run(values: dict[str, float]) -> float | None:
+    return sum(values.values()) / len(values) if values else None
+
+
 def _mib(size: float | None) -> str:
     return "n/a" if size is None else f"{size / 2**20:.2f} MiB"
 
@@ -357,7 +499,7 @@ def report(
         ok = "n/a" if value is None or target is None else ("ok" if value <= target else "MISS")
         rows.append((figure, subject, fmt(value, digits), "-" if target is None else f"<= {target:g}", ok, how))
 
-    runs = [(label, r) for label, r in records.items() if label in ("cold", "revision", "warm", "seeds")]
+    runs = [(label, r) for label, r in records.items() if label in RUN_LABELS]
     for label, r in runs:
         row("P1", f"{r.dag_id} ({label})", p1(r), TARGETS["P1"])
     m = measured_minutes(archive, records)
@@ -399,6 +541,27 @@ def report(
     sizes = f"venv {_mib(archive['venv_bytes'])}, archive {_mib(archive['archive_bytes'])}"
     row("P6", "MaxText environment archive: save, s", (archive["save_s"], sizes), None, digits=1)
     row("P6", "MaxText environment archive: restore, s", (archive["restore_s"], sizes), None, digits=1)
+
+    dates = {label: r for label, r in records.items() if label.startswith("date ")}
+    if dates:
+        waits = {label: line_wait(r) for label, r in dates.items()}
+        how = "; ".join(f"{label} waited {wait:.0f} s, {idle:.1f} VM-s idle" for label, (wait, idle) in waits.items())
+        idle = sum(idle for _, idle in waits.values())
+        row("line", f"VM-s held idle waiting in line ({len(dates)}-date backfill)", (idle, how), TARGETS["idle in line"], 1)
+        resumes = {label: sum(r.resumes.values()) for label, r in dates.items()}
+        how = "; ".join(
+            f"{label} {count}" + "".join(f" ({task} {n})" for task, n in dates[label].resumes.items())
+            for label, count in resumes.items()
+        )
+        row("claims", f"worker resumes per run ({len(dates)}-date backfill)", (_per_run(resumes), how), None, 1)
+        calls = {label: r.api_calls or 0 for label, r in dates.items()}
+        how = "; ".join(f"{label} {calls[label]} ({r.state_reads} reads of its state)" for label, r in dates.items())
+        row("claims", f"API-server calls per run ({len(dates)}-date backfill)", (_per_run(calls), how), None, 0)
+    if "approval" in records:
+        asked, worker, vm = approval_wait(records["approval"])
+        how = f"asked {asked:.0f} s, answered Approve after {APPROVAL_HOLD_S} s"
+        row("approval", "worker seconds while a person decides", (worker, how), TARGETS["approval"], 1)
+        row("approval", "VM-seconds held while a person decides", (vm, how), TARGETS["approval"], 1)
 
     header = ("fig", "subject", "value", "target", "", "how")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
@@ -451,7 +614,12 @@ run with more steps whose trainer is SIGKILLed once it logs a chosen step; the r
 XCom. P6, orbax's own figures for the converted checkpoint's load (the cold run's train XCom), and the install
 script's storage commands timed on the local venv and GCS server. Modelled P1 and cost: `modelled_p1` and
 `modelled_cost` in bench/perf.py, from the tutorials' stated minutes, this bench's measurements and the
-assumptions the notes list (each named there).
+assumptions the notes list (each named there). The policies' rows, from the same samples (every 0.5 s: the
+task instances' states, the VMs that exist): line, the seconds a backfill run's TPU VM create waits deferred
+while another run's TPU VM holds the one place, times each VM the run holds meanwhile with none of its other
+tasks running or deferred; claims, from the API server's access log, the requests naming a run or one of its
+task instances, and each task instance's starts in a worker after its first (a resume after a deferral);
+approval, while `approve_publish` awaits the answer, the run's tasks running and its VMs, times the seconds.
 """
 
 

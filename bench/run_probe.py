@@ -4,19 +4,24 @@ Task-instance states sampled from the metadata DB, the VMs' lives read from the 
 optionally the trainer SIGKILLed at a given step (P5) on the run's TPU VM (a machine of the local stack's
 fleet).
 
-``watch_run(...)`` triggers the run, samples every ``SAMPLE_S`` until it ends and returns a ``RunRecord``.
+``watch_run(...)`` triggers the run, samples every ``SAMPLE_S`` until it ends and returns a ``RunRecord``;
+``watch_runs(...)`` watches every run of some DAGs that something else starts (a backfill, runs side by side).
+After the runs, the API server's access log says what each run's tasks asked of it (``api_calls``) and how
+often a task came back into a worker after a deferral (``resumes``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +35,12 @@ FINISHED = ("success", "failed")
 COMPLETED_STEP = re.compile(rb"completed step: (\d+),")
 JOBS_DIR = f"{DEFAULT_WORKDIR}/jobs"  # on each VM, where production puts the jobs
 VM_END_WAIT_S = 120  # after the run: until its TPU VM's end was seen (the deletion ends it in the background)
+TPU_CREATE = "create_tpu_vm"
+# The API server's access log (Airflow's HttpAccessLogMiddleware): one line per request, its client and path.
+REQUEST = re.compile(r"request finished.*?\bclient_addr=(\S+).*?\bpath=(\S+)")
+# The execution API's requests about one task instance (a try); ``/run``, its start in a worker: the first, and
+# each resume after a deferral.
+TI_PATH = re.compile(r"^/execution/task-instances/([0-9a-f-]{36})/(\w+)")
 
 
 def epoch(value: str | None) -> float | None:
@@ -58,6 +69,16 @@ class TaskTry:
         return self.end - self.start if self.start and self.end else None
 
 
+@dataclass(frozen=True)
+class Sample:
+    """What one sample saw of a run, credited with the seconds until the next sample."""
+
+    seconds: float
+    states: dict[str, str]  # task id -> state
+    vms: frozenset[str]  # the create tasks whose VM exists
+    other_tpu_vms: int  # TPU VMs of other runs (of any DAG) that exist
+
+
 @dataclass
 class RunRecord:
     dag_id: str
@@ -76,6 +97,11 @@ class RunRecord:
     load_samples: list[float] = field(default_factory=list)  # the 1-minute load average at each sample
     killed: list[str] = field(default_factory=list)  # P5: the trainer processes SIGKILLed
     killed_at_step: int | None = None  # P5: the last step the killed try logged
+    timeline: list[Sample] = field(default_factory=list)
+    logical_date: float | None = None
+    api_calls: int | None = None  # requests of the run's tasks to the API server (``calls_of``)
+    state_reads: int | None = None  # of which reads of a run's state (``get_dagrun_state``: a claim's look)
+    resumes: dict[str, int] = field(default_factory=dict)  # task id -> starts in a worker after its first
 
     @property
     def wall(self) -> float | None:
@@ -100,55 +126,86 @@ class RunRecord:
 
 
 class _Sampler(threading.Thread):
-    """Every SAMPLE_S: the run's task-instance states (one SELECT on SQLite) and the emulator's instances.
+    """Every SAMPLE_S: the task-instance states of the watched runs (one SELECT on SQLite) and the emulator's instances.
 
-    The time between two samples is credited to each task instance's state at the first of them."""
+    ``records``: the runs watched, by (dag id, run id); every run of ``dag_ids`` that appears is watched too. The
+    time between two samples is credited to what the first of them saw."""
 
-    def __init__(self, db, compute, record: RunRecord) -> None:
+    def __init__(self, db, compute, records: dict[tuple[str, str], RunRecord], dag_ids: tuple[str, ...] = ()) -> None:
         super().__init__(daemon=True)
-        self.db, self.compute, self.record = db, compute, record
+        self.db, self.compute, self.records, self.dag_ids = db, compute, records, dag_ids
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            previous: list[tuple[str, str]] = []
+            previous: dict[tuple[str, str], tuple[dict[str, str], frozenset[str], int]] = {}
             last = time.monotonic()
             while True:
-                states = self.db.execute(
-                    "SELECT task_id, state FROM task_instance WHERE dag_id = ? AND run_id = ?",
-                    (self.record.dag_id, self.record.run_id),
-                ).fetchall()
+                self._discover()
+                states = self._states()
+                live, tpu_vms = self._observe_vms()
                 now = time.monotonic()
-                for task_state in previous:
-                    self.record.seconds_in[task_state] += now - last
-                previous, last = states, now
-                busy = sum(state in ("running", "deferred") for _, state in states)
-                self.record.peak_busy = max(self.record.peak_busy, busy)
-                self.record.load_samples.append(os.getloadavg()[0])
-                self._observe_vms()
+                for key, (was, vms, others) in previous.items():
+                    record = self.records[key]
+                    record.timeline.append(Sample(now - last, was, vms, others))
+                    for task_state in was.items():
+                        record.seconds_in[task_state] += now - last
+                last = now
+                previous = {}
+                for key, record in self.records.items():
+                    found, mine = states.get(key, {}), live.get(key, frozenset())
+                    previous[key] = (found, mine, tpu_vms - (TPU_CREATE in mine))
+                    busy = sum(state in ("running", "deferred") for state in found.values())
+                    record.peak_busy = max(record.peak_busy, busy)
+                    record.load_samples.append(os.getloadavg()[0])
                 if self.stop.wait(SAMPLE_S):
                     return
-        except Exception as err:  # noqa: BLE001 (any error ends the sampling; watch_run reports it)
+        except Exception as err:  # noqa: BLE001 (any error ends the sampling; watch_runs reports it)
             self.error = err
 
-    def _observe_vms(self) -> None:
-        """A VM's life: from the emulator's ``creationTimestamp`` to the first sample that no longer finds it.
+    def _discover(self) -> None:
+        for dag_id in self.dag_ids:
+            for (run_id,) in self.db.execute("SELECT run_id FROM dag_run WHERE dag_id = ?", (dag_id,)).fetchall():
+                self.records.setdefault((dag_id, run_id), RunRecord(dag_id, run_id))
 
-        ``creationTimestamp`` is the insert; the emulator removes the VM when its delete operation is done (so
-        within SAMPLE_S)."""
+    def _states(self) -> dict[tuple[str, str], dict[str, str]]:
+        dag_ids = sorted({dag_id for dag_id, _ in self.records})
+        marks = ", ".join("?" * len(dag_ids))
+        states: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
+        if not dag_ids:  # no run yet (a backfill's are still being made)
+            return states
+        for dag_id, run_id, task_id, state in self.db.execute(
+            f"SELECT dag_id, run_id, task_id, state FROM task_instance WHERE dag_id IN ({marks})", dag_ids
+        ).fetchall():
+            if (dag_id, run_id) in self.records:
+                states[(dag_id, run_id)][task_id] = state
+        return states
+
+    def _observe_vms(self) -> tuple[dict[tuple[str, str], frozenset[str]], int]:
+        """Each watched run's VMs (by their create task), and how many TPU VMs exist in all.
+
+        A VM's life: from the emulator's ``creationTimestamp`` (the insert) to the first sample that no longer
+        finds it (the emulator removes the VM when its delete operation is done, so within SAMPLE_S)."""
         now = time.time()
-        live = {}
+        live: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+        tpu_vms = 0
         for instance in self.compute.instances():
             labels = instance.get("labels", {})
+            task = labels.get("airflow-task", "").replace("-", "_")
+            tpu_vms += task == TPU_CREATE
             # The hash keeps deployments apart too: the label's deployment is the one to hash with.
-            if labels.get("airflow-run-hash") == run_hash(self.record.dag_id, self.record.run_id, labels.get(DEPLOYMENT_LABEL, "")):
-                live[labels["airflow-task"].replace("-", "_")] = epoch(instance["creationTimestamp"])
-        for task, created in live.items():
-            self.record.vms.setdefault(task, Vm(created))
-        for task, vm in self.record.vms.items():
-            if task not in live and vm.deleted is None:
-                vm.deleted = now
+            deployment, found = labels.get(DEPLOYMENT_LABEL, ""), labels.get("airflow-run-hash")
+            for key in self.records:
+                if run_hash(*key, deployment) == found:
+                    live[key][task] = epoch(instance["creationTimestamp"])
+        for key, record in self.records.items():
+            for task, created in live[key].items():
+                record.vms.setdefault(task, Vm(created))
+            for task, vm in record.vms.items():
+                if task not in live[key] and vm.deleted is None:
+                    vm.deleted = now
+        return {key: frozenset(found) for key, found in live.items()}, tpu_vms
 
 
 class TrainerKiller(threading.Thread):
@@ -224,6 +281,47 @@ class TrainerKiller(threading.Thread):
         return max(map(int, COMPLETED_STEP.findall(self._killed_log)), default=None)
 
 
+class Approver(threading.Thread):
+    """The person of an approval: answers Approve once the run's ``approve_publish`` has asked for ``hold_s``.
+
+    Asking: the task waits for its answer (``awaiting_input``) and the scheduler has taken that in (its log says
+    so): an answer given before is lost in Airflow 3.3.2 (the resumed try fails to start; tests/test_approval.py)."""
+
+    TASK = "approve_publish"
+
+    def __init__(self, airflow, dag_id: str, run_id: str, hold_s: float) -> None:
+        super().__init__(daemon=True)
+        self.airflow, self.dag_id, self.run_id, self.hold_s = airflow, dag_id, run_id, hold_s
+        self.stop = threading.Event()
+        self.answered = False
+
+    def run(self) -> None:
+        db = self.airflow.db()
+        asked = None
+        while not self.stop.wait(1) and not self.answered:
+            row = db.execute(
+                "SELECT state FROM task_instance WHERE dag_id = ? AND run_id = ? AND task_id = ?",
+                (self.dag_id, self.run_id, self.TASK),
+            ).fetchone()
+            if not row or row[0] != "awaiting_input" or not self._parked():
+                continue
+            asked = asked or time.monotonic()
+            if time.monotonic() - asked >= self.hold_s:
+                self.airflow.api(
+                    "PATCH", f"/dags/{self.dag_id}/dagRuns/{self.run_id}/taskInstances/{self.TASK}/-1/hitlDetails",
+                    json={"chosen_options": ["Approve"], "params_input": {}},
+                )
+                self.answered = True
+        db.close()
+
+    def _parked(self) -> bool:
+        scheduler = self.airflow.log_tail("scheduler", chars=10**7)
+        return any(
+            "TaskInstance Finished" in line and f"task_id={self.TASK}" in line and "state=awaiting_input" in line
+            for line in scheduler.splitlines()
+        )
+
+
 def _vm_processes(vm) -> dict[int, int]:
     """``{pid on this machine: session id as the VM sees it}`` of the VM's processes.
 
@@ -261,13 +359,37 @@ def kill_session(vm, leader: int, needle: bytes = b"") -> list[str]:
     return killed
 
 
-def _finish(db, record: RunRecord) -> None:
-    """Fill the record from the DB once the run is over."""
-    record.state, queued, start, end = db.execute(
-        "SELECT state, queued_at, start_date, end_date FROM dag_run WHERE dag_id = ? AND run_id = ?",
+def api_requests(airflow) -> list[tuple[str, str]]:
+    """The requests the API server has answered, in order: (client address, path)."""
+    return REQUEST.findall((airflow.home / "logs" / "api-server.log").read_text(errors="replace"))
+
+
+def calls_of(requests: list[tuple[str, str]], dag_id: str, run_id: str, tries: set[str]) -> list[str]:
+    """The paths of the requests made for the run whose task instances' tries are ``tries`` (32 hex digits).
+
+    A task's supervisor keeps one connection to the API server and names its task instance first (``/run``): a
+    connection that named one of ``tries`` last is the run's, whatever it asks next (a Variable, another run's
+    state); one that named no try yet is the run's for requests naming the run."""
+    owners: dict[str, bool] = {}
+    named = f"/{dag_id}/{run_id}/"
+    mine = []
+    for client, path in requests:
+        about = TI_PATH.match(path)
+        if about:
+            owners[client] = about[1].replace("-", "") in tries
+        if owners.get(client, named in f"{path}/"):
+            mine.append(path)
+    return mine
+
+
+def _finish(db, record: RunRecord, requests: list[tuple[str, str]]) -> None:
+    """Fill the record from the DB and the API server's ``requests`` once the run is over."""
+    record.state, queued, start, end, logical = db.execute(
+        "SELECT state, queued_at, start_date, end_date, logical_date FROM dag_run WHERE dag_id = ? AND run_id = ?",
         (record.dag_id, record.run_id),
     ).fetchone()
     record.queued, record.start, record.end = epoch(queued), epoch(start), epoch(end)
+    record.logical_date = epoch(logical)
     for task_id, state, try_number, start, end in db.execute(
         "SELECT task_id, state, try_number, start_date, end_date FROM task_instance "
         "WHERE dag_id = ? AND run_id = ?",
@@ -279,41 +401,83 @@ def _finish(db, record: RunRecord) -> None:
         (record.dag_id, record.run_id),
     ):
         record.xcom[task_id] = json.loads(value) if isinstance(value, str | bytes) else value
+    # Every try's id (the DB writes a UUID as 32 hex digits; a path, with dashes).
+    tries = dict(
+        db.execute(
+            "SELECT id, task_id FROM task_instance WHERE dag_id = ? AND run_id = ? UNION "
+            "SELECT task_instance_id, task_id FROM task_instance_history WHERE dag_id = ? AND run_id = ?",
+            (record.dag_id, record.run_id) * 2,
+        ).fetchall()
+    )
+    mine = calls_of(requests, record.dag_id, record.run_id, set(tries))
+    record.api_calls = len(mine)
+    record.state_reads = sum(path.startswith("/execution/dag-runs/") and path.endswith("/state") for path in mine)
+    starts = Counter(about[1].replace("-", "") for about in map(TI_PATH.match, mine) if about and about[2] == "run")
+    resumes: Counter[str] = Counter()
+    for ti, count in starts.items():
+        resumes[tries[ti]] += count - 1
+    record.resumes = {task: count for task, count in resumes.items() if count}
 
 
 def watch_run(
-    airflow, compute, dag_id: str, run_id: str, conf: dict, killer: TrainerKiller | None = None
+    airflow, compute, dag_id: str, run_id: str, conf: dict, helper: threading.Thread | None = None
 ) -> RunRecord:
-    """Trigger ``dag_id`` as ``run_id`` and sample it until it ends (or RUN_TIMEOUT_S, then it is failed)."""
-    record = RunRecord(dag_id, run_id)
+    """Trigger ``dag_id`` as ``run_id`` and sample it until it ends (or RUN_TIMEOUT_S, then it is failed).
+
+    ``helper``: acts on the run meanwhile (:class:`TrainerKiller`, :class:`Approver`)."""
+    start = functools.partial(airflow.trigger, dag_id, run_id, conf)
+    records = watch_runs(airflow, compute, start, {(dag_id, run_id): RunRecord(dag_id, run_id)}, (), 1, helper)
+    record = records[(dag_id, run_id)]
+    if isinstance(helper, TrainerKiller):
+        record.killed = helper.killed
+        record.killed_at_step = helper.killed_at_step()
+    return record
+
+
+def watch_runs(
+    airflow,
+    compute,
+    start: Callable[[], object],
+    records: dict[tuple[str, str], RunRecord],
+    dag_ids: tuple[str, ...],
+    runs: int,
+    helper: threading.Thread | None = None,
+) -> dict[tuple[str, str], RunRecord]:
+    """Call ``start`` and sample ``records`` and every run of ``dag_ids`` until ``runs`` runs exist and all ended.
+
+    ``start`` triggers the runs (or a backfill makes them); ``helper`` (a thread with a ``stop`` event, e.g. a
+    :class:`TrainerKiller`) acts on them meanwhile. After RUN_TIMEOUT_S, the runs not ended are marked failed."""
     db = airflow.db()
-    sampler = _Sampler(airflow.db(), compute, record)  # a connection per thread
-    airflow.trigger(dag_id, run_id, conf)
+    sampler = _Sampler(airflow.db(), compute, records, dag_ids)  # a connection per thread
+    start()
     sampler.start()
-    if killer:
-        killer.start()
+    if helper:
+        helper.start()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while True:
-            (state,) = db.execute(
-                "SELECT state FROM dag_run WHERE dag_id = ? AND run_id = ?", (dag_id, run_id)
-            ).fetchone()
-            if state in FINISHED:
+            states = {
+                key: (db.execute("SELECT state FROM dag_run WHERE dag_id = ? AND run_id = ?", key).fetchone() or ("",))[0]
+                for key in list(records)
+            }
+            if len(states) >= runs and all(state in FINISHED for state in states.values()):
                 break
             if time.monotonic() > deadline or sampler.error:
-                airflow.api("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed"})
+                for (dag_id, run_id), state in states.items():
+                    if state not in FINISHED:
+                        airflow.api("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": "failed"})
                 break
             time.sleep(2)
     finally:
         sampler.stop.set()
         sampler.join()
-        if killer:
-            killer.stop.set()
-            killer.join()
-            record.killed = killer.killed
-            record.killed_at_step = killer.killed_at_step()
+        if helper:
+            helper.stop.set()
+            helper.join()
     if sampler.error:
-        raise RuntimeError(f"sampling {dag_id}/{run_id} failed") from sampler.error
-    _finish(db, record)
+        raise RuntimeError(f"sampling {sorted(records)} failed") from sampler.error
+    requests = api_requests(airflow)
+    for record in records.values():
+        _finish(db, record, requests)
     db.close()
-    return record
+    return records

@@ -63,12 +63,17 @@ def _deployment(configured_deployment):
     """The DAGs' commands are rendered outside a task process."""
 
 
-@pytest.fixture(scope="module")
-def perf():
-    """bench/perf.py, imported as its script imports its siblings."""
+@pytest.fixture(scope="module", autouse=True)
+def _bench_modules():
+    """bench/'s modules importable as its scripts import their siblings (``import run_probe``)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(REPO / "bench"))
-        yield importlib.import_module("perf")
+        yield
+
+
+@pytest.fixture(scope="module")
+def perf(_bench_modules):
+    return importlib.import_module("perf")
 
 
 @pytest.fixture
@@ -202,6 +207,28 @@ def _record(run_probe, label: str, dag_id: str = SFT_DAG, **xcom):
     return record
 
 
+def _policy_records(run_probe) -> dict:
+    """A 2-date backfill's runs and an approval's, their samples as the sampler takes them."""
+    sample = run_probe.Sample
+    first = _record(run_probe, "date-1")
+    first.timeline = [
+        sample(10.0, {"create_tpu_vm": "deferred", "convert_to_maxtext": "running"}, frozenset({"create_cpu_vm"}), 1),
+        sample(4.0, {"create_tpu_vm": "deferred", "convert_to_maxtext": "success"}, frozenset({"create_cpu_vm"}), 1),
+        sample(3.0, {"create_tpu_vm": "deferred"}, frozenset(), 0),  # the place free: not in line
+        sample(5.0, {"create_tpu_vm": "success", "train": "running"}, frozenset({"create_tpu_vm"}), 0),
+    ]
+    first.api_calls, first.state_reads = 100, 0
+    second = _record(run_probe, "date-2")
+    second.api_calls, second.state_reads, second.resumes = 50, 2, {"check_inputs": 2}
+    approval = _record(run_probe, "approval")
+    approval.timeline = [
+        sample(30.0, {"approve_publish": "awaiting_input", "delete_tpu_vm": "success"}, frozenset(), 0),
+        sample(2.0, {"approve_publish": "awaiting_input", "create_pub_vm": "running"}, frozenset({"create_pub_vm"}), 0),
+        sample(5.0, {"approve_publish": "success", "export_and_publish": "running"}, frozenset({"create_pub_vm"}), 0),
+    ]
+    return {"date 1": first, "date 2": second, "approval": approval}
+
+
 def _rows(text: str) -> dict[tuple[str, str], list[str]]:
     """The table's rows by (figure, subject): ``[value, target, verdict, how]``."""
     lines = text.split("\nnotes:")[0].splitlines()[1:]
@@ -222,6 +249,7 @@ def test_the_table_and_its_page_from_every_kind_of_run(perf, tmp_path, monkeypat
     }
     for label in ("fault", "fault-sync"):
         records[label].killed, records[label].killed_at_step = ["python3 -m ...train_sft ..."], 5
+    records.update(_policy_records(run_probe))
     plain = {"tiny-model": 0.1, "convert": 20.0, "sft": 60.0, "export-sft": 20.0, "pipeline total": 100.0}
     parsed = {"posttrain_dags.py": {"dag_file_ms": 90.0, "dags": 3, "airflow_ms": 900.0, "heavy": []}}
     archive = {"save_s": 30.0, "restore_s": 12.0, "archive_bytes": 2**30, "venv_bytes": 3 * 2**30}
@@ -238,6 +266,20 @@ def test_the_table_and_its_page_from_every_kind_of_run(perf, tmp_path, monkeypat
     assert rows[("P5", "conversions repeated (warm run)")][:3] == ["0", "<= 0", "ok"]
     assert rows[("P6", "converted checkpoint load on the TPU VM, s")][0] == "1.50"
     assert rows[("P6", "MaxText environment archive: restore, s")][0] == "12.0"
+    # The policies: the first date held its conversion's VM 4 s with nothing to do while in line; the second date
+    # followed the first's claim; the person took 32 s, during which the publish VM was made (2 s of it).
+    assert rows[("line", "VM-s held idle waiting in line (2-date backfill)")] == [
+        "4.0", "<= 0", "MISS", "date 1 waited 14 s, 4.0 VM-s idle; date 2 waited 0 s, 0.0 VM-s idle"
+    ]
+    assert rows[("claims", "worker resumes per run (2-date backfill)")] == [
+        "1.0", "-", "n/a", "date 1 0; date 2 2 (check_inputs 2)"
+    ]
+    assert rows[("claims", "API-server calls per run (2-date backfill)")] == [
+        "75", "-", "n/a", "date 1 100 (0 reads of its state); date 2 50 (2 reads of its state)"
+    ]
+    asked = f"asked 32 s, answered Approve after {perf.APPROVAL_HOLD_S} s"
+    assert rows[("approval", "worker seconds while a person decides")] == ["2.0", "<= 0", "MISS", asked]
+    assert rows[("approval", "VM-seconds held while a person decides")] == ["2.0", "<= 0", "MISS", asked]
     assert any(figure == "cost" for figure, _ in rows)
     assert f"seeds run skipped: {perf.SEEDS} does not exist (yet)" in text
 
@@ -251,3 +293,63 @@ def test_the_table_and_its_page_from_every_kind_of_run(perf, tmp_path, monkeypat
     assert "the bench took 42 min" in written
     assert "old figures" not in written
     assert written.endswith(suite)
+
+
+def test_a_runs_api_calls_and_resumes_are_read_from_the_api_servers_access_log(tmp_path):
+    """Requests naming the run or one of its task instances' tries; a try's starts after its first are resumes."""
+    import sqlite3
+
+    import run_probe
+
+    check, train, old_try = "0199aaaa-0000-7000-8000-00000000000a", "0199bbbb-0000-7000-8000-00000000000b", "0199cccc-0000-7000-8000-00000000000c"
+    db = sqlite3.connect(":memory:")
+    db.executescript(
+        """
+        CREATE TABLE dag_run (dag_id, run_id, state, queued_at, start_date, end_date, logical_date);
+        CREATE TABLE task_instance (id, dag_id, run_id, task_id, state, try_number, start_date, end_date);
+        CREATE TABLE task_instance_history (task_instance_id, dag_id, run_id, task_id);
+        CREATE TABLE xcom (dag_id, run_id, task_id, key, value);
+        """
+    )
+    db.execute("INSERT INTO dag_run VALUES ('d', 'r', 'success', NULL, '2026-12-01T00:00:00', '2026-12-01T00:05:00', "
+               "'2026-12-01T00:00:00')")
+    for ti, task in ((check, "check_inputs"), (train, "train")):  # the DB writes a UUID as 32 hex digits
+        db.execute("INSERT INTO task_instance VALUES (?, 'd', 'r', ?, 'success', 1, NULL, NULL)", (ti.replace("-", ""), task))
+    db.execute("INSERT INTO task_instance_history VALUES (?, 'd', 'r', 'train')", (old_try.replace("-", ""),))
+    log = tmp_path / "logs" / "api-server.log"
+    log.parent.mkdir()
+    requests = [  # (the client's port, the path), in order
+        (1, f"/execution/task-instances/{check}/run"), (1, "/execution/variables/deployment_id"),
+        (1, "/execution/dag-runs/d/other/state"),  # its look at the run it follows
+        (1, f"/execution/task-instances/{check}/state"),  # deferred
+        (2, f"/execution/task-instances/{check}/run"), (2, f"/execution/task-instances/{check}/heartbeat"),  # resumed
+        (3, f"/execution/task-instances/{old_try}/run"), (4, f"/execution/task-instances/{train}/run"),  # a retry
+        (4, "/execution/xcoms/d/r/check_inputs/return_value"),
+        (5, "/execution/dag-runs/d/r/state"),  # a client that named no try: counted by the run it names
+        (6, "/execution/task-instances/0199dddd-0000-7000-8000-00000000000d/run"),  # another run's task
+        (6, "/execution/variables/deployment_id"), (6, "/execution/dag-runs/d/r/state"),  # its look at this run
+        (1, "/api/v2/dags/d/dagRuns"),  # the connection naming nothing: the try it named last's
+    ]
+    log.write_text("".join(
+        f"2026-12-07T17:44:01.{i:06d}Z [info     ] request finished               [http.access] client_addr=127.0.0.1:"
+        f"4000{port} duration_us=15883 loc=http_access_log.py:130 method=GET path={path} query= status_code=200\n"
+        for i, (port, path) in enumerate(requests)
+    ))
+    record = run_probe.RunRecord("d", "r")
+    run_probe._finish(db, record, run_probe.api_requests(type("Airflow", (), {"home": tmp_path})))
+    assert (record.api_calls, record.state_reads, record.resumes) == (11, 2, {"check_inputs": 1})
+
+
+def test_the_policy_runs_dags_share_one_line_and_ask_before_publishing(perf, tmp_path, monkeypatch):
+    """The backfill's SFT (daily) and the GRPO run that holds the place: one TPU VM between them; the LoRA twin asks."""
+    from airflow_tpu_posttrain.pipelines.registry import load_registry
+
+    monkeypatch.setenv("TPU_POSTTRAIN_LOCAL_DIR", str(tmp_path / "local"))
+    perf.write_policy_dags(tmp_path / "dags")
+    configs = {config.dag_id: config for config in load_registry(tmp_path / "dags" / "models.yaml", local=True)}
+    assert sorted(configs) == sorted([perf.OURS, perf.GRPO, perf.LORA])
+    sft, grpo = configs[perf.OURS], configs[perf.GRPO]
+    assert (sft.schedule, sft.max_tpu_vms, grpo.max_tpu_vms) == ("@daily", 1, 1)
+    assert (sft.zones, sft.accelerator_type, sft.reservation) == (grpo.zones, grpo.accelerator_type, grpo.reservation)
+    assert configs[perf.LORA].approval is True
+    assert (tmp_path / "dags" / "local_dags.py").read_text() == (REPO / "dags" / "local_dags.py").read_text()
