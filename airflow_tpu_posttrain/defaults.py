@@ -9,10 +9,12 @@ GCP_CONN_ID = "google_cloud_default"  # Compute, OS Login and IAP are called wit
 SSH_CONN_ID = "tpu_vm_ssh"  # the VMs' login and its private key
 HF_CONN_ID = "hf_default"  # the Hugging Face token (and, for a Hub of one's own, its endpoint)
 
-MAX_TPU_VMS = 1  # the registry's TPU VMs alive at once per line (the reservation, else the zone); a slice counts once
-MAX_WAIT_FOR_CAPACITY_MINUTES = 60  # first in line for a place under the cap, or for a fully used reservation
-# How long a create may wait behind others in line (the line moving) before its task times out: a backfill of a
-# week of dates behind a day's trainings. The wait while first in line is MAX_WAIT_FOR_CAPACITY_MINUTES.
+# The registry's cap, in VMs of an entry's size (its deprecated key max_tpu_vms; max_tpu_chips counts chips):
+# one v6e-8 VM (8 chips) per line (a zone's reservation, else the zone and series); a slice takes all its VMs.
+MAX_TPU_VMS = 1
+MAX_WAIT_FOR_CAPACITY_MINUTES = 60  # for a fully used reservation (or FLEX_START's queue): a cloud stock-out
+# The backstop of a wait in line (the create's deferral times out, and its wait leaves the line): the line moves as
+# the runs ahead end, however long they train, so this only ends a wait behind a backfill of a week of dates.
 MAX_WAIT_IN_LINE_HOURS = 24
 # A training silent this long is taken for hung: stopped, and the try fails (a retry resumes). Training only: an
 # install's upload or a large conversion is legitimately silent for long.
