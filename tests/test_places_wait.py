@@ -119,3 +119,50 @@ def test_a_cancelled_wait_leaves_the_line_and_a_triggerer_restart_keeps_its_plac
         "triggerer restart keeps its place", None, "n/a", None,
         "on_kill and a timed-out cleanup leave the line; a restart's cleanup keeps it, and it is served before a later run",
     )
+
+
+WAIT_DAG = """
+from datetime import datetime
+from airflow.sdk import DAG
+from airflow_tpu_posttrain.operators.tpu_vm import TpuVmCreateOperator
+
+with DAG("line_wait", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
+    TpuVmCreateOperator(
+        task_id="create_tpu_vm", project_id="{project}", zones=["us-east5-b"], reservation="my-reservation",
+        max_tpu_chips={chips}, capacity_claims="{claims}", poll_interval=1,
+    )
+"""
+
+
+@pytest.mark.airflow_processes
+def test_a_run_marked_failed_while_it_waits_leaves_the_line_at_once(emulator, capacity_claims, tmp_path, fault_matrix):
+    """With Airflow's scheduler, triggerer and API: the user marks the waiting run failed, its wait leaves the line.
+
+    Before, it held its place in line until it went stale (places.WAITING_STALE_S, 600 s), ahead of the next run."""
+    from bench.local_airflow import LocalAirflow
+
+    hold_place(emulator, "tpu-other-run", claims=capacity_claims)
+    uri, read = line_of(capacity_claims), StoredRecordHook().read
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "line_wait.py").write_text(WAIT_DAG.format(project=PROJECT, chips=CHIPS, claims=capacity_claims))
+
+    def bounded(condition, what: str, seconds: float) -> float:
+        started = time.monotonic()
+        while not condition():
+            assert time.monotonic() - started < seconds, f"not within {seconds} s: {what}"
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    with LocalAirflow(tmp_path / "airflow", {}, dags_folder=dags) as airflow:
+        airflow.wait_for_dags(["line_wait"], present="line_wait")
+        airflow.trigger("line_wait", "run-0", {})
+        bounded(lambda: len(read(uri).get("waiting") or {}) == 1, "the run waits in line", 240)
+        airflow.api("PATCH", "/dags/line_wait/dagRuns/run-0", json={"state": "failed"})
+        left = bounded(lambda: not read(uri).get("waiting"), "its wait left the line", 120)
+    assert list(read(uri)["holders"]) == ["tpu-other-run"] and len(emulator.instances()) == 1
+    fault_matrix.record(
+        "capacity: a run marked failed while it waits in line (scheduler, triggerer, API) -> its wait leaves the line "
+        "at once", None, "failed", None, f"left the line {left:.0f} s after the run was marked failed (was: up to "
+        f"{places.WAITING_STALE_S:.0f} s, until stale)",
+    )
