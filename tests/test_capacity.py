@@ -149,7 +149,7 @@ def test_create_waits_in_line_holding_no_vm(emulator, capacity_claims, run_dag, 
     assert no_instances_within(emulator)
     assert StoredRecordHook().read(line_of(capacity_claims)) == {"holders": {}, "waiting": {}}  # the delete gave it back
     fault_matrix.record(
-        "capacity: cap of 1 reached -> create waits in line in the triggerer, then creates", True, dr.state, None,
+        "capacity: cap of 8 chips (one v6e-8) reached -> create waits in line in the triggerer, then creates", True, dr.state, None,
         log_excerpt(logs, "8 of 8 TPU chips in use by"),
     )
 

@@ -23,24 +23,24 @@ def registry_with(tmp_path: Path, sft: dict, rl: dict) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("sft", "rl"),
+    ("case", "sft", "rl"),
     [
-        ({"max_tpu_chips": 8}, {"max_tpu_chips": 16}),
-        # The same reservation in us-east5-b, written once alone and once one per zone.
-        ({"max_tpu_chips": 8, "reservation": "res1"},
+        ("8 and 16 chips", {"max_tpu_chips": 8}, {"max_tpu_chips": 16}),
+        ("8 chips on res1, 2 VMs of 8 on us-east5-b=res1 of a per-zone reservation",
+         {"max_tpu_chips": 8, "reservation": "res1"},
          {"zones": ["us-east5-b", "us-east5-a"], "reservation": "us-east5-a=res2,us-east5-b=res1", "max_tpu_vms": 2}),
-        ({"capacity_claims": "gs://bucket-a/places"}, {"capacity_claims": "gs://bucket-b/places"}),
+        ("one cap, two capacity_claims buckets",
+         {"capacity_claims": "gs://bucket-a/places"}, {"capacity_claims": "gs://bucket-b/places"}),
     ],
     ids=["two caps", "one reservation written two ways", "two locations"],
 )
-def test_entries_sharing_a_line_must_agree_on_its_cap_and_location(tmp_path, sft, rl, fault_matrix):
+def test_entries_sharing_a_line_must_agree_on_its_cap_and_location(tmp_path, case, sft, rl, fault_matrix):
     with pytest.raises(RegistryError) as raised:
         load_registry(registry_with(tmp_path, sft, rl), local=False)
     [problem] = raised.value.problems
     assert f"{SFT} and {RL} share the line of places" in problem and "Fix: give both the same max_tpu_chips" in problem
-    given = "; ".join(f"{k}={v}" for k, v in {**sft, **rl}.items())
     fault_matrix.record(
-        f"capacity: two registry entries share a line of places but not its cap or location ({given}) -> refused "
+        f"capacity: two registry entries share a line of places but not its cap or location ({case}) -> refused "
         "at registry load, naming both", None, "n/a", None, problem[:200],
     )
 
