@@ -166,3 +166,18 @@ def test_a_run_marked_failed_while_it_waits_leaves_the_line_at_once(emulator, ca
         "at once", None, "failed", None, f"left the line {left:.0f} s after the run was marked failed (was: up to "
         f"{places.WAITING_STALE_S:.0f} s, until stale)",
     )
+
+
+def test_a_create_deferred_by_the_earlier_release_keeps_its_vms_life(emulator, capacity_claims, configured_deployment):
+    """A trigger serialized before the upgrade (its request's expiry set, no lifetime_s) keeps the VM's whole life.
+
+    12 h here (no dagrun_timeout): never a VM that expires as it is made."""
+    from airflow_tpu_posttrain.triggers.places import request_of
+
+    classpath, kwargs = deferred_create(capacity_claims, "manual__upgrade", datetime.now(UTC)).serialize()
+    earlier = {key: value for key, value in kwargs.items() if key != "lifetime_s"}
+    earlier["request"] = {k: v for k, v in kwargs["request"].items() if k != "size"} | {"expires_at": 2**31}
+    module, cls = classpath.rsplit(".", 1)
+    rebuilt = getattr(__import__(module, fromlist=[cls]), cls)(**earlier)
+    assert abs(rebuilt.lifetime_s - 12 * 3600) <= 1
+    assert request_of(rebuilt.request) == places.Request(**{**earlier["request"], "expires_at": 0})

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.triggers.base import TriggerEvent
 
-from airflow_tpu_posttrain.recipes import access, capacity, compute, places
+from airflow_tpu_posttrain.recipes import access, capacity, compute
 from airflow_tpu_posttrain.recipes.create_phases import DELETES_FIRST, Action, Phase, Progress, next_action
 from airflow_tpu_posttrain.recipes.validation import SpecError
 from airflow_tpu_posttrain.triggers.compute import (
@@ -29,6 +29,8 @@ from airflow_tpu_posttrain.triggers.places import (
     PlaceRefused,
     give_place_back,
     leave_line,
+    lifetime_of,
+    request_of,
     take_place,
     timed_out,
 )
@@ -139,7 +141,7 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         self.cap = cap
         self.lines = lines
         self.request = request
-        self.lifetime_s = lifetime_s
+        self.lifetime_s = lifetime_s or lifetime_of(bodies[zones[0]], self.state)
         self.capacity_wait = capacity_wait
         self.oslogin = oslogin
         self.ssh_port = ssh_port
@@ -390,7 +392,7 @@ class _CreateRun:
         trigger, zone = self.trigger, self.zone
         if trigger.cap is None:
             return None
-        request = places.Request(**trigger.request, expires_at=0)
+        request = request_of(trigger.request)
         try:
             return await take_place(
                 self.lines, trigger.lines[zone], request, trigger.lifetime_s, trigger.cap,

@@ -127,6 +127,19 @@ async def leave_line(lines: StoredRecordAsyncHook, uris: Iterable[str], claim: s
             log.info("Left the line %s: the wait of %s was cancelled", uri, claim)
 
 
+def lifetime_of(body: dict, state: dict) -> int:
+    """The life of a VM whose create an earlier release deferred (no ``lifetime_s``; its expiry set at the request).
+
+    Its body's ``expires-at`` less when it was requested: a wait in line across the upgrade keeps the VM's life."""
+    expires = str((body.get("labels") or {}).get("expires-at", ""))
+    return max(0, int(expires) - int(state.get("requested_at") or 0)) if expires.isdigit() else 0
+
+
+def request_of(fields: dict) -> places.Request:
+    """The :class:`places.Request` of a trigger's ``request``, its expiry set when the place is granted."""
+    return places.Request(**{**fields, "expires_at": 0})
+
+
 def timed_out(timeout_after: datetime | None) -> bool:
     """Whether the deferral's timeout (the triggerer's ``timeout_after`` of the trigger) has passed."""
     if timeout_after is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import TriggerEvent
 
-from airflow_tpu_posttrain.recipes import access, capacity, compute, places, slices
+from airflow_tpu_posttrain.recipes import access, capacity, compute, slices
 from airflow_tpu_posttrain.triggers.compute import (
     _billed,
     _OperationsTrigger,
@@ -26,6 +26,8 @@ from airflow_tpu_posttrain.triggers.places import (
     PlaceRefused,
     give_place_back,
     leave_line,
+    lifetime_of,
+    request_of,
     take_place,
     timed_out,
 )
@@ -147,7 +149,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         self.cap = cap
         self.line = line
         self.request = request
-        self.lifetime_s = lifetime_s
+        self.lifetime_s = lifetime_s or lifetime_of(bodies["template"]["properties"], self.state)
         self.capacity_wait = capacity_wait
         self.ready_timeout = ready_timeout
 
@@ -249,7 +251,7 @@ class TpuSliceCreateTrigger(_SliceTrigger):
             return None
         try:
             return await take_place(
-                lines, self.line, places.Request(**self.request, expires_at=0), self.lifetime_s, self.cap,
+                lines, self.line, request_of(self.request), self.lifetime_s, self.cap,
                 lambda: self._live_places(hook), self.poll_interval, self.log,
             )
         except PlaceRefused as refused:
