@@ -265,3 +265,19 @@ def test_error_classification():
     assert compute.classify_errors([{"code": "QUOTA_EXCEEDED", "message": "Quota 'TPU_V6E_CHIPS'"}]) == compute.ErrorKind.QUOTA
     assert compute.classify_errors([{"code": "RESERVATION_NOT_FOUND"}]) == compute.ErrorKind.RESERVATION
     assert compute.classify_errors([{"code": "INTERNAL_ERROR"}]) == compute.ErrorKind.OTHER
+
+
+def test_a_body_expires_when_it_is_made_its_label_and_every_ssh_key():
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+    body = {
+        "labels": {"expires-at": "100", "managed-by": "airflow-tpu-posttrain"},
+        "metadata": {"items": [
+            {"key": "ssh-keys", "value": access.ssh_keys_metadata("airflow", key, 100)},
+            {"key": "enable-oslogin", "value": "FALSE"},
+        ]},
+    }
+    made = compute.expiring_at(body, 1_900_000_000)
+    assert made["labels"] == {"expires-at": "1900000000", "managed-by": "airflow-tpu-posttrain"}
+    assert made["metadata"]["items"][0]["value"] == access.ssh_keys_metadata("airflow", key, 1_900_000_000)
+    assert made["metadata"]["items"][1] == {"key": "enable-oslogin", "value": "FALSE"}
+    assert body["labels"]["expires-at"] == "100"  # the trigger's own body is left as it was
