@@ -301,26 +301,36 @@ def measure_runs(quick: bool) -> tuple[dict[str, RunRecord], dict[str, str]]:
             print(f"perf: running {dag_id} ({label}) ...", file=sys.stderr, flush=True)
             records[label] = watch_run(airflow, stack.compute, dag_id, f"bench-{label}", conf, killer)
             must_train(label, records[label])
-        policy_dags = BENCH / "policy-dags"
-        write_policy_dags(policy_dags)
-        with LocalAirflow(BENCH / "airflow-policy", env, dags_folder=policy_dags) as airflow:
-            airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
-            airflow.wait_for_dags([OURS, GRPO, LORA], present=OURS)
-            print(f"perf: running {GRPO} (holder) and a {BACKFILL_DATES}-date backfill of {OURS} ...", file=sys.stderr)
-            records.update(backfill_runs(airflow, stack))
-            print(f"perf: running {LORA} with approval ...", file=sys.stderr, flush=True)
-            approver = Approver(airflow, LORA, "bench-approval", APPROVAL_HOLD_S)
-            records["approval"] = watch_run(airflow, stack.compute, LORA, "bench-approval", {"force": True}, approver)
-            if not approver.answered:
-                raise SystemExit(f"perf: {LORA} (approval) never asked: {records['approval'].tasks}")
-            must_train("approval", records["approval"])
+        records.update(measure_policies(stack, env))
     return records, skipped
 
 
+def measure_policies(stack: LocalStack, env: dict[str, str]) -> dict[str, RunRecord]:
+    """The policy runs (a backfill behind a run holding the line's place, an approval); their records by label.
+
+    In Airflow's components started again, on a DAGs folder of their own (:func:`write_policy_dags`)."""
+    policy_dags = BENCH / "policy-dags"
+    write_policy_dags(policy_dags)
+    with LocalAirflow(BENCH / "airflow-policy", env, dags_folder=policy_dags) as airflow:
+        airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": True})
+        airflow.wait_for_dags([OURS, GRPO, LORA], present=OURS)
+        print(f"perf: running {GRPO} (holder) and a {BACKFILL_DATES}-date backfill of {OURS} ...", file=sys.stderr)
+        records = backfill_runs(airflow, stack)
+        print(f"perf: running {LORA} with approval ...", file=sys.stderr, flush=True)
+        approver = Approver(airflow, LORA, "bench-approval", APPROVAL_HOLD_S)
+        records["approval"] = watch_run(airflow, stack.compute, LORA, "bench-approval", {"force": True}, approver)
+        if not approver.answered:
+            raise SystemExit(f"perf: {LORA} (approval) never asked: {records['approval'].tasks}")
+        must_train("approval", records["approval"])
+    return records
+
+
 def must_train(label: str, record: RunRecord) -> None:
-    """Stop the bench at a run that did not train: its figures would measure something else."""
+    """Stop the bench at a run that did not train: its figures would measure something else.
+
+    A run that trained and failed after (its export) is measured; the notes give its state."""
     train = record.tasks.get("train")
-    if not train or train.state != "success" or record.state != "success":
+    if not train or train.state != "success":
         raise SystemExit(f"perf: {record.dag_id} ({label}) did not train: train {train}, run {record.state}")
 
 
@@ -555,7 +565,7 @@ def report(
         )
         row("claims", f"worker resumes per run ({len(dates)}-date backfill)", (_per_run(resumes), how), None, 1)
         calls = {label: r.api_calls or 0 for label, r in dates.items()}
-        how = "; ".join(f"{label} {calls[label]} ({r.state_reads} reads of its state)" for label, r in dates.items())
+        how = "; ".join(f"{label} {calls[label]} ({r.state_reads} reads of a run's state)" for label, r in dates.items())
         row("claims", f"API-server calls per run ({len(dates)}-date backfill)", (_per_run(calls), how), None, 0)
     if "approval" in records:
         asked, worker, vm = approval_wait(records["approval"])
@@ -617,8 +627,9 @@ script's storage commands timed on the local venv and GCS server. Modelled P1 an
 assumptions the notes list (each named there). The policies' rows, from the same samples (every 0.5 s: the
 task instances' states, the VMs that exist): line, the seconds a backfill run's TPU VM create waits deferred
 while another run's TPU VM holds the one place, times each VM the run holds meanwhile with none of its other
-tasks running or deferred; claims, from the API server's access log, the requests naming a run or one of its
-task instances, and each task instance's starts in a worker after its first (a resume after a deferral);
+tasks running or deferred; claims, from the API server's access log, the requests of a run's tasks (each task's
+supervisor keeps one connection and names its task instance first: `calls_of` in bench/run_probe.py), and each
+task instance's starts in a worker after its first (a resume after a deferral);
 approval, while `approve_publish` awaits the answer, the run's tasks running and its VMs, times the seconds.
 """
 

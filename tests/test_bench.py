@@ -275,7 +275,7 @@ def test_the_table_and_its_page_from_every_kind_of_run(perf, tmp_path, monkeypat
         "1.0", "-", "n/a", "date 1 0; date 2 2 (check_inputs 2)"
     ]
     assert rows[("claims", "API-server calls per run (2-date backfill)")] == [
-        "75", "-", "n/a", "date 1 100 (0 reads of its state); date 2 50 (2 reads of its state)"
+        "75", "-", "n/a", "date 1 100 (0 reads of a run's state); date 2 50 (2 reads of a run's state)"
     ]
     asked = f"asked 32 s, answered Approve after {perf.APPROVAL_HOLD_S} s"
     assert rows[("approval", "worker seconds while a person decides")] == ["2.0", "<= 0", "MISS", asked]
