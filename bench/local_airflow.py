@@ -48,15 +48,18 @@ START_TIMEOUT_S = 240
 class LocalAirflow(StartedProcesses):
     """``with LocalAirflow(home, env) as airflow:`` starts the components and waits until they are healthy.
 
-    ``env``: the local stack's connections and settings; ``dags_folder``: the repository's DAGs unless given.
-    Leaving the block stops them all."""
+    ``env``: the local stack's connections and settings; ``dags_folder``: the repository's DAGs unless given;
+    ``users``: more users besides ``bench`` (admins too; :meth:`client_as` speaks as one). Leaving the block stops
+    them all."""
 
-    def __init__(self, home: Path, env: dict[str, str], dags_folder: Path = REPO / "dags") -> None:
+    def __init__(
+        self, home: Path, env: dict[str, str], dags_folder: Path = REPO / "dags", users: tuple[str, ...] = ()
+    ) -> None:
         self.home = Path(home).absolute()
         self.db_path = self.home / "airflow.db"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.password = secrets.token_hex(12)
+        self.passwords = {user: secrets.token_hex(12) for user in (USER, *users)}
         self.env = {
             **os.environ,
             **env,
@@ -69,7 +72,7 @@ class LocalAirflow(StartedProcesses):
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base_url}/execution/",
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{user}:admin" for user in self.passwords),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
             "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
@@ -80,7 +83,7 @@ class LocalAirflow(StartedProcesses):
     def start(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
         (self.home / "logs").mkdir(parents=True)
-        (self.home / "passwords.json").write_text(json.dumps({USER: self.password}))
+        (self.home / "passwords.json").write_text(json.dumps(self.passwords))
         self._airflow("db", "migrate")
         for name, args in COMPONENTS.items():
             args = [*args, "--port", str(self.port)] if name == "api-server" else args
@@ -95,11 +98,15 @@ class LocalAirflow(StartedProcesses):
                     preexec_fn=ends_with_its_starter,  # started from the main thread, which outlives them
                 )
         self._wait_healthy()
+        self.client = self.client_as(USER)
+
+    def client_as(self, user: str) -> httpx.Client:
+        """A client of the REST API logged in as ``user`` (its own token)."""
         token = httpx.post(
-            f"{self.base_url}/auth/token", json={"username": USER, "password": self.password}, timeout=30
+            f"{self.base_url}/auth/token", json={"username": user, "password": self.passwords[user]}, timeout=30
         )
         token.raise_for_status()
-        self.client = httpx.Client(
+        return httpx.Client(
             base_url=f"{self.base_url}/api/v2",
             headers={"Authorization": f"Bearer {token.json()['access_token']}"},
             timeout=60,

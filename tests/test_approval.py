@@ -2,10 +2,12 @@
 
 The LoRA twin's pipeline (models.yaml's ``posttrain_sft__tiny-gemma3-4b__lora`` with ``approval: true``: adapters
 trained on the tiny Gemma 3 with MaxText 0.2.5 on the CPU) on Airflow's api-server, scheduler, triggerer and
-LocalExecutor (bench/local_airflow.py) against the local stack. One training: asked once every VM is gone, its
-publish is rejected (nothing published, the export kept), then asked again by clearing ``approve_publish`` and
-approved: a VM made for it publishes the kept adapter without exporting again, and the adapter loads with PEFT from
-the local Hub onto the base it names.
+LocalExecutor (bench/local_airflow.py) against the local stack, with two users: ``bench``, who triggers the run, and
+the one approver the registry names. One training: asked once every VM is gone (a conf saying ``approval: false``
+changes nothing), the notice said with the task's link; ``bench``'s answer is refused by the API (403); nobody
+answers in time, so nothing is published, the timeout is said and the export kept; asked again by clearing
+``approve_publish``, the approver approves: a VM made for it publishes the kept adapter without exporting again,
+and the adapter loads with PEFT from the local Hub onto the base it names.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ BASE_REPO = "google/gemma-3-4b-it"  # the tiny Gemma 3, served by the local Hub 
 # MaxText's default LoRA modules for Gemma 3 (post_train/lora_module_path.yml): every attention and MLP projection.
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 RUN_ID = "manual__approval"
+APPROVER = "approver"  # the one user the registry names; LocalAirflow's own user, bench, triggers the run
+TIMEOUT_S = 90  # the registry's approval_timeout_hours, in seconds: the first asking goes unanswered
 WAIT_S = 900.0
 ANSWERED = ("success", "failed", "skipped")
 
@@ -46,7 +50,9 @@ def _registry(dags: Path) -> None:
 
     registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
     [entry] = [e for e in registry["pipelines"] if e["model"] == "tiny-gemma3-4b" and e.get("lora")]
-    registry["pipelines"] = [{**entry, "approval": True}]
+    registry["pipelines"] = [
+        {**entry, "approval": True, "approvers": [APPROVER], "approval_timeout_hours": TIMEOUT_S / 3600}
+    ]
     (dags / "models.yaml").write_text(yaml.safe_dump(registry))
     (dags / "approval_dags.py").write_text(DAG_FILE)
 
@@ -94,11 +100,17 @@ def _run_state(airflow) -> str:
     return airflow.api("GET", f"/dags/{SFT}/dagRuns/{RUN_ID}").json()["state"]
 
 
-def _answer(airflow, option: str) -> None:
-    airflow.api(
-        "PATCH", f"/dags/{SFT}/dagRuns/{RUN_ID}/taskInstances/approve_publish/-1/hitlDetails",
+def _answer(client, option: str):
+    """The answer ``client``'s user gives, as the UI's Required actions page sends it; the API's response."""
+    return client.patch(
+        f"/dags/{SFT}/dagRuns/{RUN_ID}/taskInstances/approve_publish/-1/hitlDetails",
         json={"chosen_options": [option], "params_input": {}},
     )
+
+
+def _answer_xcom(airflow):
+    response = airflow.client.get(f"/dags/{SFT}/dagRuns/{RUN_ID}/taskInstances/approve_publish/xcomEntries/answer")
+    return response.json()["value"] if response.status_code == 200 else None
 
 
 def _xcom(airflow, task_id: str):
@@ -123,7 +135,7 @@ def _peft_loads(stack, adapter: str, revision: str) -> dict:
     return json.loads(check.stdout.strip().splitlines()[-1])
 
 
-def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_with_peft(
+def test_only_an_approver_lets_an_adapter_out_and_an_unanswered_one_is_kept_not_published(
     stack, tmp_path, monkeypatch, fault_matrix
 ):
     from bench.local_airflow import LocalAirflow
@@ -133,10 +145,12 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
     dags = tmp_path / "dags"
     dags.mkdir()
     _registry(dags)
-    with LocalAirflow(tmp_path / "airflow", stack.environment(), dags_folder=dags) as airflow:
+    with LocalAirflow(tmp_path / "airflow", stack.environment(), dags_folder=dags, users=(APPROVER,)) as airflow:
         assert airflow.wait_for_dags([SFT], present=SFT)[SFT]
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": False})
-        airflow.trigger(SFT, RUN_ID, {"force": True})
+        # The form has no switch for the approval the registry asks for: a conf that says otherwise still asks.
+        assert "approval" not in airflow.api("GET", f"/dags/{SFT}/details").json()["params"]
+        airflow.trigger(SFT, RUN_ID, {"force": True, "approval": False})
         asked = _wait(airflow, "asking for approval", lambda t: _asking(t) and _parked(airflow, 1))
         # Waiting for the answer: every VM is gone, the export is kept, nothing is published.
         assert asked["export_and_keep"]["state"] == "success", _report(airflow)
@@ -156,29 +170,42 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         gate = _xcom(airflow, "quality_gate")
         assert detail["options"] == ["Approve", "Reject"] and detail["defaults"] == ["Reject"], detail
         assert gate["message"] in detail["body"] and kept in detail["body"], detail["body"]
+        assert [user["id"] for user in detail["assigned_users"]] == [APPROVER], detail
+        said = _task_log(airflow, "approve_publish")
+        link = f"/dags/{SFT}/runs/{RUN_ID}/tasks/approve_publish/required_actions"
+        assert "Notice (waiting): Approve publishing the model of" in said and link in said, said[-3000:]
 
-        _answer(airflow, "Reject")
-        _wait(airflow, "the run's end after Reject", lambda t: _run_state(airflow) in ("success", "failed"))
-        rejected = _tasks(airflow)
+        # The user who triggered the run is not an approver: Airflow's API refuses the answer.
+        refused = _answer(airflow.client, "Approve")
+        assert refused.status_code == 403 and "is not a respondent" in refused.text, refused.text
+        # Nobody answers within the timeout: the default, Reject; said, nothing published, the inputs refused.
+        _wait(airflow, "the run's end after the timeout", lambda t: _run_state(airflow) in ("success", "failed"))
+        timed_out = _tasks(airflow)
         assert _run_state(airflow) == "success", _report(airflow)
         for skipped in ("create_pub_vm", "install_maxtext_pub", "export_and_publish", "delete_pub_vm"):
-            assert rejected[skipped]["state"] == "skipped", _report(airflow)
+            assert timed_out[skipped]["state"] == "skipped", _report(airflow)
         assert stack.compute.instances() == []
         assert _xcom(airflow, "export_and_publish") is None
         said = _task_log(airflow, "approve_publish")
-        assert "Not published: rejected by" in said and f"The checked export is kept at {kept}" in said
+        assert "Notice (timed_out): Not published: nobody answered" in said and link in said, said[-3000:]
+        assert "Not published: no answer within" in said and f"The checked export is kept at {kept}" in said
         # The refusal is in the inputs' claim: a later run with these inputs trains nothing and asks no one.
         assert "Runs with these inputs train nothing now (their model was refused" in said
+        assert _answer_xcom(airflow) | {"at": None} == {
+            "approved": False, "answer": "no answer", "by": None, "at": None, "kept_export": kept
+        }
 
-        # Asked again (as from the UI: clear approve_publish and what follows): approved, the kept copy published
-        # from a VM made for it.
+        # Asked again (as from the UI: clear approve_publish and what follows): the approver approves, and the kept
+        # copy is published from a VM made for it.
         airflow.api(
             "POST", f"/dags/{SFT}/clearTaskInstances",
             json={"dry_run": False, "dag_run_id": RUN_ID, "task_ids": ["approve_publish"], "include_downstream": True,
                   "only_failed": False, "reset_dag_runs": True},
         )
         _wait(airflow, "asking again", lambda t: _asking(t) and _parked(airflow, t["approve_publish"]["try_number"]))
-        _answer(airflow, "Approve")
+        with airflow.client_as(APPROVER) as approver:
+            answered = _answer(approver, "Approve")
+        assert answered.status_code == 200, answered.text
         _wait(airflow, "the run after Approve", lambda t: _run_state(airflow) in ("success", "failed"))
         approved = _tasks(airflow)
         assert _run_state(airflow) == "success", _report(airflow)
@@ -188,7 +215,8 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
         published = _xcom(airflow, "export_and_publish")
         assert published["hub"]["commit_sha"] and published["kept_uri"] == kept, published
         assert f"Restoring the export kept at {kept}" in _task_log(airflow, "export_and_publish")
-        assert "Approved by" in _task_log(airflow, "approve_publish")
+        assert f"Approved by {APPROVER}: publishing" in _task_log(airflow, "approve_publish")
+        assert _answer_xcom(airflow)["by"] == APPROVER and _xcom(airflow, "approve_publish")["answer"] == "Approve"
         # Trained with the LoRA tutorial's keys on MaxText 0.2.5, from its own conversion; its gate passed.
         converted, trained = _xcom(airflow, "convert_to_maxtext"), _xcom(airflow, "train")
         assert "/conversions/tiny-gemma3-4b/mt0.2.5-" in converted["converted_params"]
@@ -229,10 +257,11 @@ def test_a_rejected_adapter_is_kept_and_an_approved_one_is_published_and_loads_w
     assert len(adapted) == 14 * len(PROJECTIONS)
     assert set(loaded["changed"]) == adapted
     fault_matrix.record(
-        "approval: a LoRA adapter's publish rejected through the REST API -> nothing published, export kept; asked "
-        "again, approved",
+        "approval: a LoRA adapter's publish answered by a non-approver (403), then unanswered -> nothing published, "
+        "export kept, timeout said; asked again, the approver approves",
         stack.compute.instances() == [], "success", storage_has(f"{kept}/adapter_model.safetensors"),
-        f"no VM while asked; rejected: the publish skipped; approved: a publish VM published {kept} as Hub commit "
+        f"no VM while asked; bench refused 403; timed out after {TIMEOUT_S} s: the publish skipped; approved by "
+        f"{APPROVER}: a publish VM published {kept} as Hub commit "
         f"{published['hub']['commit_sha'][:12]} without exporting again; adapter {adapter_bytes} bytes "
         f"({validated['params']} params), the base's weights {base_bytes} bytes; loaded with PEFT, it changed "
         f"{len(loaded['changed'])} of {len(loaded['changed']) + len(loaded['unchanged'])} tensors",

@@ -1,9 +1,11 @@
-"""Airflow's own backfill of a post-training DAG: each date trains its own inputs, each distinct input once.
+"""Airflow's own backfill of a post-training DAG: each date trains its inputs once, in line behind another DAG.
 
 The tiny SFT pipeline (models.yaml's entry, given a daily schedule and a cap of one TPU VM) backfilled over three
 dates through Airflow's REST API (``POST /api/v2/backfills``, what the UI's Backfill dialog and ``airflow
 backfill create`` call), with Airflow's api-server, scheduler, triggerer and LocalExecutor (bench/local_airflow.py)
-against the local stack. The local Hub's model gets a commit between the first and second dates.
+against the local stack. The local Hub's model gets a commit between the first and second dates. The tiny GRPO
+pipeline, in the same line under the same cap, trains first: the backfill's runs wait for its TPU VM with
+``max_wait_for_capacity`` 0 (no wait for a stock-out), and wait holding no VM.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from conftest import HF_TOKEN, REPO
 from airflow_tpu_posttrain.recipes.models import TINY_LLAMA_REPO
 
 SFT = "posttrain_sft__tiny-llama"
+RL = "posttrain_rl__tiny-llama"
 STEPS = 2
 SAMPLE_S = 0.5
 RUNS_TIMEOUT_S = 1500.0
@@ -43,12 +46,16 @@ def stack(tmp_path_factory):
 
 
 def _registry(dags: Path) -> None:
-    """models.yaml's tiny SFT entry, scheduled daily and capped at one TPU VM, alone in the DAGs folder."""
+    """models.yaml's tiny SFT entry, scheduled daily, and its GRPO entry, alone in the DAGs folder.
+
+    Both capped at one TPU VM, in one line (their VMs' zone and machine)."""
     import yaml
 
     registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
-    [entry] = [e for e in registry["pipelines"] if e["model"] == "tiny-llama" and e["recipe"] == "sft" and "layout" not in e]
-    registry["pipelines"] = [{**entry, "schedule": "@daily", "max_tpu_vms": 1}]
+    tiny = [e for e in registry["pipelines"] if e["model"] == "tiny-llama" and "layout" not in e]
+    [sft] = [e for e in tiny if e["recipe"] == "sft"]
+    [rl] = [e for e in tiny if e["recipe"] == "rl"]
+    registry["pipelines"] = [{**sft, "schedule": "@daily", "max_tpu_vms": 1}, {**rl, "max_tpu_vms": 1}]
     (dags / "models.yaml").write_text(yaml.safe_dump(registry))
     (dags / "backfill_dags.py").write_text(DAG_FILE)
 
@@ -76,57 +83,81 @@ def _create_backfill(airflow, body: dict) -> None:
     response.raise_for_status()
 
 
-def _tasks(airflow, run_id: str) -> dict[str, dict]:
-    found = airflow.api("GET", f"/dags/{SFT}/dagRuns/{run_id}/taskInstances").json()["task_instances"]
+def _tasks(airflow, run_id: str, dag_id: str = SFT) -> dict[str, dict]:
+    found = airflow.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()["task_instances"]
     return {task["task_id"]: task for task in found}
 
 
-def _xcom(airflow, run_id: str, task_id: str, key: str = "return_value"):
-    response = airflow.client.get(f"/dags/{SFT}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")
+def _xcom(airflow, run_id: str, task_id: str, key: str = "return_value", dag_id: str = SFT):
+    response = airflow.client.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")
     return response.json()["value"] if response.status_code == 200 else None
 
 
-def _log(airflow, run_id: str, task_id: str) -> str:
+def _log(airflow, run_id: str, task_id: str, dag_id: str = SFT) -> str:
     """The task's log, every try and resume of it."""
-    folder = airflow.home / "logs" / f"dag_id={SFT}" / f"run_id={run_id}" / f"task_id={task_id}"
+    folder = airflow.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
     return "".join(log.read_text(errors="replace") for log in sorted(folder.glob("*.log")))
 
 
-def _runs(airflow) -> dict[str, dict]:
-    return {run["dag_run_id"]: run for run in airflow.api("GET", f"/dags/{SFT}/dagRuns").json()["dag_runs"]}
+def _runs(airflow, dag_id: str = SFT) -> dict[str, dict]:
+    return {run["dag_run_id"]: run for run in airflow.api("GET", f"/dags/{dag_id}/dagRuns").json()["dag_runs"]}
 
 
 def _report(airflow) -> str:
     """Each run's and task's state, and the errors of the tasks that did not succeed."""
     lines = []
-    for run_id, run in _runs(airflow).items():
-        lines.append(f"{run_id}: {run['state']}")
-        for task_id, task in _tasks(airflow, run_id).items():
-            lines.append(f"  {task_id} try {task['try_number']}: {task['state']}")
-            if task["state"] not in ("success", "skipped"):
-                folder = airflow.home / "logs" / f"dag_id={SFT}" / f"run_id={run_id}" / f"task_id={task_id}"
-                for log in folder.glob("*.log"):
-                    errors = [line[:2000] for line in log.read_text(errors="replace").splitlines() if '"error"' in line]
-                    lines += [f"    {log.name}:", *errors[-5:]]
+    for dag_id in (SFT, RL):
+        for run_id, run in _runs(airflow, dag_id).items():
+            lines.append(f"{dag_id} {run_id}: {run['state']}")
+            for task_id, task in _tasks(airflow, run_id, dag_id).items():
+                lines.append(f"  {task_id} try {task['try_number']}: {task['state']}")
+                if task["state"] not in ("success", "skipped"):
+                    folder = airflow.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
+                    for log in folder.glob("*.log"):
+                        text = log.read_text(errors="replace")
+                        errors = [line[:2000] for line in text.splitlines() if '"error"' in line]
+                        lines += [f"    {log.name}:", *errors[-5:]]
     return "\n".join(lines)
 
 
 def _sample_until_done(airflow, stack, runs: int, timeline: list) -> dict[str, dict]:
-    """Every ``SAMPLE_S``, the TPU VMs that exist (from insert to the delete's end), until ``runs`` runs ended."""
-    started, deadline = time.monotonic(), time.monotonic() + RUNS_TIMEOUT_S
+    """Every ``SAMPLE_S``, the VMs that exist (from insert to the delete's end), until the runs ended.
+
+    A sample: ``(epoch seconds, [(run label, task label, name), ...])``; done once ``runs`` runs of the SFT DAG
+    and the GRPO run ended."""
+    deadline = time.monotonic() + RUNS_TIMEOUT_S
     while True:
-        tpu_vms = sorted(
-            i["name"] for i in stack.compute.instances() if (i.get("labels") or {}).get("airflow-task") == "create-tpu-vm"
+        vms = sorted(
+            ((i.get("labels") or {}).get("airflow-run", ""), (i.get("labels") or {}).get("airflow-task", ""), i["name"])
+            for i in stack.compute.instances()
         )
-        timeline.append((round(time.monotonic() - started, 1), tpu_vms))
-        found = _runs(airflow)
-        if len(found) >= runs and all(run["state"] in ("success", "failed") for run in found.values()):
+        timeline.append((time.time(), vms))
+        found, holder = _runs(airflow), _runs(airflow, RL)
+        ended = [run["state"] in ("success", "failed") for run in [*found.values(), *holder.values()]]
+        if len(found) >= runs and all(ended):
             return found
         assert time.monotonic() < deadline, f"runs not done after {RUNS_TIMEOUT_S} s:\n{_report(airflow)}"
         time.sleep(SAMPLE_S)
 
 
+def _tpu_vms(sample: list[tuple[str, str, str]]) -> list[str]:
+    return [name for _, task, name in sample if task == "create-tpu-vm"]
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+def _logged_at(log: str, text: str, last: bool = False) -> float | None:
+    """When the task's log first (or last) said ``text`` (epoch seconds)."""
+    said = [json.loads(line) for line in log.splitlines() if text in line and line.startswith("{")]
+    if not said:
+        return None
+    return datetime.fromisoformat(said[-1 if last else 0]["timestamp"]).timestamp()
+
+
 @pytest.mark.airflow_processes
+@pytest.mark.timeout(RUNS_TIMEOUT_S + 300)  # four runs, three of them trainings, one after the other
 def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tmp_path, monkeypatch, fault_matrix):
     """Three dates, the model committed between the first and the second: two trainings, not three.
 
@@ -145,9 +176,17 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     _registry(dags)
     timeline: list = []
     with LocalAirflow(tmp_path / "airflow", stack.environment(), dags_folder=dags) as airflow:
-        assert airflow.wait_for_dags([SFT], present=SFT)[SFT]
+        assert all(airflow.wait_for_dags([SFT, RL], present=SFT).values())
         airflow.api("POST", "/pools", json={"name": "tpu_vms", "slots": 4, "include_deferred": False})
-        conf = {"steps": STEPS, "quality_gate": "off"}
+        # The GRPO run takes the line's one place first; the backfill's runs then wait behind its training, with no
+        # wait allowed for a stock-out (max_wait_for_capacity 0): a line that moves is no reason to fail.
+        airflow.trigger(RL, "manual__holder", {"quality_gate": "off", "max_wait_for_capacity": 0})
+        deadline = time.monotonic() + 600
+        while (_tasks(airflow, "manual__holder", RL).get("train") or {}).get("state") not in ("running", "deferred"):
+            holding = _runs(airflow, RL)["manual__holder"]["state"] in ("queued", "running")
+            assert time.monotonic() < deadline and holding, _report(airflow)
+            time.sleep(1)
+        conf = {"steps": STEPS, "quality_gate": "off", "max_wait_for_capacity": 0}
         _create_backfill(
             airflow,
             {
@@ -172,6 +211,19 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
         tasks = [_tasks(airflow, run_id) for run_id in run_ids]
         claims = [_xcom(airflow, run_id, "check_inputs", "training_claim") for run_id in run_ids]
         looks = [_log(airflow, run_id, "check_inputs").count("Inputs equal those run ") for run_id in run_ids]
+        creates = [_log(airflow, run_id, "create_tpu_vm") for run_id in run_ids]
+        vms = [
+            {kind: (_xcom(airflow, run_id, f"create_{kind}_vm") or {}).get("name") for kind in ("tpu", "cpu", "export")}
+            for run_id in run_ids
+        ]
+        vm_seconds = {
+            (_xcom(airflow, run_id, f"delete_{kind}_vm") or {}).get("name"): (
+                _xcom(airflow, run_id, f"delete_{kind}_vm") or {}
+            ).get("vm_seconds")
+            for run_id in run_ids for kind in ("tpu", "cpu", "export")
+        }
+        holder_state = _runs(airflow, RL)["manual__holder"]["state"]
+        holder_vm = _xcom(airflow, "manual__holder", "create_tpu_vm", dag_id=RL)["name"]
 
         # A re-run of the first date, cleared as from the UI: its inputs' model is the one it published.
         airflow.api(
@@ -209,10 +261,27 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     assert [records.read(claims[i])["state"] for i in trainers] == ["published", "published"]
     # One TPU VM at a time, over every 0.5 s sample: one training's VM was gone before the other's trained. (Which
     # came first is the order the creates asked in: a date whose create asks while the place is free takes it.)
-    most = max(len(names) for _, names in timeline)
-    assert most == 1, [sample for sample in timeline if len(sample[1]) > 1]
+    most = max(len(_tpu_vms(sample)) for _, sample in timeline)
+    assert most == 1, [sample for sample in timeline if len(_tpu_vms(sample[1])) > 1]
     first, second = sorted(trainers, key=lambda i: tasks[i]["train"]["start_date"])
     assert tasks[first]["delete_tpu_vm"]["end_date"] <= tasks[second]["train"]["start_date"]
+    # The GRPO run held the place; the backfill's trainings waited behind it, first in line longer than
+    # max_wait_for_capacity (0), and none failed for it.
+    assert holder_state == "success", report
+    waited = [i for i in trainers if "Waiting for TPU capacity" in creates[i] and holder_vm in creates[i]]
+    assert waited, [creates[i][-3000:] for i in trainers]
+    assert not any("No TPU capacity" in log for log in creates), report
+    # Waiting in line, a run holds no VM: after its conversion, its conversion's CPU VM is deleted (the samples
+    # seen are its teardown's), and its export's CPU VM is made only after the training.
+    idle = {}
+    for i in waited:
+        asked = max(_logged_at(creates[i], "Waiting for TPU capacity"), _epoch(tasks[i]["convert_to_maxtext"]["end_date"]))
+        granted = _logged_at(creates[i], "Took a place")
+        held = [(at, name) for at, sample in timeline if asked <= at <= granted for _, _, name in sample
+                if name in vms[i].values()]
+        assert {name for _, name in held} <= {vms[i]["cpu"]}, held
+        assert all(at <= _epoch(tasks[i]["delete_cpu_vm"]["end_date"]) + SAMPLE_S for at, _ in held), held
+        idle[run_ids[i]] = (round(granted - asked), len(held) * SAMPLE_S)
     # The re-run of the first date trained nothing: its own published model is its date's.
     assert rerun_state == "success" and rerun_reused["run_id"] == run_ids[0], (rerun_state, rerun_reused)
     assert rerun_tasks["train"]["state"] == "skipped"
@@ -230,4 +299,15 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
         f"than {most} TPU VM over {len(timeline)} samples 0.5 s apart; check_inputs resumed "
         f"{looks[follower]} time(s) in the follower, none in the trainers",
     )
-    print(json.dumps({"samples": len(timeline), "most_tpu_vms": most, "follower_looks": looks[follower]}))
+    fault_matrix.record(
+        "line: cap 1, a GRPO run trains while SFT backfill runs wait first in line past max_wait_for_capacity (0)",
+        stack.compute.instances() == [], "success", True,
+        "; ".join(
+            f"{run_id} waited {wait} s in line holding {seconds:.1f} VM-s (its conversion VM's teardown)"
+            for run_id, (wait, seconds) in idle.items()
+        ) + f"; never more than {most} TPU VM",
+    )
+    print(json.dumps({
+        "samples": len(timeline), "most_tpu_vms": most, "follower_looks": looks[follower],
+        "waits_in_line": idle, "vm_seconds": vm_seconds,
+    }))

@@ -1007,7 +1007,11 @@ def test_an_entry_with_approval_asks_once_every_vm_is_gone_and_publishes_from_a_
 
     entry = {"model": "gemma3-4b", "recipe": "sft", "checkpoint_storage": "gs://bkt/x"}
     plain = build_dag(PipelineConfig(**entry))
-    dag = build_dag(PipelineConfig(**entry, approval=True, approval_timeout_hours=24, approval_on_reject="fail"))
+    dag = build_dag(
+        PipelineConfig(
+            **entry, approval=True, approvers=["alice"], approval_timeout_hours=24, approval_on_reject="fail"
+        )
+    )
     assert set(dag.task_ids) - set(plain.task_ids) == {
         "export_and_keep", "approve_publish", "create_pub_vm", "install_maxtext_pub", "delete_pub_vm"
     }
@@ -1024,7 +1028,7 @@ def test_an_entry_with_approval_asks_once_every_vm_is_gone_and_publishes_from_a_
     assert keep.publish is False and publish.publish is True
     assert create_task_id(keep) == CREATE_EXPORT and create_task_id(publish) == "create_pub_vm"
     assert approve.response_timeout == timedelta(hours=24) and approve.defaults == ["Reject"]
-    assert approve.fail_on_reject is True and approve.required == "{{ params.approval }}"
+    assert approve.fail_on_reject is True and approve.assigned_users == [{"id": "alice", "name": "alice"}]
     for teardown in (DELETE_CPU, DELETE_EXPORT, "delete_pub_vm"):
         assert dag.get_task(teardown).is_teardown and dag.get_task(teardown).trigger_rule == "none_skipped"
     assert dag.get_task("delete_pub_vm").name_prefix == "pub"
@@ -1032,14 +1036,15 @@ def test_an_entry_with_approval_asks_once_every_vm_is_gone_and_publishes_from_a_
     for create in (CREATE_CPU, CREATE_EXPORT, "create_pub_vm"):
         assert dag.get_task(create).max_run_duration == plain.get_task(CREATE_CPU).max_run_duration, create
     assert {"export_and_keep", "approve_publish"} <= dag.get_task(WATCHER).upstream_task_ids
-    assert dag.params["approval"] is True and "approval" not in plain.params
+    # Only the registry turns the approval off: the trigger form has no field for it.
+    assert "approval" not in dag.params and "approval" not in plain.params
 
 
 def test_approval_is_refused_where_it_would_hold_the_tpu_vm():
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
     with pytest.raises(ValueError, match="approval=True: needs the split layout"):
-        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None, approval=True)
+        PipelineConfig(model="gemma3-4b", recipe="sft", layout="seeds", max_tpu_vms=None, approval=True, approvers=["a"])
     with pytest.raises(ValueError, match="approval_on_reject='warn'"):
         PipelineConfig(model="gemma3-4b", recipe="sft", checkpoint_storage="gs://b/x", approval_on_reject="warn")
 

@@ -46,7 +46,6 @@ class FormField:
     schema: dict[str, Any] = field(default_factory=dict)
     default: Any = FROM_ENTRY
     recipe: str | None = None
-    only_with_approval: bool = False  # the field is only in the forms of entries that ask before publishing
     only_with_lora: bool = False  # the field is only in the forms of LoRA entries (``lora:``)
 
 
@@ -209,14 +208,6 @@ FORM = (
         "(MaxText evaluates before the first step and after the last), GRPO test accuracy.",
     ),
     FormField(
-        "approval",
-        only_with_approval=True,
-        type="boolean",
-        title="Ask before publishing",
-        description="On: once the model passed the quality gate, its export is kept and a person approves or "
-        "rejects publishing it (the UI's Required actions); off: publish without asking.",
-    ),
-    FormField(
         "min_improvement_pct",
         type="number",
         schema={"minimum": 0, "maximum": 100},
@@ -361,7 +352,6 @@ def trigger_form(cfg: PipelineConfig) -> dict[str, Param]:
         form_field.name: _param(form_field, cfg)
         for form_field in FORM
         if form_field.recipe in (None, cfg.recipe)
-        and (cfg.approval or not form_field.only_with_approval)
         and (cfg.lora is not None or not form_field.only_with_lora)
     }
 

@@ -286,7 +286,8 @@ STEPS = (
         "approve_publish",
         PublishApprovalOperator,
         lambda cfg: {
-            "required": "{{ params.approval }}",
+            "approvers": cfg.approvers,
+            "notify": cfg.approval_notify,
             "verdict": Output("quality_gate"),
             "export": Output("export_and_keep"),
             "on_reject": cfg.approval_on_reject,

@@ -6,6 +6,7 @@ Kept apart from the DAG factory so a DAG file that only needs the registry (the 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,7 @@ from typing import Any
 
 from airflow_tpu_posttrain import defaults
 from airflow_tpu_posttrain.defaults import APPROVAL_ON_REJECT, INPUTS_AS_OF
-from airflow_tpu_posttrain.recipes import access, compute, cost, maxtext, places, validation
+from airflow_tpu_posttrain.recipes import access, approval_notices, compute, cost, maxtext, places, validation
 from airflow_tpu_posttrain.recipes import quality_gate as gate
 from airflow_tpu_posttrain.recipes.accelerators import ACCELERATORS, DEFAULT_ACCELERATOR, accelerator
 from airflow_tpu_posttrain.recipes.lora import LoraSettings, check_model
@@ -256,8 +257,26 @@ class PipelineConfig:
             "A person approves each model before it is published (Airflow's human-in-the-loop, in the UI's "
             "Required actions): the export is checked and kept in `checkpoint_storage`, then `approve_publish` waits "
             "(no worker slot, no VM) showing the eval numbers, the gate's verdict and the model card; approved, a CPU "
-            "VM made for it publishes the kept export. The trigger form's `approval` Param (default true here) lets a "
-            "run publish without asking. Split layout only."
+            "VM made for it publishes the kept export. Only the registry turns it on or off: no trigger form field "
+            "skips it. Split layout only; needs `approvers`."
+        ),
+    )
+    approvers: tuple[str, ...] = field(
+        default=(),
+        metadata=_doc(
+            "Who may answer `approve_publish`: Airflow user ids, as the auth manager knows them (the Simple auth "
+            "manager's: the username; FAB's: the user's id). Passed as the task's `assigned_users`: Airflow's API "
+            "refuses (403) an answer from anyone else, the run's own triggerer included unless named. Required "
+            "with `approval: true`. Airflow 3.3's human-in-the-loop assigns users, not roles."
+        ),
+    )
+    approval_notify: tuple[approval_notices.Channel, ...] = field(
+        default=(),
+        metadata=_doc(
+            "Where to say that a decision waits, and that it timed out, with the link to the task's Required "
+            "actions page: `{via: smtp, to: [a@example.com], conn_id: smtp_default}` (apache-airflow-providers-smtp) "
+            "or `{via: slack, channel: '#ml', conn_id: slack_api_default}` (apache-airflow-providers-slack). The "
+            "task's log always says it. Empty: the log only."
         ),
     )
     approval_timeout_hours: float = field(
@@ -315,6 +334,23 @@ class PipelineConfig:
                 "approval", self.approval, "needs the split layout",
                 "use layout: split (its TPU VM is deleted before the wait; the seeds layout would hold it)",
             ))
+        if self.approval and not self.approvers:
+            problems.append(SpecError(
+                "approvers", self.approvers, "is empty, and approval: true needs someone to answer",
+                "name the Airflow users who may approve, e.g. approvers: [alice] (their user ids)",
+            ))
+        for index, approver in enumerate(self.approvers):
+            if not isinstance(approver, str) or not approver.strip():
+                problems.append(SpecError(f"approvers[{index}]", approver, "is not a user id", "give a user id, e.g. alice"))
+        for index, entry in enumerate(self.approval_notify):
+            channel = entry if isinstance(entry, approval_notices.Channel) else approval_notices.Channel(**entry)
+            check(approval_notices.check_channel, f"approval_notify[{index}]", channel)
+            provider = approval_notices.PROVIDERS.get(channel.via)
+            if provider and importlib.util.find_spec(provider.module.rsplit(".", 2)[0]) is None:
+                problems.append(SpecError(
+                    f"approval_notify[{index}].via", channel.via, f"needs {provider.package}, which is not installed",
+                    f"install it where Airflow runs (pip install {provider.package}), or remove the channel",
+                ))
         if self.approval_timeout_hours <= 0:
             problems.append(SpecError(
                 "approval_timeout_hours", self.approval_timeout_hours, "is not positive", "give hours, e.g. 72"

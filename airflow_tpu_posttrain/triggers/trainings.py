@@ -10,6 +10,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_tpu_posttrain.defaults import GCP_CONN_ID
+from airflow_tpu_posttrain.triggers.settle import not_before_settled
 
 
 class ClaimChangeTrigger(BaseTrigger):
@@ -51,6 +52,10 @@ class ClaimChangeTrigger(BaseTrigger):
         }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        async for event in not_before_settled(self._events(), time.monotonic()):
+            yield event
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
         from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
 
         records = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id)
