@@ -290,7 +290,7 @@ def test_split_layout_frees_the_tpu_right_after_training(dags, dag_id):
         else:
             assert uri == "gs://local-posttrain/airflow-tpu-posttrain"
             assert vm.accelerator_type == "cpu"
-        assert vm.max_tpu_vms is None  # a CPU VM: not under the TPU cap
+        assert vm.max_tpu_chips is None and vm.max_tpu_vms is None  # a CPU VM: not under the TPU cap
     # Each VM its own deterministic name (a retry or a re-run finds it again).
     assert (cpu.name_prefix, export.name_prefix, tpu.name_prefix) == ("cpu", "export", "tpu")
     assert dag.get_task(DELETE_EXPORT).name_prefix == "export"
@@ -338,7 +338,7 @@ def test_retries_and_pools(dags, dag_id):
         # name tpu_vms, which the local stack makes.
         pool = POOL if dag_id not in CLOUD_DAGS else "default_pool"
         assert task.pool == (pool if task.task_id in on_tpu else "default_pool"), task.task_id
-    if getattr(dag.get_task(CREATE), "max_tpu_vms", None) is not None:
+    if getattr(dag.get_task(CREATE), "max_tpu_chips", None) is not None:
         assert dag.get_task(CREATE).execution_timeout > dag.params["max_wait_for_capacity"] * timedelta(minutes=1)
     assert dag.get_task(DELETE).retries >= 3
 
@@ -367,7 +367,7 @@ def _bounded_without_a_run_timeout(dags, dag_id: str) -> tuple[timedelta, int]:
     tries = dag.get_task("train").retries + 1
     on_vm = sum((dag.get_task(t).execution_timeout for t in BODY), timedelta(0)) * tries
     create = dag.get_task(CREATE)
-    in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if create.max_tpu_vms is not None else timedelta(0)
+    in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if create.max_tpu_chips is not None else timedelta(0)
     assert create.max_run_duration > on_vm + create.execution_timeout - in_line
     # A CPU VM's deadline outlives every try of its own steps: none lives through the TPU VM's wait in line (the
     # conversion's is deleted once the conversion is stored, the export's made after the training).

@@ -158,7 +158,7 @@ STEPS = (
             "reservation": "{{ params.reservation }}",
             # Caps the VMs themselves; the pool caps the TPU VM's steps (a waiting create holds no VM or
             # slot).
-            "max_tpu_vms": cfg.max_tpu_vms,
+            "max_tpu_chips": cfg.tpu_cap_chips,
             "capacity_claims": cfg.places_location,
             "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
             **_creating_vm(cfg),
@@ -176,7 +176,7 @@ STEPS = (
             "accelerator_type": "{{ params.accelerator_type }}",
             "provisioning_model": "{{ params.provisioning_model }}",
             "reservation": "{{ params.reservation }}",
-            "max_tpu_vms": cfg.max_tpu_vms,
+            "max_tpu_chips": cfg.tpu_cap_chips,
             "capacity_claims": cfg.places_location,
             "max_wait_for_capacity": "{{ params.max_wait_for_capacity * 60 }}",
             **{key: value for key, value in _creating_vm(cfg).items() if key in SLICE_CREATE_ARGUMENTS},
@@ -507,7 +507,7 @@ def _place_wait(cfg: PipelineConfig) -> timedelta:
     """A create's time to get its place: in line behind others (under a cap), then first in line.
 
     Not the VM's: it exists only once the place is taken."""
-    in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if cfg.max_tpu_vms is not None else timedelta(0)
+    in_line = timedelta(hours=MAX_WAIT_IN_LINE_HOURS) if cfg.tpu_cap_chips is not None else timedelta(0)
     return in_line + _capacity_wait(cfg)
 
 
@@ -551,7 +551,7 @@ def _creating_cpu_vm(cfg: PipelineConfig, kind: str) -> dict[str, Any]:
     """The create of a CPU VM (``kind``: ``cpu`` the conversion's, ``export``, ``pub`` an approved publish's)."""
     return {
         "name_prefix": kind,
-        "max_tpu_vms": None,  # a CPU VM: not under the TPU cap
+        "max_tpu_chips": None,  # a CPU VM: not under the TPU cap
         "accelerator_type": cfg.cpu_accelerator_type,
         "provisioning_model": "STANDARD",
         "image_project": compute.CPU_IMAGE_PROJECT,

@@ -45,7 +45,7 @@ def build_reaper_dag(configs: list[PipelineConfig], every_minutes: int = 10, dry
                 capacity_claims=sorted(
                     {
                         cfg.places_location for cfg in configs
-                        if (cfg.gcp_conn_id, cfg.project_id) == (conn_id, project_id) and cfg.max_tpu_vms is not None
+                        if (cfg.gcp_conn_id, cfg.project_id) == (conn_id, project_id) and cfg.tpu_cap_chips is not None
                         and cfg.places_location
                     }
                 ),

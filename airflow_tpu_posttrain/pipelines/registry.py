@@ -387,11 +387,13 @@ class PipelineConfig:
                         "set it to a gs://bucket/prefix the VMs may write (or use layout: seeds)",
                     )
                 )
-        if self.max_tpu_vms is not None and not places_location(self.capacity_claims, self.checkpoint_storage):
+        cap = f"max_tpu_chips={self.max_tpu_chips}" if self.max_tpu_chips is not None else f"max_tpu_vms={self.max_tpu_vms}"
+        capped = self.max_tpu_chips is not None or self.max_tpu_vms is not None
+        if capped and not places_location(self.capacity_claims, self.checkpoint_storage):
             problems.append(
                 SpecError(
-                    "capacity_claims", None, f"is needed with max_tpu_vms={self.max_tpu_vms} and no checkpoint_storage",
-                    "set capacity_claims (or checkpoint_storage) to a gs://bucket/prefix, or max_tpu_vms to null",
+                    "capacity_claims", None, f"is needed with {cap} and no checkpoint_storage",
+                    "set capacity_claims (or checkpoint_storage) to a gs://bucket/prefix, or the cap to null",
                 )
             )
         problems += _cap_problems(self.accelerator_type, self.max_tpu_chips, self.max_tpu_vms)
