@@ -11,6 +11,9 @@ One DAG run of the tiny SFT DAG carries the faults (slow: real training), and th
   wrapper survives and records the exit code): try 1 fails, the retry resumes from a checkpoint (test 2);
 - the Hugging Face token (a marker) is looked for in the task logs, the rendered template fields, XCom,
   the process list sampled during the run and each VM's files just before the VM is destroyed (test 3);
+- the export launcher breaks the first export (a tensor permuted: ``export_faults.py``, local/vm_launchers/
+  to_huggingface_cpu.py): the fidelity check fails try 1 before anything is kept or published, naming both losses,
+  and the retry exports again and publishes (test 6);
 
 then invalid trigger input is refused before any API call (test 4) and the finished run is run again under the
 same run_id (test 5). One stack for the module. What the tests read of a VM's disk is read while the VM
@@ -330,6 +333,22 @@ def faulted_run(stack, capfd):
     return _FAULTED_RUN
 
 
+@contextlib.contextmanager
+def _export_fault(stack, fault: str):
+    """The local export launcher breaks this run's first export (``fault``), on the VM its install step copies it to."""
+    from airflow_tpu_posttrain.recipes import layout
+    from airflow_tpu_posttrain.recipes.runtime import LOCAL_LAUNCHERS
+
+    switch = stack.local_dir / LOCAL_LAUNCHERS / "export_faults.py"
+    # The run name less its hash (of the deployment too): the DAG's and this logical date's, this run's only.
+    run_name = layout.run_name(DAG_ID, RUN_ID, LOGICAL_DATE).rsplit("-", 1)[0]
+    switch.write_text(f"FAULTS = {{{run_name!r}: {fault!r}}}\n")
+    try:
+        yield
+    finally:
+        switch.unlink(missing_ok=True)
+
+
 def _faulted_run(stack, capfd) -> dict:
     from airflow_tpu_posttrain.recipes.compute import run_hash
 
@@ -345,7 +364,8 @@ def _faulted_run(stack, capfd) -> dict:
     started = time.monotonic()
     with before_vm_end(stack, _vm_end_probe(stack, scratch / "vm-ends")) as ends:
         try:
-            dag_run = _run_pipeline({"steps": STEPS})
+            with _export_fault(stack, "permute"):
+                dag_run = _run_pipeline({"steps": STEPS})
         finally:
             faults.stop.set()
             sampler.stop.set()
@@ -784,4 +804,39 @@ def test_rerun_creates_one_vm_at_first_try_and_deletes_it(faulted_run, rerun, fa
         "MaxText: re-run creates each VM once at the first try, deletes them",
         rerun["instances_after"] == [], rerun["state"], None,
         f"{len(inserts)} instance inserts (TPU + 2 CPU VMs), create tries=1",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- 6. export fidelity
+
+
+def test_an_export_that_is_not_the_trained_model_fails_before_publishing_and_the_retry_publishes(
+    faulted_run, fault_matrix
+):
+    """The first export has a tensor permuted (the local launcher's fault): loads, generates, is not the model trained.
+
+    Try 1 fails on the fidelity check, naming both losses, before the export is kept or published (it is copied to
+    ``<kept>.unfaithful`` for a look): the Hub gets one commit, the retry's, which exported again (the check dropped the
+    export's marker) and checked its export."""
+    run = faulted_run
+    assert run["state"] == "success", _diagnose(run)
+    assert run["tries"]["export_and_publish"] == 2, _diagnose(run)
+    logs = run["logs"]
+    assert logs.count("FAULT INJECTED: permute") == 1, log_excerpt(logs, "FAULT INJECTED")
+    refused = re.search(
+        r"the export's loss is (\d+\.\d+), MaxText's of the trained checkpoint (\d+\.\d+) \(weights rounded to "
+        r"bfloat16\): they differ by (\S+) \(tolerance 1e-03\)", logs,
+    )
+    assert refused and refused[1] != refused[2], log_excerpt(logs, "export_fidelity")
+    kept = run["returns"]["export_and_publish"]["kept_uri"]
+    assert storage_has(f"{kept}.unfaithful/model.safetensors")  # try 1's export, kept for a look, never published
+    assert not storage_has(f"{kept}.unfaithful.complete")
+    commits = [r for r in run["hub_requests"] if r.method == "POST" and "/commit/" in r.path]
+    assert len(commits) == 1, [r.path for r in commits]
+    fidelity = run["returns"]["export_and_publish"]["validated"]["fidelity"]
+    assert fidelity["faithful"] and fidelity["loss_gap"] <= 1e-5 and fidelity["max_token_gap"] <= 1e-4, fidelity
+    fault_matrix.record(
+        "export: a tensor permuted in the pipeline's export -> try 1 refused before keeping or publishing, the retry "
+        "exports again and publishes", run["returns"]["delete_export_vm"]["deleted"] is True, run["state"], True,
+        f"loss {refused[1]} vs MaxText's {refused[2]} (gap {refused[3]}); retry gap {fidelity['loss_gap']:.1e}",
     )

@@ -115,7 +115,7 @@ def bytecode_cache(tmp_path_factory) -> str:
 def run_publish(tmp_path, bytecode_cache):
     """Run publish_model.py as the VM would: a fresh process that sees only the HF_* variables given."""
 
-    def run(*args: str, token_file: Path | None = None, env: dict[str, str] | None = None):
+    def run(*args: str, token_file: Path | None = None, env: dict[str, str] | None = None, timeout: float = 60):
         child_env = {key: value for key, value in os.environ.items()
                      if not key.startswith(("HF_", "HUGGINGFACE_")) and key != "PYTHONDONTWRITEBYTECODE"}
         child_env |= {"HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "vm-hf-home"),
@@ -123,7 +123,7 @@ def run_publish(tmp_path, bytecode_cache):
         if token_file is not None:
             child_env["HF_TOKEN_FILE"] = str(token_file)
         return subprocess.run([sys.executable, str(SCRIPT), *args], env=child_env, capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=timeout)
 
     return run
 

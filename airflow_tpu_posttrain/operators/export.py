@@ -15,12 +15,25 @@ from airflow_tpu_posttrain.exceptions import RemoteJobError
 from airflow_tpu_posttrain.links import XComUrlLink
 from airflow_tpu_posttrain.operators.inputs_check import record_published
 from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
-from airflow_tpu_posttrain.recipes import cost, maxtext, storage, trainings, validation
+from airflow_tpu_posttrain.recipes import cost, layout, maxtext, storage, trainings, validation
+from airflow_tpu_posttrain.recipes.accelerators import CPU_CONVERSION_ARGS
 from airflow_tpu_posttrain.recipes.lora import LoraSettings
+from airflow_tpu_posttrain.recipes.runtime import Step, local_stack_dir
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
-# Copied to the VM's workdir by each try: the publish script first, then the module it imports.
-VM_SCRIPTS = ("publish_model.py", "model_card.py")
+# Copied to the VM's workdir by each try: the publish script first, then the module it imports, then the export's
+# fidelity check.
+VM_SCRIPTS = ("publish_model.py", "model_card.py", "export_fidelity.py")
+# The fidelity check (vm_scripts/export_fidelity.py): how many held-out rows, cut at how many tokens. Measured on the
+# local twins, MaxText's forward pass of four 128-token rows on the CPU is about a third of the check's time, the rest
+# MaxText's and torch's imports and loading the checkpoint.
+FIDELITY_ROWS = 4
+FIDELITY_MAX_LENGTH = 128
+# MaxText's SFT default held-out split (post_train/sft.yml's hf_eval_split), for a dataset other than the model's.
+MAXTEXT_SFT_EVAL_SPLIT = "test_sft"
+# The local stack's torch venv (local/setup_hfcheck.sh), under its directory: the local VMs' MaxText venv (maxtext[tpu])
+# has no torch, where a Google Cloud VM's (maxtext[tpu-post-train]) has torch, transformers and PEFT.
+LOCAL_TORCH_VENV = "hfcheck-venv"
 
 if TYPE_CHECKING:
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths
@@ -48,8 +61,14 @@ class HfExportOperator(MaxTextJobOperator):
     (``<checkpoint_storage>/exports/<run name>``): a failed publish loses nothing (the URI is in the error and
     in XCom ``kept_export``), and a retry or a re-run on a new VM publishes that copy without exporting again.
 
+    Before anything is kept or published, the export's fidelity is checked (``vm_scripts/export_fidelity.py``): on held-out
+    rows of the run's dataset, its loss with transformers (an adapter: on its base, with PEFT, which must load it
+    without missing or unexpected keys and, merged, change exactly its target modules) must match MaxText's of the
+    trained checkpoint. A mismatch fails the try naming both losses (the export copied to ``<kept>.unfaithful`` for a
+    look, where checkpoint storage is set); the next try exports again.
+
     XCom: ``export_dir``, ``kept_uri``, ``hub`` (``repo_id, revision, commit_sha, url``), ``storage_uri``,
-    ``validated``; and ``inputs``, what the published model was trained from (``InputsCheckOperator``).
+    ``validated`` (with ``fidelity``: both losses, their gaps and the tolerances); and ``inputs``, what the published model was trained from (``InputsCheckOperator``).
 
     :param trained: the training task's record, wired as its XComArg (``train.output``): its ``checkpoint`` is
         what to export.
@@ -199,7 +218,9 @@ class HfExportOperator(MaxTextJobOperator):
             publish += ["--adapter-rank", str(lora.rank), "--adapter-alpha", repr(float(lora.alpha))]
         export_marker = f"{spec.layout.export_dir}/.complete"
         kept = spec.layout.kept_export_dir
-        export_step = [f"  bash -c {shlex.quote(export.script())}"]
+        reference = f"{spec.layout.export_dir}.fidelity-maxtext.json"
+        export_step = [f"  bash -c {shlex.quote(export.script())}", f"  {self._fidelity_reference(spec, lora, reference)}"]
+        publish += ["--fidelity-reference", reference, "--fidelity-python", self._torch_python(spec)]
         if kept:
             publish += ["--keep-uri", kept]
             restore = storage.copy_tree_command(kept, spec.layout.export_dir, self.storage_tool)
@@ -207,8 +228,9 @@ class HfExportOperator(MaxTextJobOperator):
                 f"  if {storage.exists_command(kept + '.complete', self.storage_tool)}; then",
                 f"    echo {shlex.quote(f'Restoring the export kept at {kept} (checked by an earlier try)')}",
                 f"    {restore}",
+                f"    printf '%s' {shlex.quote(json.dumps({'restored_from': kept}))} > {shlex.quote(reference)}",
                 "  else",
-                f"  {export_step[0]}",
+                *(f"  {line}" for line in export_step),
                 "  fi",
             ]
         script = "\n".join(
@@ -220,7 +242,9 @@ class HfExportOperator(MaxTextJobOperator):
                 "fi",
                 "export HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_PROGRESS_BARS=1",
                 f"printf '%s' {shlex.quote(json.dumps(self._card_facts(spec, context)))} > {shlex.quote(card_file)}",
-                shlex.join(publish),
+                # 3: the export is not what MaxText trained (publish_model.py): the next try exports again
+                f"{shlex.join(publish)} || {{ status=$?; [ $status -ne 3 ] || rm -f {shlex.quote(export_marker)}; "
+                "exit $status; }",
             ]
         )
         return Job(
@@ -230,6 +254,84 @@ class HfExportOperator(MaxTextJobOperator):
             reads_hub=True,  # to_huggingface takes the tokenizer from the base model's repo
             token_file=bool(hub_repo_id),
         )
+
+    def _fidelity_reference(self, spec: maxtext.RunSpec, lora: LoraSettings | None, reference_file: str) -> str:
+        """The first half of the export's fidelity check (``vm_scripts/export_fidelity.py``), a job line.
+
+        MaxText's next-token losses of the trained checkpoint on held-out rows, into ``reference_file``; publish_model.py
+        then scores the folder it would publish with transformers (an adapter: on its base, with PEFT) and refuses a
+        mismatch before anything is kept or published; the export stays on the VM.
+
+        The rows: SFT, the dataset's held-out split (the model's ``eval_split``, else MaxText's ``test_sft``); GRPO,
+        its eval files (GSM8K's test split)."""
+        trained = self.trained if isinstance(self.trained, dict) else {}
+        rl = trained.get("recipe") == "GRPO" or "/checkpoints/actor/" in (self.trained_checkpoint or "")
+        profile_dataset = spec.model.rl_dataset.repo if rl else spec.model.sft_dataset.hf_path
+        dataset = trained.get("dataset") or profile_dataset
+        if rl:
+            files = spec.model.rl_dataset.eval_files
+        else:
+            split = (spec.model.sft_dataset.eval_split if dataset == profile_dataset else None) or MAXTEXT_SFT_EVAL_SPLIT
+            files = f"data/{split}-*.parquet"
+        recorded = (self.inputs.get("revisions") or {}) if isinstance(self.inputs, dict) else {}
+        script = f"{self.workdir}/vm_scripts/export_fidelity.py"
+        reference = [
+            f"{spec.runtime.venv}/bin/python", script, "reference",
+            "--model-dir", spec.layout.export_dir, "--out", reference_file,
+            "--tokenizer", spec.model.hf_source, "--dataset", dataset, "--files", files,
+            "--rows", str(FIDELITY_ROWS), "--max-length", str(FIDELITY_MAX_LENGTH),
+        ]
+        if trained.get("source_revision"):
+            reference += ["--tokenizer-revision", trained["source_revision"]]
+        if recorded.get(f"dataset:{dataset}"):
+            reference += ["--dataset-revision", recorded[f"dataset:{dataset}"]]
+        maxtext_args = {
+            "model_name": spec.model.maxtext_model_name,
+            "load_parameters_path": self.trained_checkpoint,
+            "scan_layers": "True",
+            "use_multimodal": "False",
+            **spec.model.maxtext_overrides,
+            **CPU_CONVERSION_ARGS,
+            # float32 on the CPU: the losses differ by arithmetic only; the weights are rounded as the export's
+            "attention": "dot_product",
+            "dtype": "float32",
+            "weight_dtype": "float32",
+        }
+        if lora is not None:
+            reference.append("--lora")
+            maxtext_args |= {
+                "load_parameters_path": self._converted_params(spec),
+                **lora.train_args(),
+                "lora.lora_restore_path": self.trained_checkpoint,
+            }
+            maxtext_args.pop("lora.lora_weight_qtype", None)  # the base as the adapter's user loads it: unquantized
+        reference += [f"{key}={value}" for key, value in maxtext_args.items()]
+        return f"JAX_PLATFORMS=cpu {shlex.join(reference)}"
+
+    def _torch_python(self, spec: maxtext.RunSpec) -> str:
+        """The Python that scores the export: MaxText's venv on Google Cloud; the local stack's torch venv locally."""
+        if spec.runtime.is_cpu and local_stack_dir():
+            return f"{local_stack_dir()}/{LOCAL_TORCH_VENV}/bin/python"
+        return f"{spec.runtime.venv}/bin/python"
+
+    def _converted_params(self, spec: maxtext.RunSpec) -> str:
+        """The converted base checkpoint a LoRA run trained on: where the convert task keeps it.
+
+        The seeds layout: ``layout.converted_params``. The split layout: the conversion cache's entry, named as
+        ``MaxTextConvertOperator`` names it, by the MaxText release, the revision converted and to_maxtext's
+        arguments."""
+        if not spec.layout.storage:
+            return spec.layout.converted_params
+        trained = self.trained if isinstance(self.trained, dict) else {}
+        version = validation.blank_to_none(self.maxtext_version) or spec.model.maxtext_version
+        profile = dataclasses.replace(spec.model, maxtext_version=version)
+        unkeyed = dataclasses.replace(
+            spec, model=profile, layout=dataclasses.replace(spec.layout, conversion_key="pending")
+        )
+        argv = maxtext.to_maxtext(unkeyed).argv[len(spec.runtime.entry_point(Step.TO_MAXTEXT)) :]
+        options = [arg for arg in argv if not arg.startswith("base_output_directory=")]
+        key = layout.conversion_key(version, trained.get("source_revision") or "", options)
+        return dataclasses.replace(spec.layout, conversion_key=key).converted_params
 
     def _lora(self) -> LoraSettings | None:
         return LoraSettings.from_params(self.lora) if self.lora is not None else None

@@ -125,6 +125,8 @@ def write_card(model_dir: Path, facts: dict) -> None:
         rows.append(("eval loss on held-out data (base → trained)", _change(before, after)))
     if facts.get("training_cost"):
         rows.append(("training VM, creation → end of training", facts["training_cost"]))
+    if facts.get("fidelity"):  # export_fidelity.py: the export computes what MaxText trained
+        rows.append(("export fidelity (MaxText → Hugging Face)", facts["fidelity"]))
     for key, label in (("accuracy", "accuracy"), ("mean_reward", "mean reward")):
         before, after = (metrics.get("pre_rl") or {}).get(key), (metrics.get("post_rl") or {}).get(key)
         if before is not None and after is not None:

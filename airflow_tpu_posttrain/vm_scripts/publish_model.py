@@ -28,6 +28,14 @@ pointed at that base: ``base_model_name_or_path`` is the base repo (MaxText writ
 and torch are installed (MaxText's TPU environment has both), the adapter is then loaded onto that base with PEFT
 and must generate.
 
+With --fidelity-reference (MaxText's losses of the trained checkpoint on held-out rows, written by
+export_fidelity.py's ``reference`` after the export), the folder as it will be published (its config the base
+model's, an adapter pointed at its base) is scored by export_fidelity.py's ``check`` with --fidelity-python (a Python
+with torch, transformers and PEFT): an export that does not compute what MaxText trained is refused before anything
+is kept or published, naming both losses; the numbers go into the result and the model card. A reference that says
+``restored_from`` is an export kept by an earlier try, checked then. With --keep-uri, a refused export is copied to
+``<keep-uri>.unfaithful`` for a look (never marked complete: nothing publishes it); the script exits 3.
+
 With --card, the folder first gets a model card (README.md, made with huggingface_hub's ModelCard and
 ModelCardData) and the training curve it shows (training_curve.png, drawn with matplotlib, a MaxText
 dependency), so the Hub page and the storage copy carry both.
@@ -49,6 +57,7 @@ import os
 import re
 import shutil
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import quote
@@ -89,6 +98,15 @@ _ADAPTER_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
 class PublishError(Exception):
     """A failure explained to the operator; the script exits 1 with this message."""
+
+
+class UnfaithfulExportError(PublishError):
+    """The export does not compute what MaxText trained (export_fidelity.py); the script exits 3 with this message.
+
+    The export job then drops its export marker, so the next try exports again."""
+
+
+EXIT_UNFAITHFUL = 3
 
 
 # ---- validation -------------------------------------------------------------------------------------
@@ -270,7 +288,18 @@ def validate_adapter(model_dir: Path, base_config: dict, rank: int, alpha: float
             f"{ADAPTER_CONFIG} has r={config.get('r')!r}, lora_alpha={config.get('lora_alpha')!r}; trained with "
             f"rank {rank}, alpha {alpha}"
         )
-    targets = set(config.get("target_modules") or ())
+    given = config.get("target_modules") or ()
+    if isinstance(given, str):  # a regex over module paths (target_language_model_only wrote it: a kept export)
+        targets, shown_targets = [given], repr(given)
+
+        def targeted(module: str) -> bool:
+            return re.fullmatch(given, module) is not None
+    else:
+        targets = sorted(set(given))
+        shown_targets = str(targets)
+
+        def targeted(module: str) -> bool:
+            return module.rsplit(".", 1)[-1] in targets
     base_shapes = {
         name[name.index("layers.") :].removesuffix(".weight"): shape
         for name, shape in expected_tensor_shapes(base_config).items()
@@ -297,16 +326,41 @@ def validate_adapter(model_dir: Path, base_config: dict, rank: int, alpha: float
                 f"{module}: lora_A {list(pair['A'])}, lora_B {list(pair['B'])}; its base weight "
                 f"{list(base_shape)} at rank {rank} needs {[rank, base_shape[1]]} and {[base_shape[0], rank]}"
             )
-        if module.rsplit(".", 1)[-1] not in targets:
-            problems.append(f"{module} is not among {ADAPTER_CONFIG}'s target_modules {sorted(targets)}")
+        if not targeted(module):
+            problems.append(f"{module} is not among {ADAPTER_CONFIG}'s target_modules {shown_targets}")
     if problems:
         raise _problems_listed(model_dir, problems)
     return {
-        "adapter": {"r": rank, "lora_alpha": alpha, "target_modules": sorted(targets), "modules": len(pairs)},
+        "adapter": {"r": rank, "lora_alpha": alpha, "target_modules": targets, "modules": len(pairs)},
         "n_tensors": len(tensors),
         "params": sum(math.prod(info["shape"]) for info in tensors.values()),
         "files": list_files(model_dir),
     }
+
+
+def target_language_model_only(model_dir: Path, base_config: dict) -> str | None:
+    """On a multimodal base, ``target_modules`` becomes a regex: the modules it names, in the language model only.
+
+    MaxText writes module names (``q_proj``, ...); PEFT matches a list by name suffix, so on Gemma 3 (whose vision
+    tower has ``q_proj``, ``k_proj``, ... too) it would adapt the vision tower as well, and warn of its missing adapter
+    keys. A string is matched whole against each module path: ``model.language_model.<anything>.<name>``. Not derived
+    from the file, so a module missing from it is still one PEFT adapts (the fidelity check names it). Says what it
+    did; None for a text-only base, or a config already rewritten (a kept export)."""
+    if not isinstance(base_config.get("text_config"), dict):
+        return None
+    path = model_dir / ADAPTER_CONFIG
+    config = read_json_file(path, ADAPTER_CONFIG)
+    names = config.get("target_modules")
+    if not isinstance(names, list) or not names:
+        return None
+    _, prefix = language_model(base_config)
+    regex = re.escape(prefix) + r"(?:.*\.)?(?:" + "|".join(re.escape(name) for name in sorted(names)) + ")"
+    config["target_modules"] = regex
+    write_json_atomically(path, config)
+    return (
+        f"{ADAPTER_CONFIG}: target_modules {regex!r}, the language model's modules MaxText named ({names!r} would also "
+        "name modules of the vision tower)"
+    )
 
 
 def adapter_generates(model_dir: Path, repo_id: str, revision: str | None, endpoint: str | None) -> str:
@@ -346,6 +400,43 @@ def point_adapter_at_base(model_dir: Path, repo_id: str, revision: str | None) -
     config["revision"] = revision
     write_json_atomically(path, config)
     return f"{ADAPTER_CONFIG}: base model {repo_id}@{revision or 'main'} (MaxText wrote {before!r})"
+
+
+def describe_fidelity(fidelity: dict) -> str:
+    """One line: the two losses and their gap, or when the check was made."""
+    if "checked" in fidelity:
+        return f"checked {fidelity['checked']}"
+    line = (
+        f"loss {fidelity['loss_export']:.6f} (exported, transformers) vs {fidelity['loss_maxtext']:.6f} (MaxText's "
+        f"trained checkpoint) on {fidelity['rows']} held-out rows ({fidelity['tokens']} tokens): gap "
+        f"{fidelity['loss_gap']:.1e} (tolerance {fidelity['tolerance']:.0e}), largest token gap "
+        f"{fidelity['max_token_gap']:.1e} (tolerance {fidelity['token_tolerance']:.0e})"
+    )
+    if "adapter_changes" in fidelity:
+        line += f"; merged, the adapter changes exactly its {fidelity['adapter_changes']} target weights"
+    return line
+
+
+def check_fidelity(args: argparse.Namespace) -> dict:
+    """export_fidelity.py's ``check`` of the folder as it will be published; its result, or PublishError."""
+    reference = read_json_file(args.fidelity_reference, "the export's fidelity reference")
+    if reference.get("restored_from"):
+        return {"checked": f"before it was kept at {reference['restored_from']}, by an earlier try"}
+    result_file = args.fidelity_reference.with_name(f"{args.fidelity_reference.name}.check.json")
+    command = [
+        args.fidelity_python or sys.executable, str(Path(__file__).with_name("export_fidelity.py")), "check",
+        "--model-dir", str(args.model_dir), "--reference", str(args.fidelity_reference), "--out", str(result_file),
+    ]
+    if args.adapter_rank is not None:
+        command += ["--base-model", args.base_model]
+        command += ["--base-revision", args.base_revision] if args.base_revision else []
+        command += ["--hub-endpoint", args.hub_endpoint] if args.hub_endpoint else []
+    checked = subprocess.run(command, capture_output=True, text=True, check=False)
+    print(checked.stdout, end="", flush=True)
+    if checked.returncode != 0:
+        said = checked.stderr[checked.stderr.find("export_fidelity: error: ") :].removeprefix("export_fidelity: error: ")
+        raise UnfaithfulExportError(said.strip() or f"the fidelity check failed (exit {checked.returncode}): {checked.stderr[-2000:]}")
+    return read_json_file(result_file, "the fidelity check's result")
 
 
 # ---- publishing -------------------------------------------------------------------------------------
@@ -590,6 +681,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--adapter-alpha", type=float, help="that run's lora_alpha")
     parser.add_argument(
+        "--fidelity-reference", type=Path, help="export_fidelity.py's reference: MaxText's losses on held-out rows"
+    )
+    parser.add_argument("--fidelity-python", help="the Python (torch, transformers, PEFT) that scores the export")
+    parser.add_argument(
         "--keep-uri",
         help="checkpoint storage to keep the checked export in before publishing (marked <uri>.complete)",
     )
@@ -609,10 +704,11 @@ def run(args: argparse.Namespace, token: str | None) -> dict:
         if downloaded is None:
             raise PublishError(f"{args.base_model} has no config.json: the adapter's shapes cannot be checked")
         print(f"publish_model: {point_adapter_at_base(args.model_dir, *base)}", flush=True)
-        validated = validate_adapter(
-            args.model_dir, read_json_file(downloaded, "the base model's config.json"), args.adapter_rank,
-            args.adapter_alpha,
-        )
+        base_config = read_json_file(downloaded, "the base model's config.json")
+        validated = validate_adapter(args.model_dir, base_config, args.adapter_rank, args.adapter_alpha)
+        targeted = target_language_model_only(args.model_dir, base_config)
+        if targeted:
+            print(f"publish_model: {targeted}", flush=True)
         print(f"publish_model: {adapter_generates(args.model_dir, *base, args.hub_endpoint)}", flush=True)
     elif args.base_model and args.model_dir.is_dir():
         # Without --hub-endpoint, huggingface_hub reads $HF_ENDPOINT itself.
@@ -621,8 +717,22 @@ def run(args: argparse.Namespace, token: str | None) -> dict:
             print(f"publish_model: {carried}", flush=True)
     if args.adapter_rank is None:
         validated = validate_export(args.model_dir, expected_config)
+    try:
+        fidelity = check_fidelity(args) if args.fidelity_reference else None
+    except UnfaithfulExportError as error:
+        if not args.keep_uri:
+            raise
+        # Kept for a look beside where a checked export is kept, never marked complete: nothing publishes it.
+        rejected = f"{args.keep_uri.rstrip('/')}.unfaithful"
+        copy_to_storage(args.model_dir, rejected)
+        raise UnfaithfulExportError(f"{error}\nThe export is kept for a look at {rejected}") from None
+    if fidelity is not None:
+        validated["fidelity"] = fidelity
+        print(f"publish_model: export fidelity: {describe_fidelity(fidelity)}", flush=True)
     if args.card:
         facts = read_json_file(args.card, "model card facts")
+        if fidelity is not None:
+            facts["fidelity"] = describe_fidelity(fidelity)
         if args.hub_repo:
             facts["hub"] = {"repo_id": args.hub_repo, "revision": args.hub_revision}
         write_card(args.model_dir, facts)
@@ -671,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         if token:
             message = message.replace(token, "<redacted>")
         print(f"publish_model: error: {message}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_UNFAITHFUL if isinstance(error, UnfaithfulExportError) else 1
     return 0
 
 
