@@ -60,7 +60,7 @@ from pathlib import Path
 
 import parse_time
 import suite_time
-from local_airflow import LocalAirflow
+from local_airflow import USER, LocalAirflow
 from run_probe import TPU_CREATE, Approver, RunRecord, TrainerKiller, watch_run, watch_runs
 
 from airflow_tpu_posttrain.local.gcs_server import GcsServer, client_environment
@@ -338,7 +338,7 @@ def write_policy_dags(folder: Path) -> None:
     """The policy runs' DAGs alone in ``folder``: models.yaml's local entries they need, and dags/local_dags.py.
 
     The tiny Llama's SFT, scheduled daily (a backfill's dates), and its GRPO, both capped at one TPU VM (one line,
-    one place); the LoRA twin asking a person before it publishes."""
+    one place); the LoRA twin asking a person before it publishes, the bench's own Airflow user."""
     import yaml
 
     registry = yaml.safe_load((REPO / "dags" / "models.yaml").read_text())
@@ -352,7 +352,7 @@ def write_policy_dags(folder: Path) -> None:
     registry["pipelines"] = [
         {**entry("tiny-llama", "sft"), "schedule": "@daily", "max_tpu_vms": 1},
         {**entry("tiny-llama", "rl"), "max_tpu_vms": 1},
-        {**entry("tiny-gemma3-4b", "sft", lora=True), "approval": True},
+        {**entry("tiny-gemma3-4b", "sft", lora=True), "approval": True, "approvers": [USER]},  # the bench answers
     ]
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)

@@ -351,5 +351,5 @@ def test_the_policy_runs_dags_share_one_line_and_ask_before_publishing(perf, tmp
     sft, grpo = configs[perf.OURS], configs[perf.GRPO]
     assert (sft.schedule, sft.max_tpu_vms, grpo.max_tpu_vms) == ("@daily", 1, 1)
     assert (sft.zones, sft.accelerator_type, sft.reservation) == (grpo.zones, grpo.accelerator_type, grpo.reservation)
-    assert configs[perf.LORA].approval is True
+    assert (configs[perf.LORA].approval, configs[perf.LORA].approvers) == (True, ("bench",))  # who the bench speaks as
     assert (tmp_path / "dags" / "local_dags.py").read_text() == (REPO / "dags" / "local_dags.py").read_text()
