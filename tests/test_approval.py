@@ -135,6 +135,7 @@ def _peft_loads(stack, adapter: str, revision: str) -> dict:
     return json.loads(check.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(1800)  # one LoRA training, its export's fidelity check, two askings (one times out), a publish
 def test_only_an_approver_lets_an_adapter_out_and_an_unanswered_one_is_kept_not_published(
     stack, tmp_path, monkeypatch, fault_matrix
 ):
