@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 
+import pytest
 from conftest import REPO, storage_objects
 from test_pipeline_local import SFT_TWIN, WORKDIR, assert_succeeded, before_vm_end, run_pipeline, states, xcom
 
@@ -137,6 +138,7 @@ class _SliceBreaker(threading.Thread):
             self.error = err
 
 
+@pytest.mark.timeout(1500)  # a slice of VMs trains, loses one, is made again and resumes; then export and check
 def test_a_slice_trains_as_one_process_and_when_it_loses_a_vm_is_made_again_and_resumes(
     stack, capfd, tmp_path, fault_matrix
 ):
