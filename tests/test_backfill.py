@@ -250,7 +250,8 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     follower = 3 - leader
     assert all(trained[i]["reused"] is False and trained[i]["metrics"]["steps_completed"] == STEPS for i in trainers)
     assert [converted[i]["source_revision"] for i in trainers] == [inputs[0]["revisions"][model], revision_2]
-    assert [converted[i]["reused"] for i in trainers] == [False, False]
+    # The first date's conversion is its own; the new revision's may be the GRPO run's (the cache is by content).
+    assert converted[0]["reused"] is False
     assert tasks[follower]["check_inputs"]["state"] == "skipped", report
     assert {t["state"] for task_id, t in tasks[follower].items() if task_id != "check_inputs"} == {"skipped"}, report
     assert reused[follower]["run_id"] == run_ids[leader], reused[follower]
@@ -265,10 +266,10 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
     assert most == 1, [sample for sample in timeline if len(_tpu_vms(sample[1])) > 1]
     first, second = sorted(trainers, key=lambda i: tasks[i]["train"]["start_date"])
     assert tasks[first]["delete_tpu_vm"]["end_date"] <= tasks[second]["train"]["start_date"]
-    # The GRPO run held the place; the backfill's trainings waited behind it, first in line longer than
-    # max_wait_for_capacity (0), and none failed for it.
+    # The GRPO run held the place, then each training in turn; the backfill's trainings waited behind the runs
+    # that trained, first in line longer than max_wait_for_capacity (0), and none failed for it.
     assert holder_state == "success", report
-    waited = [i for i in trainers if "Waiting for TPU capacity" in creates[i] and holder_vm in creates[i]]
+    waited = [i for i in trainers if "Waiting for TPU capacity" in creates[i]]
     assert waited, [creates[i][-3000:] for i in trainers]
     assert not any("No TPU capacity" in log for log in creates), report
     # Waiting in line, a run holds no VM: after its conversion, its conversion's CPU VM is deleted (the samples
@@ -281,7 +282,8 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
                 if name in vms[i].values()]
         assert {name for _, name in held} <= {vms[i]["cpu"]}, held
         assert all(at <= _epoch(tasks[i]["delete_cpu_vm"]["end_date"]) + SAMPLE_S for at, _ in held), held
-        idle[run_ids[i]] = (round(granted - asked), len(held) * SAMPLE_S)
+        behind = "the GRPO run" if holder_vm in creates[i] else "the other training"
+        idle[run_ids[i]] = (round(granted - asked), len(held) * SAMPLE_S, behind)
     # The re-run of the first date trained nothing: its own published model is its date's.
     assert rerun_state == "success" and rerun_reused["run_id"] == run_ids[0], (rerun_state, rerun_reused)
     assert rerun_tasks["train"]["state"] == "skipped"
@@ -300,11 +302,12 @@ def test_a_backfill_trains_each_dates_inputs_once_one_tpu_vm_at_a_time(stack, tm
         f"{looks[follower]} time(s) in the follower, none in the trainers",
     )
     fault_matrix.record(
-        "line: cap 1, a GRPO run trains while SFT backfill runs wait first in line past max_wait_for_capacity (0)",
+        "line: cap 1, SFT backfill runs wait first in line behind a GRPO run's and each other's training, past "
+        "max_wait_for_capacity (0)",
         stack.compute.instances() == [], "success", True,
         "; ".join(
-            f"{run_id} waited {wait} s in line holding {seconds:.1f} VM-s (its conversion VM's teardown)"
-            for run_id, (wait, seconds) in idle.items()
+            f"{run_id} waited {wait} s behind {behind} holding {seconds:.1f} VM-s (its conversion VM's teardown)"
+            for run_id, (wait, seconds, behind) in idle.items()
         ) + f"; never more than {most} TPU VM",
     )
     print(json.dumps({
