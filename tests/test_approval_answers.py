@@ -5,6 +5,7 @@ The whole exchange through Airflow's REST API is tests/test_approval.py; these a
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,8 +18,20 @@ def _approval(on_reject: str):
     from airflow_tpu_posttrain.operators.approval import PublishApprovalOperator
 
     return PublishApprovalOperator(
-        task_id="approve_publish", export={"kept_uri": KEPT}, on_reject=on_reject, response_timeout=timedelta(hours=2)
+        task_id="approve_publish", approvers=["Ada"], export={"kept_uri": KEPT}, on_reject=on_reject,
+        response_timeout=timedelta(hours=2),
     )
+
+
+class _Ti(SimpleNamespace):
+    def xcom_push(self, key, value):
+        self.pushed[key] = value
+
+
+def _context(approval) -> dict:
+    ti = _Ti(dag_id="posttrain_sft__x", run_id="manual__1", task_id="approve_publish", map_index=-1, pushed={})
+    return {"ti": ti, "task_instance": ti, "task": approval, "run_id": ti.run_id,
+            "dag_run": SimpleNamespace(dag_id=ti.dag_id)}
 
 
 def _answer(option: str, by: dict | None) -> dict:
@@ -29,27 +42,37 @@ def _answer(option: str, by: dict | None) -> dict:
     }
 
 
-def test_no_answer_in_time_is_a_reject_that_fails_the_run_when_the_entry_says_fail():
+def test_no_answer_in_time_is_a_reject_that_fails_the_run_when_the_entry_says_fail(capfd):
+    approval = _approval("fail")
+    context = _context(approval)
     with pytest.raises(PublishRejectedError, match=rf"no answer within 2:00:00 .*kept at {KEPT}"):
-        _approval("fail").execute_complete({}, _answer("Reject", None))
+        approval.execute_complete(context, _answer("Reject", None))
+    assert context["ti"].pushed["answer"]["answer"] == "no answer" and context["ti"].pushed["answer"]["by"] is None
+    assert "Notice (timed_out): Not published: nobody answered for posttrain_sft__x, run manual__1" in "".join(
+        capfd.readouterr()
+    )
 
 
 def test_a_person_who_rejects_is_named_and_the_export_kept():
+    approval = _approval("fail")
+    context = _context(approval)
     with pytest.raises(PublishRejectedError, match=rf"Not published: rejected by Ada\. The checked export is kept at {KEPT}"):
-        _approval("fail").execute_complete({}, _answer("Reject", {"id": "7", "name": "Ada"}))
+        approval.execute_complete(context, _answer("Reject", {"id": "Ada", "name": "Ada"}))
+    assert context["ti"].pushed["answer"] | {"at": None} == {
+        "approved": False, "answer": "Reject", "by": "Ada", "at": None, "kept_export": KEPT
+    }
 
 
 def test_an_approval_says_who_approved():
-    answer = _approval("fail").execute_complete({}, _answer("Approve", {"id": "7", "name": "Ada"}))
-    assert answer == {"approved": True, "by": "Ada", "kept_export": KEPT}
+    approval = _approval("fail")
+    answer = approval.execute_complete(_context(approval), _answer("Approve", {"id": "Ada", "name": "Ada"}))
+    assert answer | {"at": None} == {"approved": True, "answer": "Approve", "by": "Ada", "at": None, "kept_export": KEPT}
 
 
-def test_a_run_that_does_not_ask_is_approved_by_its_rule_at_once():
+def test_an_approval_without_approvers_is_refused_before_asking():
     from airflow_tpu_posttrain.exceptions import InvalidInputError
+    from airflow_tpu_posttrain.operators.approval import PublishApprovalOperator
 
-    approval = _approval("skip")
-    approval.required = "False"  # the Param as a template renders it
-    assert approval.execute({}) == {"approved": True, "by": "rule", "kept_export": KEPT}
-    approval.required = "maybe"
-    with pytest.raises(InvalidInputError, match="approval='maybe': is not true or false"):
-        approval.execute({})
+    approval = PublishApprovalOperator(task_id="approve_publish", approvers=[], export={"kept_uri": KEPT})
+    with pytest.raises(InvalidInputError, match="approvers=\\[\\]: is empty"):
+        approval.execute(_context(approval))
