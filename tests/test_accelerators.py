@@ -42,7 +42,9 @@ def test_one_vms_create_refuses_a_slice_and_the_registry_what_a_slice_does_not_s
     from airflow_tpu_posttrain.pipelines.registry import PipelineConfig
 
     refusal = r"accelerator_type='v6e-16': is a multi-host slice \(4 VMs of ct6e-standard-4t, topology 4x4\)"
-    entry = PipelineConfig(model="gemma3-4b", recipe="sft", accelerator_type="v6e-16", checkpoint_storage="gs://b/x")
+    entry = PipelineConfig(
+        model="gemma3-4b", recipe="sft", accelerator_type="v6e-16", checkpoint_storage="gs://b/x", max_tpu_chips=16
+    )
     assert entry.is_slice and entry.dag_id == "posttrain_sft__gemma3-4b__slice"
     with pytest.raises(ValueError) as raised:
         PipelineConfig(
