@@ -233,9 +233,10 @@ def test_only_an_approver_lets_an_adapter_out_and_an_unanswered_one_is_kept_not_
     assert hub["repo_id"] == "local/tiny-gemma3-4b-lora"
     # The adapter names the language model's projections only (a regex): PEFT leaves the vision tower alone.
     targets = validated["adapter"]["target_modules"]
+    [pattern] = targets if isinstance(targets, list) else [targets]
     assert validated["adapter"]["r"] == 16, validated["adapter"]
-    assert all(re.fullmatch(targets, f"model.language_model.layers.0.mlp.{name}") for name in PROJECTIONS), targets
-    assert not any(re.fullmatch(targets, f"model.vision_tower.layers.0.mlp.{name}") for name in PROJECTIONS), targets
+    assert all(re.fullmatch(pattern, f"model.language_model.layers.0.mlp.{name}") for name in PROJECTIONS), pattern
+    assert not any(re.fullmatch(pattern, f"model.vision_tower.layers.0.mlp.{name}") for name in PROJECTIONS), pattern
     download = {"repo_id": hub["repo_id"], "revision": hub["revision"], "endpoint": stack.hub.url, "token": HF_TOKEN,
                 "cache_dir": tmp_path / "hub-cache"}
     files = set(HfApi(endpoint=stack.hub.url, token=HF_TOKEN).list_repo_files(hub["repo_id"], revision=hub["revision"]))
