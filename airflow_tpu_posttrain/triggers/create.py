@@ -26,13 +26,12 @@ from airflow_tpu_posttrain.triggers.compute import (
     ssh_port_check,
 )
 from airflow_tpu_posttrain.triggers.places import (
+    LeavesLineWhenCancelled,
     PlaceRefused,
     give_place_back,
-    leave_line,
     lifetime_of,
     request_of,
     take_place,
-    timed_out,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +60,7 @@ class _Failed(Exception):  # noqa: N818 - a control-flow signal inside the trigg
         self.detail = detail
 
 
-class TpuVmCreateTrigger(_OperationsTrigger):
+class TpuVmCreateTrigger(LeavesLineWhenCancelled, _OperationsTrigger):
     """Create a run's VM: find an earlier try's, else insert (zone by zone), then wait until it can be logged into.
 
     What it does, in order: refuse a network the VM cannot use (missing, custom-mode without ``subnetwork``, no
@@ -180,21 +179,8 @@ class TpuVmCreateTrigger(_OperationsTrigger):
         run = _CreateRun(self, self._hook(), lines, uuid.uuid4().hex)
         yield self._event(await run.walk())
 
-    async def on_kill(self) -> None:
-        """The task was marked failed, cleared or succeeded while this create waited: its wait leaves the line."""
-        await self._leave_line()
-
-    async def cleanup(self) -> None:
-        """The deferral timed out: the wait leaves the line. A triggerer that stops keeps it (asked again there)."""
-        if timed_out(getattr(self, "timeout_after", None)):
-            await self._leave_line()
-
-    async def _leave_line(self) -> None:
-        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
-
-        if self.cap is not None and self.lines:
-            lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
-            await leave_line(lines, self.lines.values(), self.name, self.log)
+    def _waiting_in(self) -> tuple[list[str], str]:
+        return list((self.lines or {}).values()), self.name
 
 
 class _CreateRun:

@@ -140,6 +140,34 @@ def request_of(fields: dict) -> places.Request:
     return places.Request(**{**fields, "expires_at": 0})
 
 
+class LeavesLineWhenCancelled:
+    """A create trigger that waits in line: its wait leaves the line when the task is killed or times out.
+
+    The trigger says where it waits (``_waiting_in``: the lines' URIs and its claim) and has ``cap``,
+    ``gcp_conn_id``, ``impersonation_chain`` and ``log``."""
+
+    def _waiting_in(self) -> tuple[Iterable[str], str]:
+        raise NotImplementedError
+
+    async def on_kill(self) -> None:
+        """The task was marked failed, cleared or succeeded while this create waited: its wait leaves the line."""
+        await self._leave_line()
+
+    async def cleanup(self) -> None:
+        """The deferral timed out: the wait leaves the line. A triggerer that stops keeps it (asked again there)."""
+        if timed_out(getattr(self, "timeout_after", None)):
+            await self._leave_line()
+
+    async def _leave_line(self) -> None:
+        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
+
+        uris, claim = self._waiting_in()
+        uris = [uri for uri in uris if uri]
+        if self.cap is not None and uris:
+            lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+            await leave_line(lines, uris, claim, self.log)
+
+
 def timed_out(timeout_after: datetime | None) -> bool:
     """Whether the deferral's timeout (the triggerer's ``timeout_after`` of the trigger) has passed."""
     if timeout_after is None:

@@ -23,13 +23,12 @@ from airflow_tpu_posttrain.triggers.compute import (
     ssh_port_check,
 )
 from airflow_tpu_posttrain.triggers.places import (
+    LeavesLineWhenCancelled,
     PlaceRefused,
     give_place_back,
-    leave_line,
     lifetime_of,
     request_of,
     take_place,
-    timed_out,
 )
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class _SliceTrigger(_OperationsTrigger):
         return group_ended, ""
 
 
-class TpuSliceCreateTrigger(_SliceTrigger):
+class TpuSliceCreateTrigger(LeavesLineWhenCancelled, _SliceTrigger):
     """Create a run's multi-host slice and wait until every VM of it can be reached over SSH: all, or nothing.
 
     In order: an earlier try's group is looked up (a broken one is deleted whole first, a live one waited on);
@@ -257,21 +256,8 @@ class TpuSliceCreateTrigger(_SliceTrigger):
         except PlaceRefused as refused:
             raise _SliceFailed("no-place", f"max_tpu_chips={self.cap}: {refused}") from None
 
-    async def on_kill(self) -> None:
-        """The task was marked failed, cleared or succeeded while the slice waited in line: it leaves the line."""
-        await self._leave_line()
-
-    async def cleanup(self) -> None:
-        """The deferral timed out: the wait leaves the line. A triggerer that stops keeps it (asked again there)."""
-        if timed_out(getattr(self, "timeout_after", None)):
-            await self._leave_line()
-
-    async def _leave_line(self) -> None:
-        from airflow_tpu_posttrain.hooks.stored_records import StoredRecordAsyncHook
-
-        if self.cap is not None and self.line:
-            lines = StoredRecordAsyncHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
-            await leave_line(lines, [self.line], self._group, self.log)
+    def _waiting_in(self) -> tuple[list[str], str]:
+        return [self.line], self._group
 
     async def _insert(self, hook: TpuVmAsyncHook) -> None:
         """The firewall rules, the policy, the template, the group, each waited for; one Compute refuses fails the slice."""
