@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.defaults import MAX_WAIT_FOR_CAPACITY_MINUTES, MAX_WAIT_IN_LINE_HOURS, SSH_CONN_ID
+from airflow_tpu_posttrain.defaults import MAX_WAIT_IN_LINE_HOURS
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     InvalidInputError,
@@ -20,12 +20,12 @@ from airflow_tpu_posttrain.exceptions import (
 from airflow_tpu_posttrain.operators.compute_base import (
     ComputeOperator,
     deployment_id,
-    max_run_duration_s,
     seconds,
     vm_expires_at,
     vm_lifetime_s,
 )
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
+from airflow_tpu_posttrain.operators.vm_shape import VmShapeOperator
 from airflow_tpu_posttrain.recipes import capacity, compute, cost, places, slices
 from airflow_tpu_posttrain.recipes.accelerators import accelerator
 from airflow_tpu_posttrain.recipes.slices import SLICE_PROVISIONING_MODELS
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 
-class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
+class TpuSliceCreateOperator(VmLoginMixin, VmShapeOperator):
     """Create the multi-host TPU slice (v6e-16 … v6e-256) of this DAG run, or find and reuse it.
 
     The slice is a workload policy, an instance template and a managed instance group in bulk mode, all named
@@ -54,114 +54,20 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
 
     :param zone: the slice's zone (a slice's VMs share one zone's interconnect).
     :param accelerator_type: the slice, ``v6e-16`` … ``v6e-256`` (``recipes/accelerators.py``).
-    :param provisioning_model: RESERVATION_BOUND (needs ``reservation``) or FLEX_START: the two bulk mode takes.
-    :param reservation: the specific reservation the slice's VMs consume (RESERVATION_BOUND).
-    :param network: VPC network name.
-    :param subnetwork: subnetwork name or path; required on a custom-mode network.
-    :param network_path: how Airflow reaches the VMs: ``internal`` (their internal IPs) or ``external``.
-    :param ssh_conn_id: the SSH connection the steps use; its login and public key go into the template's
-        ``ssh-keys`` metadata, so every VM of the slice takes it.
-    :param ready_timeout: how long the RUNNING VMs may take to publish their host keys and answer on SSH.
-    :param max_tpu_chips: how many TPU chips the VMs of the slice's line (the zone's reservation, else the zone and
-        the machine series) may hold at once, across DAGs and deployments: the slice takes all its chips (a v6e-16
-        takes 16), never one place for its VMs. The create waits in line in the triggerer, first come first served
-        (``recipes/places.py``); a slice larger than the cap is refused before anything is made. None (the
-        default): no cap. Needs ``capacity_claims``.
-    :param max_tpu_vms: deprecated, use ``max_tpu_chips``: the cap in VMs (times the slice's chips per VM); the
-        slice takes one for each of its VMs.
-    :param capacity_claims: the ``gs://`` location of the lines of places; every create under the same cap, in
-        every deployment, must name the same location.
-    :param max_wait_for_capacity: how long to wait for the whole slice's capacity once its place is taken (a
-        timedelta or seconds); then the slice is deleted and the task fails. The wait in line is not bounded by it.
-    :param tags: network tags of every VM.
-    :param boot_disk_size_gb: each VM's boot disk.
-    :param image_project: the boot image's project.
-    :param image_family: the boot image's family.
-    :param max_run_duration: cloud-side backstop of every VM (``scheduling.maxRunDuration``); default as for a
-        single VM: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
-    :param service_account: the VMs' service account (``default``: the project's Compute Engine default).
-    :param service_account_scopes: its OAuth scopes.
-    :param instance_name: override the deterministic name of the slice's resources.
-    :param labels: extra labels of every VM; the ownership labels are always set.
-    :param metadata: extra metadata items of every VM.
-    :param api_endpoint: Compute API endpoint override (a local emulator); default from the connection.
+
+    The rest of its VMs' shape (provisioning, network, disk, service account, expiry, labels, metadata) and its cap
+    take the parameters of :class:`~airflow_tpu_posttrain.operators.vm_shape.VmShapeOperator`, a single VM's too;
+    a slice takes one place of all its chips in its zone's line, never one for each VM.
     """
 
-    template_fields: Sequence[str] = (
-        "project_id",
-        "zone",
-        "accelerator_type",
-        "provisioning_model",
-        "reservation",
-        "network",
-        "subnetwork",
-        "network_path",
-        "ssh_conn_id",
-        "max_wait_for_capacity",
-        "capacity_claims",
-        "tags",
-        "instance_name",
-        "labels",
-        "metadata",
-        "api_endpoint",
-        *ComputeOperator.connection_template_fields,
-    )
+    template_fields: Sequence[str] = (*VmShapeOperator.shape_template_fields, "zone")
     ui_color = "#d5e8f7"
     record_xcom_key = "return_value"  # a recovery (run inside the training task) records under its own key
     oslogin_user = None  # the template's ssh-keys let the connection in (``VmLoginMixin``)
 
-    def __init__(
-        self,
-        *,
-        zone: str,
-        accelerator_type: str,
-        provisioning_model: str = "RESERVATION_BOUND",
-        reservation: str | None = None,
-        network: str = "default",
-        subnetwork: str | None = None,
-        network_path: str = "external",
-        ssh_conn_id: str = SSH_CONN_ID,
-        ready_timeout: timedelta = timedelta(minutes=10),
-        max_tpu_chips: int | None = None,
-        max_tpu_vms: int | None = None,
-        capacity_claims: str | None = None,
-        max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
-        tags: Sequence[str] | None = None,
-        boot_disk_size_gb: int = 200,
-        image_project: str = compute.DEFAULT_IMAGE_PROJECT,
-        image_family: str = compute.DEFAULT_IMAGE_FAMILY,
-        max_run_duration: timedelta | int | None = None,
-        service_account: str = "default",
-        service_account_scopes: Sequence[str] = (compute.CLOUD_PLATFORM_SCOPE,),
-        instance_name: str | None = None,
-        labels: dict[str, str] | None = None,
-        metadata: dict[str, str] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, zone: str, accelerator_type: str, **kwargs: Any) -> None:
+        super().__init__(accelerator_type=accelerator_type, **kwargs)
         self.zone = zone
-        self.accelerator_type = accelerator_type
-        self.provisioning_model = provisioning_model
-        self.reservation = reservation
-        self.network = network
-        self.subnetwork = subnetwork
-        self.network_path = network_path
-        self.ssh_conn_id = ssh_conn_id
-        self.ready_timeout = ready_timeout
-        self.max_tpu_chips = max_tpu_chips
-        self.max_tpu_vms = max_tpu_vms
-        self.capacity_claims = capacity_claims
-        self.max_wait_for_capacity = max_wait_for_capacity
-        self.tags = tags
-        self.boot_disk_size_gb = boot_disk_size_gb
-        self.image_project = image_project
-        self.image_family = image_family
-        self.max_run_duration = max_run_duration
-        self.service_account = service_account
-        self.service_account_scopes = service_account_scopes
-        self.instance_name = instance_name
-        self.labels = labels
-        self.metadata = metadata
 
     def _spec(self, context: Context) -> compute.TpuVmSpec:
         """Validate everything the user gave before any API call; bad input fails without a retry."""
@@ -181,25 +87,7 @@ class TpuSliceCreateOperator(VmLoginMixin, ComputeOperator):
                     "network_path", self.network_path, "is not served for a slice", "use 'internal' or 'external'"
                 )
             self._cap()
-            return compute.TpuVmSpec(
-                project_id=self.project,
-                zones=(self.zone,),
-                accelerator_type=self.accelerator_type,
-                provisioning_model=self.provisioning_model,
-                reservation=self.reservation or None,
-                network=self.network,
-                subnetwork=self.subnetwork or None,
-                network_path=self.network_path,
-                tags=tuple(self.tags or ()),
-                boot_disk_size_gb=self.boot_disk_size_gb,
-                image_project=self.image_project,
-                image_family=self.image_family,
-                max_run_duration_s=max_run_duration_s(self.max_run_duration, context),
-                service_account=self.service_account,
-                service_account_scopes=tuple(self.service_account_scopes),
-                labels=dict(self.labels or {}),
-                metadata=dict(self.metadata or {}),
-            )
+            return self._shape(context, [self.zone])
         except SpecError as err:
             raise InvalidInputError.of(self.task_id, err) from err
 

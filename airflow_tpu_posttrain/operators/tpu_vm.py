@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_tpu_posttrain.defaults import MAX_WAIT_FOR_CAPACITY_MINUTES, MAX_WAIT_IN_LINE_HOURS, SSH_CONN_ID
+from airflow_tpu_posttrain.defaults import MAX_WAIT_IN_LINE_HOURS
 from airflow_tpu_posttrain.exceptions import (
     CapacityTimeoutError,
     CapacityUnavailableError,
@@ -20,16 +20,15 @@ from airflow_tpu_posttrain.exceptions import (
 )
 from airflow_tpu_posttrain.links import VmConsoleLink
 from airflow_tpu_posttrain.operators.compute_base import (
-    ComputeOperator,
     as_list,
     deployment_id,
-    max_run_duration_s,
     seconds,
     vm_expires_at,
     vm_lifetime_s,
 )
 from airflow_tpu_posttrain.operators.just_in_time import JustInTimeMixin
 from airflow_tpu_posttrain.operators.vm_login import VmLoginMixin
+from airflow_tpu_posttrain.operators.vm_shape import VmShapeOperator
 from airflow_tpu_posttrain.recipes import access, capacity, compute, create_phases, places, validation
 from airflow_tpu_posttrain.recipes.accelerators import DEFAULT_ACCELERATOR, accelerator, single_host
 from airflow_tpu_posttrain.recipes.create_phases import Action, Phase
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
 
 
 
-class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
+class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, VmShapeOperator):
     """Create the TPU VM of this DAG run (or, with a CPU ``accelerator_type``, its CPU VM), or find and reuse it.
 
     The instance name is deterministic per (dag_id, run_id), so a retry or a re-run finds the instance of an
@@ -66,52 +65,18 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     (``ConversionFailedError``): this try creates nothing, and the teardown runs, deleting a VM an earlier try
     made (a skip would skip the teardown with it).
 
+    The VM's shape (accelerator, provisioning, network, disk, service account, expiry, labels, metadata) and its
+    cap take the parameters of :class:`~airflow_tpu_posttrain.operators.vm_shape.VmShapeOperator`, the slice's too.
+
     :param zones: zones to try, in order (a list, or a comma-separated string).
-    :param accelerator_type: ``v6e-1``, ``v6e-4`` or ``v6e-8`` (the machine type is derived from it), or
-        ``cpu`` for a CPU VM.
-    :param provisioning_model: RESERVATION_BOUND (the tutorials'; needs ``reservation``), STANDARD, SPOT or
-        FLEX_START.
-    :param reservation: the specific reservation to consume (RESERVATION_BOUND, or optionally STANDARD): a name,
-        ``projects/P/reservations/R``, ``projects/P/reservations/R/reservationBlocks/B``, or with several zones
-        one per zone, ``ZONE=RESERVATION,...`` (a reservation is zonal).
-    :param network: VPC network name.
-    :param subnetwork: subnetwork name (in each zone's region) or path; required on a custom-mode network.
-    :param network_path: how Airflow reaches the VM: ``internal`` (its internal IP: Airflow inside the VPC, no
-        external IP), ``external`` (its external IP) or ``iap`` (IAP's TCP forwarding, ``gcloud compute
-        start-iap-tunnel`` as the SSH ProxyCommand; no external IP; a rule admitting IAP's range).
+    :param accelerator_type: ``v6e-1``, ``v6e-4`` or ``v6e-8``, or ``cpu`` for a CPU VM (default ``v6e-8``).
     :param ssh_source_ranges: CIDR ranges (the Airflow workers' and triggerer's egress) admitted to tcp:22 by a
         firewall rule created and deleted with the VM; empty: no rule (the network already admits them).
-    :param ssh_conn_id: the SSH connection the MaxText steps use; its login and public key go into the VM's
-        ``ssh-keys`` metadata (``metadata`` mode), or its public key into OS Login (``oslogin`` mode).
     :param ssh_key_mode: ``metadata`` (instance ``ssh-keys``, ``enable-oslogin: FALSE``) or ``oslogin``
         (``enable-oslogin: TRUE``; needed where the organization enforces OS Login); the SSH steps then log in
         as the POSIX login OS Login answers, from this task's XCom ``ssh_login``.
     :param oslogin_user: the account whose OS Login profile gets the key (default: the Google Cloud
         connection's account, as ``gcloud compute ssh`` does).
-    :param ready_timeout: how long a RUNNING VM may take to publish its host keys and answer on its SSH port.
-    :param max_tpu_chips: how many TPU chips (as quota and reservations count them: a v6e-8 VM holds 8) the VMs of
-        one line of places may hold at once (a zone's reservation, else the zone and machine series), across DAGs
-        and Airflow deployments: a create takes a place of its chips in its zone's line before it inserts, waiting in
-        line in the triggerer, first come first served, holding no VM (``recipes/places.py``). Every create sharing
-        a line must give the same cap. None (the default): no cap. Needs ``capacity_claims``.
-    :param max_tpu_vms: deprecated, use ``max_tpu_chips``: the cap in VMs of this create's size (``max_tpu_vms``
-        times its chips per VM).
-    :param capacity_claims: the ``gs://`` location of the lines of places (one object per line); every create
-        under the same cap, in every deployment, must name the same location.
-    :param max_wait_for_capacity: how long to wait for a fully used reservation (a timedelta or seconds); then the
-        task fails, having created nothing. A wait in line for a place under the cap is not bounded by it: the line
-        moves as the runs holding it end. With FLEX_START it is also how long Compute keeps the VM PENDING in its
-        queue (``params.requestValidForDuration``, at most 2 h).
-    :param tags: network tags.
-    :param max_run_duration: cloud-side backstop (``scheduling.maxRunDuration``, termination action DELETE).
-        Default: the DAG's ``dagrun_timeout`` plus 30 minutes, else 12 hours.
-    :param service_account: the VM's service account (``default``: the project's Compute Engine default); what
-        the VM may do (gs:// checkpoints, logs) is granted to it in IAM.
-    :param service_account_scopes: its OAuth scopes (default ``cloud-platform``, as Google's TPU examples).
-    :param instance_name: override the deterministic name (rarely needed).
-    :param labels: extra labels; the ownership labels (managed-by, dag, run, task, expires-at) are always set.
-    :param metadata: extra instance metadata items (e.g. ``enable-oslogin: "TRUE"``).
-    :param api_endpoint: Compute API endpoint override (a local emulator); default from the connection.
     :param conversion_task_id: the run's conversion task, which the VM's training waits for; None: request at once.
     :param conversion_accelerator_type: the accelerator type of the VM that converts (its measurements' key).
     :param inputs: the inputs check's record (its XComArg): the model, its Hub revision and the MaxText version,
@@ -119,27 +84,12 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     """
 
     template_fields: Sequence[str] = (
-        "project_id",
+        *VmShapeOperator.shape_template_fields,
         "zones",
-        "accelerator_type",
-        "provisioning_model",
-        "reservation",
-        "network",
-        "subnetwork",
-        "network_path",
         "ssh_source_ranges",
-        "ssh_conn_id",
         "ssh_key_mode",
         "oslogin_user",
-        "max_wait_for_capacity",
-        "capacity_claims",
-        "tags",
-        "instance_name",
-        "labels",
-        "metadata",
-        "api_endpoint",
         "inputs",
-        *ComputeOperator.connection_template_fields,
     )
     ui_color = "#d5e8f7"
     operator_extra_links = (VmConsoleLink(),)
@@ -150,62 +100,19 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
         *,
         zones: Sequence[str] | str,
         accelerator_type: str = DEFAULT_ACCELERATOR,
-        provisioning_model: str = "RESERVATION_BOUND",
-        reservation: str | None = None,
-        network: str = "default",
-        subnetwork: str | None = None,
-        network_path: str = "external",
         ssh_source_ranges: Sequence[str] | str | None = None,
-        ssh_conn_id: str = SSH_CONN_ID,
         ssh_key_mode: str = "metadata",
         oslogin_user: str | None = None,
-        ready_timeout: timedelta = timedelta(minutes=10),
-        max_tpu_chips: int | None = None,
-        max_tpu_vms: int | None = None,
-        capacity_claims: str | None = None,
-        max_wait_for_capacity: timedelta | int = timedelta(minutes=MAX_WAIT_FOR_CAPACITY_MINUTES),
-        tags: Sequence[str] | None = None,
-        boot_disk_size_gb: int = 200,
-        image_project: str = compute.DEFAULT_IMAGE_PROJECT,
-        image_family: str = compute.DEFAULT_IMAGE_FAMILY,
-        max_run_duration: timedelta | int | None = None,
-        service_account: str = "default",
-        service_account_scopes: Sequence[str] = (compute.CLOUD_PLATFORM_SCOPE,),
-        instance_name: str | None = None,
-        labels: dict[str, str] | None = None,
-        metadata: dict[str, str] | None = None,
         conversion_task_id: str | None = None,
         conversion_accelerator_type: str = "cpu-highmem-16",
         inputs: Any = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(accelerator_type=accelerator_type, **kwargs)
         self.zones = zones
-        self.accelerator_type = accelerator_type
-        self.provisioning_model = provisioning_model
-        self.reservation = reservation
-        self.network = network
-        self.subnetwork = subnetwork
-        self.network_path = network_path
         self.ssh_source_ranges = ssh_source_ranges
-        self.ssh_conn_id = ssh_conn_id
         self.ssh_key_mode = ssh_key_mode
         self.oslogin_user = oslogin_user
-        self.ready_timeout = ready_timeout
-        self.max_tpu_chips = max_tpu_chips
-        self.max_tpu_vms = max_tpu_vms
-        self.capacity_claims = capacity_claims
-        self.max_wait_for_capacity = max_wait_for_capacity
-        self.tags = tags
-        self.boot_disk_size_gb = boot_disk_size_gb
-        self.image_project = image_project
-        self.image_family = image_family
-        self.max_run_duration = max_run_duration
-        self.service_account = service_account
-        self.service_account_scopes = service_account_scopes
-        self.instance_name = instance_name
-        self.labels = labels
-        self.metadata = metadata
         self.conversion_task_id = conversion_task_id
         self.conversion_accelerator_type = conversion_accelerator_type
         self.inputs = inputs
@@ -213,29 +120,14 @@ class TpuVmCreateOperator(JustInTimeMixin, VmLoginMixin, ComputeOperator):
     def _spec(self, context: Context) -> compute.TpuVmSpec:
         """Validate everything the user gave before any API call; bad input fails without a retry."""
         try:
-            spec = compute.TpuVmSpec(
-                project_id=self.project,
-                zones=tuple(as_list(self.zones)),
-                accelerator_type=self.accelerator_type,
-                provisioning_model=self.provisioning_model,
-                reservation=self.reservation or None,
-                network=self.network,
-                subnetwork=self.subnetwork or None,
-                network_path=self.network_path,
+            spec = self._shape(
+                context,
+                as_list(self.zones),
                 ssh_source_ranges=tuple(as_list(self.ssh_source_ranges)),
                 ssh_key_mode=self.ssh_key_mode,
-                tags=tuple(as_list(self.tags)),
-                boot_disk_size_gb=self.boot_disk_size_gb,
-                image_project=self.image_project,
-                image_family=self.image_family,
-                max_run_duration_s=max_run_duration_s(self.max_run_duration, context),
                 capacity_wait_s=(
                     seconds(self.max_wait_for_capacity) if self.provisioning_model == "FLEX_START" else None
                 ),
-                service_account=self.service_account,
-                service_account_scopes=tuple(self.service_account_scopes),
-                labels=dict(self.labels or {}),
-                metadata=dict(self.metadata or {}),
             )
             single_host("accelerator_type", spec.accelerator_type)
             self._cap(spec)
