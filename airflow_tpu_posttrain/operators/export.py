@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from importlib import resources
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.defaults import GCP_CONN_ID
@@ -92,6 +93,7 @@ class HfExportOperator(MaxTextJobOperator):
         without exporting again.
     """
 
+    fields_from_records = MappingProxyType({"trained_checkpoint": ("trained", "checkpoint")})
     template_fields: Sequence[str] = (
         *MaxTextJobOperator.template_fields,
         "trained",
@@ -136,11 +138,6 @@ class HfExportOperator(MaxTextJobOperator):
         self.hub_repo_id = hub_repo_id
         self.hub_private = hub_private
         self.storage_uri = storage_uri
-
-    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
-        super().render_template_fields(context, jinja_env)
-        if not self.trained_checkpoint and isinstance(self.trained, dict):
-            self.trained_checkpoint = self.trained.get("checkpoint")
 
     def failure_hint(self, context: Context) -> str:
         layout = self.run_spec(context).layout

@@ -7,6 +7,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from airflow_tpu_posttrain.defaults import TRAINING_STALL_TIMEOUT_S
@@ -243,6 +244,7 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         the registry's; 0: never).
     """
 
+    fields_from_records = MappingProxyType({"converted_params": ("conversion", "converted_params")})
     template_fields: Sequence[str] = (
         *MaxTextJobOperator.template_fields,
         "overrides",
@@ -270,11 +272,6 @@ class _TrainOperator(EvaluationMixin, MaxTextJobOperator):
         self.converted_params = converted_params
         self.inputs = inputs
         self.max_recoveries = max_recoveries
-
-    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
-        super().render_template_fields(context, jinja_env)
-        if not self.converted_params and isinstance(self.conversion, dict):
-            self.converted_params = self.conversion.get("converted_params")
 
     def _source_revision(self) -> str | None:
         """The Hub commit the conversion read (split layout), so the tokenizer comes from the same one."""

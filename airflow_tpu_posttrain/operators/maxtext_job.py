@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -119,6 +120,8 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         fails, so a retry resumes from the newest checkpoint instead of the VM idling. 0: never.
     """
 
+    # Fields filled from an upstream task's record (an XComArg) when not given: {field: (record field, its key)}.
+    fields_from_records: Mapping[str, tuple[str, str]] = MappingProxyType({})
     template_fields: Sequence[str] = (
         "vm",
         "ssh_conn_id",
@@ -179,8 +182,14 @@ class MaxTextJobOperator(VmRecoveryMixin, VmConnectionMixin, BaseOperator):
         self.stall_timeout_s = stall_timeout_s
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
-        """Render, then fill what was not given explicitly from the VM's record (``vm``, rendered by now)."""
+        """Render, then fill what was not given explicitly from the records rendered by now.
+
+        The VM's (``vm``), and each of ``fields_from_records``: ``{field: (record field, key)}``."""
         super().render_template_fields(context, jinja_env)
+        for field, (record_field, key) in self.fields_from_records.items():
+            record = getattr(self, record_field)
+            if not getattr(self, field) and isinstance(record, dict):
+                setattr(self, field, record.get(key))
         vm = self.vm if isinstance(self.vm, dict) else {}
         lead = (vm.get("vms") or [vm])[0]  # a slice's worker 0: the connection fields are its
         self.remote_host = self.remote_host or lead.get("ssh_address")
