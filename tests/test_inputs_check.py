@@ -341,6 +341,15 @@ def _set_run_state(dag_id: str, run_id: str, state: str) -> None:
         session.query(DagRun).filter_by(dag_id=dag_id, run_id=run_id).update({"state": state})
 
 
+def _task_state(dag_id: str, run_id: str, task_id: str) -> str | None:
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        ti = session.query(TaskInstance).filter_by(dag_id=dag_id, run_id=run_id, task_id=task_id).one_or_none()
+        return str(ti.state.value if hasattr(ti.state, "value") else ti.state) if ti is not None else None
+
+
 def test_a_run_follows_the_run_training_its_inputs_then_reuses_its_model(claim_runs, gcs):
     """Two runs with the same inputs at once: the second waits (deferred) for the first's model, then reuses it."""
     import threading
@@ -356,12 +365,15 @@ def test_a_run_follows_the_run_training_its_inputs_then_reuses_its_model(claim_r
     assert records.read(uri)["run_id"] == "manual__leader"
     model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-x"}}
 
-    def publish_soon() -> None:  # what the leader's export does once it published
-        time.sleep(3)
+    def publish_once_followed() -> None:  # what the leader's export does, once the follower waits for it
+        deadline = time.monotonic() + 300
+        while _task_state("claim_probe", "manual__follower", "check_inputs") != "deferred":
+            assert time.monotonic() < deadline, "the follower never waited for the leader"
+            time.sleep(0.2)
         records.change(uri, lambda claim: trainings.published(claim, "manual__leader", "now", model))
 
     _set_run_state("claim_probe", "manual__leader", "running")
-    publisher = threading.Thread(target=publish_soon)
+    publisher = threading.Thread(target=publish_once_followed)
     publisher.start()
     state, pulled, logs = run("manual__follower")
     publisher.join()
