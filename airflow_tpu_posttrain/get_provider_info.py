@@ -64,6 +64,7 @@ def get_provider_info() -> dict:
                     "airflow_tpu_posttrain.operators.tpu_delete",
                     "airflow_tpu_posttrain.operators.tpu_slice",
                     "airflow_tpu_posttrain.operators.tpu_vm",
+                    "airflow_tpu_posttrain.operators.vm_shape",
                 ],
             }
         ],
