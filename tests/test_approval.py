@@ -223,7 +223,9 @@ def test_only_an_approver_lets_an_adapter_out_and_an_unanswered_one_is_kept_not_
         _wait(airflow, "the run after Approve", lambda t: _run_state(airflow) in ("success", "failed"))
         approved = _tasks(airflow)
         assert _run_state(airflow) == "success", _report(airflow)
-        assert approved["create_tpu_vm"]["try_number"] == 1 and approved["train"]["try_number"] == 1
+        # Asking again reruns nothing before the asking (a loaded machine may have retried the training before it).
+        for upstream in ("create_tpu_vm", "train", "export_and_keep"):
+            assert approved[upstream]["try_number"] == asked[upstream]["try_number"], (upstream, _report(airflow))
         assert approved["delete_pub_vm"]["state"] == "success", _report(airflow)
         assert _xcom(airflow, "create_pub_vm")["name"].startswith("pub-")
         published = _xcom(airflow, "export_and_publish")

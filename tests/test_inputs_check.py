@@ -5,6 +5,7 @@ Real Airflow (dag.test, its Variables) with the Hub's revisions stood in for by 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import UTC, datetime
 
@@ -350,10 +351,24 @@ def _task_state(dag_id: str, run_id: str, task_id: str) -> str | None:
         return str(ti.state.value if hasattr(ti.state, "value") else ti.state) if ti is not None else None
 
 
+def _once_following(run_id: str, action) -> threading.Thread:
+    """A thread doing ``action`` (what the leader does next) once ``run_id``'s check waits (deferred) for its leader.
+
+    A bounded poll (300 s): past it the action is done anyway, so the run ends and the test's asserts name what the
+    follower did instead of waiting."""
+    def act_once_followed() -> None:
+        deadline = time.monotonic() + 300
+        while _task_state("claim_probe", run_id, "check_inputs") != "deferred" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        action()
+
+    thread = threading.Thread(target=act_once_followed)
+    thread.start()
+    return thread
+
+
 def test_a_run_follows_the_run_training_its_inputs_then_reuses_its_model(claim_runs, gcs):
     """Two runs with the same inputs at once: the second waits (deferred) for the first's model, then reuses it."""
-    import threading
-
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
     from airflow_tpu_posttrain.recipes import trainings
 
@@ -365,16 +380,11 @@ def test_a_run_follows_the_run_training_its_inputs_then_reuses_its_model(claim_r
     assert records.read(uri)["run_id"] == "manual__leader"
     model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-x"}}
 
-    def publish_once_followed() -> None:  # what the leader's export does, once the follower waits for it
-        deadline = time.monotonic() + 300
-        while _task_state("claim_probe", "manual__follower", "check_inputs") != "deferred":
-            assert time.monotonic() < deadline, "the follower never waited for the leader"
-            time.sleep(0.2)
+    def publish() -> None:  # what the leader's export does
         records.change(uri, lambda claim: trainings.published(claim, "manual__leader", "now", model))
 
     _set_run_state("claim_probe", "manual__leader", "running")
-    publisher = threading.Thread(target=publish_once_followed)
-    publisher.start()
+    publisher = _once_following("manual__follower", publish)
     state, pulled, logs = run("manual__follower")
     publisher.join()
     assert "Inputs equal those run manual__leader is training now" in logs, logs
@@ -386,16 +396,13 @@ def test_a_run_follows_the_run_training_its_inputs_then_reuses_its_model(claim_r
 
 def test_a_run_takes_over_inputs_whose_run_ended_without_publishing(claim_runs):
     """The run that held the inputs failed (its claim still says training): the follower trains them itself."""
-    import threading
-
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
 
     run = claim_runs
     state, pulled, logs = run("manual__doomed")
     assert state == "success", logs
     _set_run_state("claim_probe", "manual__doomed", "running")
-    failing = threading.Timer(3, _set_run_state, ("claim_probe", "manual__doomed", "failed"))
-    failing.start()
+    failing = _once_following("manual__next", lambda: _set_run_state("claim_probe", "manual__doomed", "failed"))
     state, pulled, logs = run("manual__next")
     failing.join()
     assert state == "success", logs
@@ -432,8 +439,6 @@ def test_a_run_with_inputs_whose_model_was_refused_trains_nothing(claim_runs):
     """The quality gate (or a person) refused the model of these inputs: later runs train nothing.
 
     A later run, and a run following the refused one, is skipped naming that run and the reason; force trains."""
-    import threading
-
     from airflow_tpu_posttrain.hooks.stored_records import StoredRecordHook
     from airflow_tpu_posttrain.recipes import trainings
 
@@ -443,13 +448,11 @@ def test_a_run_with_inputs_whose_model_was_refused_trains_nothing(claim_runs):
     uri, records = pulled["training_claim"], StoredRecordHook()
     reason = "quality gate: SFT eval loss 6.30 → 6.40: FAILED"
 
-    def refuse_soon() -> None:  # what the owner's quality gate does once it failed
-        time.sleep(3)
+    def refuse() -> None:  # what the owner's quality gate does once it failed
         records.change(uri, lambda claim: trainings.refused(claim, "manual__refused", "2026-12-07T10:00:00", reason))
 
     _set_run_state("claim_probe", "manual__refused", "running")
-    refuser = threading.Thread(target=refuse_soon)
-    refuser.start()
+    refuser = _once_following("manual__follower", refuse)
     state, pulled, logs = run("manual__follower")
     refuser.join()
     assert "Inputs equal those run manual__refused is training now" in logs, logs
@@ -471,8 +474,6 @@ def test_an_unreadable_owner_state_is_followed_not_taken_over(claim_runs, monkey
 
     The follower asks again, and reuses the owner's model once published. A run no longer in Airflow (404) is
     taken over."""
-    import threading
-
     import httpx
     from airflow.sdk.api.client import DagRunOperations, ServerResponseError
 
@@ -498,7 +499,7 @@ def test_an_unreadable_owner_state_is_followed_not_taken_over(claim_runs, monkey
     model = {"hub": {"url": "http://hub/local/tiny-llama-sft/tree/run-owner"}}
 
     def publish_after_the_outages() -> None:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300
         while len(outages) < 2:
             assert time.monotonic() < deadline, "the follower never read its owner's state twice"
             time.sleep(0.2)
