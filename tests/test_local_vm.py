@@ -277,6 +277,20 @@ def test_vms_have_own_address_host_keys_and_disk(make_vm, keys, tmp_path):
         _connect(vm_b, keys["user"][0], host_keys=vm_a.host_keys)
 
 
+def test_an_image_path_under_a_private_dir_is_seen_read_only_at_its_path(make_vm, keys, tmp_path):
+    """The local stack's torch venv, from a checkout under /tmp (the VM's own /tmp): there, and not writable."""
+    venv = tmp_path / "checkout" / ".local" / "hfcheck-venv"
+    (venv / "bin").mkdir(parents=True)
+    (tmp_path / "checkout" / "README.md").write_text("this machine's, not the VM's")
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho from the image\n")
+    (venv / "bin" / "python").chmod(0o755)
+    with _connect(make_vm("vm-image", image_paths=[venv]), keys["user"][0]) as client:
+        assert _run(client, f"{venv}/bin/python") == "from the image\n"
+        assert _run(client, f"touch {venv}/written 2>&1 || echo refused").strip().endswith("refused")
+        assert _run(client, f"ls -A {venv.parent.parent}") == ".local\n"  # the rest of the checkout stays hidden
+    assert not (venv / "written").exists()
+
+
 def test_what_one_vm_compiled_the_next_finds_in_its_jax_cache(make_vm, keys, tmp_path):
     """MaxText's ``~/jax_cache`` is this machine's one cache on every local VM (a declared stand-in difference)."""
     from airflow_tpu_posttrain.local.stack import compile_cache

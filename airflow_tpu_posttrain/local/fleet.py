@@ -30,6 +30,8 @@ class LocalFleet:
 
     :param disks_root: each instance's disk is a directory below it, deleted with the instance.
     :param shared_paths: host directories every VM sees (checkpoint storage standing in for ``gs://``).
+    :param image_paths: host directories every VM sees read-only at the same path, as part of its boot image
+        (the local stack's torch venv, wherever the checkout is).
     :param package_cache: a host directory standing in for a package mirror (uv's cache on the VMs).
     :param compile_cache: a host directory every VM's logins have as JAX's compilation cache (``~/jax_cache``):
         the VMs are one machine's CPU, so what one compiled another need not compile again. Not a multi-host
@@ -50,6 +52,7 @@ class LocalFleet:
         self,
         disks_root: Path,
         shared_paths: Sequence[Path] = (),
+        image_paths: Sequence[Path] = (),
         package_cache: Path | None = None,
         compile_cache: Path | None = None,
         boot_delay: float = 2.0,
@@ -63,6 +66,7 @@ class LocalFleet:
         self.vm_hosts = dict(vm_hosts or {})
         self.vm_ca_bundle = vm_ca_bundle
         self.shared_paths = tuple(shared_paths)
+        self.image_paths = tuple(image_paths)
         self.package_cache = package_cache
         self.compile_cache = compile_cache
         self.boot_delay = boot_delay
@@ -126,6 +130,7 @@ class LocalFleet:
                 guest_attributes=metadata.get("enable-guest-attributes", "").upper() == "TRUE",
                 boot_delay=self.boot_delay,
                 shared_paths=self.shared_paths,
+                image_paths=self.image_paths,
                 package_cache=self.package_cache,
                 compile_cache=None if slice_worker else self.compile_cache,
                 oslogin_url=oslogin_url if oslogin else None,

@@ -57,6 +57,7 @@ from airflow_tpu_posttrain.recipes.runtime import (
     LOCAL_LAUNCHERS,
     LOCAL_MODELS,
     LOCAL_PYTHON_VARIABLE,
+    LOCAL_TORCH_VENV,
     cpu_runtime,
 )
 
@@ -109,7 +110,7 @@ def package_cache() -> Path:
 
 
 def _machine_cache_dir() -> Path:
-    """This machine's caches of the local stack, in the user's cache directory (kept across clones)."""
+    """The local stack's caches on this machine, in the user's cache directory (kept across clones)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "airflow-tpu-posttrain"
 
 
@@ -207,6 +208,7 @@ class LocalStack:
         self.fleet = LocalFleet(
             self.vm_dir / "instances",
             shared_paths=(self.storage_dir, self.published_dir),
+            image_paths=(self.local_dir / LOCAL_TORCH_VENV,),  # the export's check runs it on the export's VM
             package_cache=package_cache(),
             compile_cache=compile_cache(),
         )

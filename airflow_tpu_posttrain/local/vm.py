@@ -287,6 +287,7 @@ class LocalVm:
         guest_attributes: bool = True,
         boot_delay: float = 2.0,
         shared_paths: Sequence[Path] = (),
+        image_paths: Sequence[Path] = (),
         package_cache: Path | None = None,
         compile_cache: Path | None = None,
         oslogin_url: str | None = None,
@@ -322,6 +323,9 @@ class LocalVm:
         self.ssh_keys = ssh_keys or ""
         self.boot_delay = boot_delay
         self.shared_paths = [Path(path).resolve() for path in shared_paths]
+        # Read-only, at the same path, as part of its boot image (the local stack's torch venv), wherever the
+        # checkout is: one under /tmp or /home would otherwise be hidden by the VM's own disk.
+        self.image_paths = [Path(path).resolve() for path in image_paths]
         self.package_cache = Path(package_cache).resolve() if package_cache else None
         self.compile_cache = Path(compile_cache).resolve() if compile_cache else None
         # OS Login: sshd asks this metadata-server URL for a login's keys; these accounts exist from boot.
@@ -558,6 +562,7 @@ class LocalVm:
             ["mount", "--bind", "-o", "ro", str(disk / "hosts"), "/etc/hosts"],
         ]
         keep = [(path, "rw") for path in (*self.shared_paths, *filter(None, [self.compile_cache]))]
+        keep += [(path, "ro") for path in self.image_paths if path.exists()]
         if PYENV_ROOT.is_dir():
             keep.append((PYENV_ROOT, "ro"))
         for path, mode in keep:

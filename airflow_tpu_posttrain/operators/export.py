@@ -19,7 +19,7 @@ from airflow_tpu_posttrain.operators.maxtext_job import Job, MaxTextJobOperator
 from airflow_tpu_posttrain.recipes import cost, layout, maxtext, storage, trainings, validation
 from airflow_tpu_posttrain.recipes.accelerators import CPU_CONVERSION_ARGS
 from airflow_tpu_posttrain.recipes.lora import LoraSettings
-from airflow_tpu_posttrain.recipes.runtime import Step, local_stack_dir
+from airflow_tpu_posttrain.recipes.runtime import LOCAL_TORCH_VENV, Step, local_stack_dir
 from airflow_tpu_posttrain.recipes.validation import SpecError
 
 # Copied to the VM's workdir by each try: the publish script first, then the module it imports, then the export's
@@ -32,9 +32,6 @@ FIDELITY_ROWS = 4
 FIDELITY_MAX_LENGTH = 128
 # MaxText's SFT default held-out split (post_train/sft.yml's hf_eval_split), for a dataset other than the model's.
 MAXTEXT_SFT_EVAL_SPLIT = "test_sft"
-# The local stack's torch venv (local/setup_hfcheck.sh), under its directory: the local VMs' MaxText venv (maxtext[tpu])
-# has no torch, where a Google Cloud VM's (maxtext[tpu-post-train]) has torch, transformers and PEFT.
-LOCAL_TORCH_VENV = "hfcheck-venv"
 
 if TYPE_CHECKING:
     from airflow.providers.ssh.utils.remote_job import RemoteJobPaths

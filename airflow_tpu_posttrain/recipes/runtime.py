@@ -30,6 +30,9 @@ LOCAL_DIR_VARIABLE = "TPU_POSTTRAIN_LOCAL_DIR"
 LOCAL_PYTHON_VARIABLE = "TPU_POSTTRAIN_PYTHON312"
 LOCAL_LAUNCHERS = "vm-launchers"  # the launchers' folder under the local stack's directory
 LOCAL_MODELS = "tiny"  # the tiny models' and their data's folder under it
+# The local stack's torch venv (local/setup_hfcheck.sh), under its directory: the local VMs' MaxText venv (maxtext[tpu])
+# has no torch, where a Google Cloud VM's (maxtext[tpu-post-train]) has torch, transformers and PEFT.
+LOCAL_TORCH_VENV = "hfcheck-venv"
 # The local VMs' MaxText venv: on each VM's own disk, installed there from the package cache (an absolute path
 # keeps it out of the environment archive, which for a CPU venv would cost more than installing it).
 LOCAL_VENV = "/var/tmp/maxtext-venv"
